@@ -1,0 +1,45 @@
+# Fresh machine: `make test` or `make serve` sets everything up itself.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup test lint typecheck unit serve trace clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch first, pinned: a plain `torch` requirement could pull a multi-GB CUDA build.
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+lint: setup
+	$(BIN)/ruff check walkserve tests benchmarks
+	$(BIN)/ruff format --check walkserve tests benchmarks
+
+typecheck: setup
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/pytest -q tests/unit
+
+test: setup lint typecheck
+	$(BIN)/pytest -q tests
+
+# Until the HTTP server exists, `serve` runs the most complete main job there is: trace every
+# built-in example model and run each of its walks through the reference interpreter.
+serve: setup
+	$(BIN)/walkserve demo
+
+trace: setup
+	$(BIN)/walkserve trace --model example-cfg-image
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
