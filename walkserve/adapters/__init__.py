@@ -1,0 +1,1 @@
+"""Integrations of upstream models with walkserve, and the built-in example models."""

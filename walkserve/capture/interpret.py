@@ -1,0 +1,345 @@
+"""The reference interpreter: runs walks of a captured model from the IR alone.
+
+One process, one request at a time, on CPU. It is the oracle the lowering and the runtime are
+tested against, so it is written for obviousness, not speed: every node is executed in block
+order; a loop runs its body block once per iteration exactly as ``ir.LoopNode`` documents
+(per-step values computed from the iteration index, carried values passed on, accumulated
+channels joined at the end, the stop evaluated after each iteration).
+
+It never calls the model's walk or loop-body methods; it calls components (by module path) and
+glue functions (by their allowlisted names) with the arguments the IR records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from walkserve.capture import ir
+from walkserve.capture.chunk import ChunkPolicy, ChunkSpan, split
+from walkserve.capture.convert import SAFE_BUILTINS, resolve_function
+from walkserve.capture.errors import CaptureError
+from walkserve.capture.values import merge_meta, meta_of
+
+if TYPE_CHECKING:
+    from walkserve.capture.model import CapturedModel
+
+MAX_TRANSITIONS = 64
+
+
+class InterpreterError(RuntimeError):
+    """A walk could not run: a missing input, a failing node (named), a bad transition."""
+
+
+class Interpreter:
+    """Runs walks of ``captured``. ``loop_limit`` caps every loop's iterations (capture uses
+    2 to record value metadata cheaply); ``record`` collects the metadata of every value."""
+
+    def __init__(
+        self,
+        captured: CapturedModel,
+        *,
+        loop_limit: int | None = None,
+        record: dict[str, ir.ValueMeta] | None = None,
+        check_carried: bool = False,
+    ) -> None:
+        self.captured = captured
+        self.model: nn.Module = captured.model
+        self.loop_limit = loop_limit
+        self.record = record
+        self.check_carried = check_carried
+        self._functions: dict[str, Callable[..., Any]] = {}
+        self._modules: dict[str, nn.Module] = {}
+        self._walk_inputs: Mapping[str, Any] = {}
+        self._walk: ir.Walk | None = None
+
+    # ------------------------------------------------------------------ requests
+
+    def run(self, inputs: Mapping[str, Any], walk: str | None = None) -> dict[str, Any]:
+        """Run a request from ``walk`` (default: the first entry walk) through the walk
+        transitions; returns the client outputs of every walk it ran (later ones win)."""
+        graph = self.captured.graph
+        current: str | None = walk or graph.entry_walks()[0]
+        state: dict[str, Any] = dict(inputs)
+        client: dict[str, Any] = {}
+        for _ in range(MAX_TRANSITIONS):
+            if current is None:
+                return client
+            if current not in graph.walks:
+                raise InterpreterError(
+                    f"unknown walk {current!r}; the model has {sorted(graph.walks)}"
+                )
+            w = graph.walks[current]
+            outputs = self.run_walk(current, state)
+            state.update(outputs)
+            client.update({k: v for k, v in outputs.items() if k not in w.state})
+            current = self.captured.next_walk(state, current, outputs)
+        raise InterpreterError(
+            f"more than {MAX_TRANSITIONS} walk transitions; is the transition cyclic?"
+        )
+
+    def run_walk(self, name: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Run one walk; ``inputs`` may hold more values than it needs."""
+        w = self.captured.graph.walks[name]
+        missing = [i.name for i in w.inputs if i.name not in inputs]
+        if missing:
+            raise InterpreterError(f"walk {name!r} needs inputs {missing}")
+        self._walk, self._walk_inputs = w, {i.name: inputs[i.name] for i in w.inputs}
+        env: dict[str, Any] = {}
+        for i in w.inputs:
+            self._bind(env, i.name, inputs[i.name])
+        self.block(w.body, env)
+        return {k: self.value(a, env) for k, a in w.outputs.items()}
+
+    # ------------------------------------------------------------------ blocks
+
+    def block(self, block: ir.Block, env: dict[str, Any]) -> None:
+        for node in block.nodes:
+            if isinstance(node, ir.Op):
+                self._bind(env, node.name, self.op(node, env))
+            else:
+                for channel, value in self.loop(node, env).items():
+                    self._bind(env, channel, value)
+
+    def op(self, node: ir.Op, env: dict[str, Any]) -> Any:
+        args = [self.value(a, env) for a in node.args]
+        kwargs = {k: self.value(a, env) for k, a in node.kwargs.items()}
+        fn = self._callable(node, args)
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            where = f" ({node.source})" if node.source else ""
+            raise InterpreterError(f"node {node.name} ({node.target}){where} failed: {e}") from e
+
+    def _callable(self, node: ir.Op, args: list[Any]) -> Callable[..., Any]:
+        if node.kind == "component":
+            module = self._modules.get(node.target)
+            if module is None:
+                module = self._modules[node.target] = self.model.get_submodule(node.target)
+            return module
+        kind, _, name = node.target.partition(":")
+        if kind == "method":
+            if name.startswith("_"):
+                raise InterpreterError(f"glue may not call private method {name!r}")
+            return lambda obj, *a, **k: getattr(obj, name)(*a, **k)
+        fn = self._functions.get(name)
+        if fn is None:
+            fn = self._functions[name] = resolve_function(name)
+        if name == "builtins.getattr" and (
+            len(args) < 2 or not isinstance(args[1], str) or args[1].startswith("_")
+        ):
+            raise InterpreterError("glue getattr may only read public attributes")
+        assert name.rpartition(".")[2] in SAFE_BUILTINS or not name.startswith("builtins.")
+        return fn
+
+    def value(self, arg: ir.Arg, env: Mapping[str, Any]) -> Any:
+        if isinstance(arg, ir.Ref):
+            try:
+                return env[arg.name]
+            except KeyError:
+                raise InterpreterError(f"value {arg.name!r} is not defined here") from None
+        if isinstance(arg, ir.Const):
+            return arg.value
+        if isinstance(arg, ir.FloatConst):
+            return float(arg.repr)
+        if isinstance(arg, ir.ListArg):
+            return [self.value(a, env) for a in arg.items]
+        if isinstance(arg, ir.TupleArg):
+            return tuple(self.value(a, env) for a in arg.items)
+        if isinstance(arg, ir.DictArg):
+            return {k: self.value(a, env) for k, a in arg.items.items()}
+        if isinstance(arg, ir.SliceArg):
+            return slice(
+                self.value(arg.start, env), self.value(arg.stop, env), self.value(arg.step, env)
+            )
+        if isinstance(arg, ir.DTypeArg):
+            dtype = getattr(torch, arg.name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise InterpreterError(f"unknown dtype {arg.name!r}")
+            return dtype
+        if isinstance(arg, ir.DeviceArg):
+            return torch.device(arg.name)
+        if isinstance(arg, ir.EllipsisArg):
+            return ...
+        if isinstance(arg, ir.TensorConst):
+            return self.captured.constant(arg.name)
+        if isinstance(arg, ir.ModelAttr):
+            return self.captured.attr(arg.path)
+        raise InterpreterError(f"unknown argument {arg!r}")
+
+    # ------------------------------------------------------------------ loops
+
+    def loop(self, node: ir.LoopNode, env: dict[str, Any]) -> dict[str, Any]:
+        chunks = self._chunks(node, env)
+        bound = self._trip_count(node, chunks)
+        if self.loop_limit is not None:
+            bound = min(bound, self.loop_limit)
+        carried = {
+            p.name: self.value(p.role.init, env)
+            for p in node.params
+            if isinstance(p.role, ir.Carried)
+        }
+        fixed = {
+            p.name: self.value(p.role.value, env)
+            for p in node.params
+            if isinstance(p.role, ir.Invariant)
+        }
+        per_step = [p for p in node.params if isinstance(p.role, ir.PerStep)]
+        collected: dict[str, list[Any]] = {ch: [] for ch in node.accumulated}
+        last: list[Any] | None = None
+        for i in range(bound):
+            body_env: dict[str, Any] = {}
+            for name, value in (*carried.items(), *fixed.items()):
+                self._bind(body_env, name, value)
+            for p in per_step:
+                self._bind(body_env, p.name, self._step_value(p.role, i, body_env, chunks, env))  # type: ignore[arg-type]
+            self.block(node.body, body_env)
+            outs = [body_env[o] for o in node.outputs]
+            for ch, acc in node.accumulated.items():
+                collected[ch].append(outs[acc.output])
+            for p in node.params:
+                if isinstance(p.role, ir.Carried):
+                    new = outs[p.role.output]
+                    if self.check_carried:
+                        _check_carried(node, p.name, carried[p.name], new)
+                    carried[p.name] = new
+            last = outs
+            if node.stop is not None and _truth(body_env[node.stop], node):
+                break
+        result: dict[str, Any] = {}
+        for ch, j in node.terminal.items():
+            if last is None:
+                init = next(
+                    (
+                        carried[p.name]
+                        for p in node.params
+                        if isinstance(p.role, ir.Carried) and p.role.output == j
+                    ),
+                    None,
+                )
+                if init is None:
+                    raise InterpreterError(
+                        f"loop {node.name} ran no iteration, so {ch} has no value"
+                    )
+                result[ch] = init
+            else:
+                result[ch] = last[j]
+        for ch, acc in node.accumulated.items():
+            if not collected[ch]:
+                raise InterpreterError(f"loop {node.name} ran no iteration, so {ch} is empty")
+            join = torch.cat if acc.mode == "cat" else torch.stack
+            result[ch] = join(collected[ch], dim=acc.dim)
+        if self.record is not None:
+            for ch, acc in node.accumulated.items():
+                meta = self.record.get(ch)
+                if isinstance(meta, ir.TensorMeta) and meta.shape:
+                    shape = list(meta.shape)
+                    shape[acc.dim] = None  # grows with the iteration count
+                    self.record[ch] = ir.TensorMeta(shape, meta.dtype)
+        return result
+
+    def _stream(self, name: str) -> ir.StreamEdge:
+        assert self._walk is not None
+        for s in self._walk.streams:
+            if s.name == name:
+                return s
+        raise InterpreterError(f"unknown stream {name!r}")
+
+    def _chunks(
+        self, node: ir.LoopNode, env: Mapping[str, Any]
+    ) -> list[tuple[torch.Tensor, ChunkSpan]] | None:
+        if not isinstance(node.trips, ir.StreamTrips):
+            return None
+        edge = self._stream(node.trips.stream)
+        source = env[edge.source]
+        policy = ChunkPolicy.from_json(dict(edge.policy))
+        dim = edge.dim if edge.dim >= 0 else source.dim() + edge.dim
+        return split(source, policy, dim)
+
+    def _trip_count(self, node: ir.LoopNode, chunks: list[Any] | None) -> int:
+        trips = node.trips
+        if isinstance(trips, ir.FixedTrips):
+            count = trips.count
+        elif isinstance(trips, ir.InputTrips):
+            count = self._int_input(trips.input)
+        else:
+            assert chunks is not None
+            count = len(chunks)
+        if node.max_iters is not None and not isinstance(trips, ir.FixedTrips):
+            bound = (
+                node.max_iters
+                if isinstance(node.max_iters, int)
+                else self._int_input(node.max_iters)
+            )
+            count = min(count, bound)
+        return count
+
+    def _int_input(self, name: str) -> int:
+        value = self._walk_inputs.get(name)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = int(value.item())
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InterpreterError(
+                f"walk input {name!r} must be an int (a loop bound), got {value!r}"
+            )
+        return value
+
+    def _step_value(
+        self,
+        role: ir.PerStep,
+        i: int,
+        body_env: dict[str, Any],
+        chunks: list[Any] | None,
+        env: Mapping[str, Any],
+    ) -> Any:
+        src = role.source
+        if isinstance(src, ir.AffineStep):
+            return src.start + i * src.step
+        if isinstance(src, ir.TableStep):
+            return self.value(src.values[i], env)
+        if isinstance(src, ir.SelectStep):
+            return self.value(src.source, env).select(src.dim, src.start + i * src.step)
+        assert chunks is not None
+        chunk, span = chunks[i]
+        return chunk if src.part == "data" else span.context
+
+    # ------------------------------------------------------------------ values
+
+    def _bind(self, env: dict[str, Any], name: str, value: Any) -> None:
+        env[name] = value
+        if self.record is not None:
+            meta = meta_of(value)
+            old = self.record.get(name)
+            self.record[name] = meta if old is None else merge_meta(old, meta)
+
+
+def _truth(value: Any, node: ir.LoopNode) -> bool:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise InterpreterError(
+                f"the stop of loop {node.name} must be one boolean per request, got shape {list(value.shape)}"
+            )
+        return bool(value.item())
+    return bool(value)
+
+
+def _check_carried(node: ir.LoopNode, name: str, old: Any, new: Any) -> None:
+    if isinstance(old, torch.Tensor) != isinstance(new, torch.Tensor) or (
+        isinstance(old, torch.Tensor) and (old.dtype != new.dtype or old.dim() != new.dim())
+    ):
+        raise CaptureError(
+            "carried-consistency",
+            f"carried value '{name.rpartition('/')[2]}' of loop {node.name} changes from "
+            f"{_describe(old)} to {_describe(new)} between iterations; check the order of the "
+            "values the body returns (carried values first, in parameter order)",
+            node.source,
+        )
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+    return type(v).__name__

@@ -1,0 +1,412 @@
+"""The Walk Graph IR: what capture produces and every later layer reads.
+
+A ``WalkGraph`` is a set of components, a set of named walks, and the transitions between
+walks. A walk's body is a ``Block``: an ordered list of nodes in SSA form (every node produces
+one value named after the node; arguments refer to values by name with ``Ref``). There are three
+node kinds, a closed set like torch.fx's node ops:
+
+- ``Op(kind="component")``: one call of a component (a marked nn.Module, named by its module
+  path in the model): a transformer forward, a VAE decode.
+- ``Op(kind="glue")``: one small tensor operation between components (``torch.cat``,
+  ``operator.getitem``, a method call); lowering groups them.
+- ``LoopNode``: a loop whose body is its own ``Block``, traced once. Its parameters are
+  *carried* (initial value outside, new value from the previous iteration), *per-step* (one
+  value per iteration: a constant table, an affine index, a slice of a tensor, a stream chunk)
+  or *invariant*. It produces *terminal* channels (the last iteration's value) and
+  *accumulated* channels (every iteration's value joined with cat/stack); their names are
+  disjoint. A ``DynamicLoop`` adds a stop value in the body and a required ``max_iters``.
+
+Streaming edges are listed per walk: the accumulated channel of a producer loop flows into a
+consumer loop chunk by chunk under a chunk policy. ``Parallel`` and ``Sequential`` are not
+stored: they follow from the dataflow and are derived by ``sections()``: component nodes that
+cannot reach each other form a ``Parallel`` section.
+
+Printed form of the CFG example's ``generate`` walk (``walkserve trace``)::
+
+    walk generate(prompt_ids, noise) -> image
+      text_encoder = component text_encoder(prompt_ids)
+      loop euler_step x49 carried(z <- noise) per_step(t = sigmas[0::1], t_next = sigmas[1::1]) ...
+        parallel
+          denoiser = component denoiser(z, t, text_ctx, img_ctx)
+          denoiser_1 = component denoiser(z, t, text_ctx, null_img_ctx)
+          denoiser_2 = component denoiser(z, t, null_text_ctx, null_img_ctx)
+        add = glue operator.add(...)
+      decoder = component decoder(euler_step.z)
+
+Everything here is a msgspec Struct: ``walkserve.capture.serialize`` exports and imports the
+IR as JSON that round-trips exactly, and ``lint()`` checks every structural invariant.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+IR_VERSION = 1
+
+# ------------------------------------------------------------------------------ arguments
+
+
+class Ref(msgspec.Struct, frozen=True, tag="ref"):
+    """A value by name: a walk input, a node's output, a loop parameter or channel."""
+
+    name: str
+
+
+class Const(msgspec.Struct, frozen=True, tag="const"):
+    """A JSON scalar constant. Non-finite floats use ``FloatConst``."""
+
+    value: int | float | bool | str | None
+
+
+class FloatConst(msgspec.Struct, frozen=True, tag="float"):
+    """A float written as text (``"inf"``, ``"-inf"``, ``"nan"``, or any repr) for exactness."""
+
+    repr: str
+
+
+class ListArg(msgspec.Struct, frozen=True, tag="list"):
+    items: list[Arg]
+
+
+class TupleArg(msgspec.Struct, frozen=True, tag="tuple"):
+    items: list[Arg]
+
+
+class DictArg(msgspec.Struct, frozen=True, tag="dict"):
+    items: dict[str, Arg]
+
+
+class SliceArg(msgspec.Struct, frozen=True, tag="slice"):
+    start: Arg
+    stop: Arg
+    step: Arg
+
+
+class DTypeArg(msgspec.Struct, frozen=True, tag="dtype"):
+    """A torch dtype by name (``float32``)."""
+
+    name: str
+
+
+class DeviceArg(msgspec.Struct, frozen=True, tag="device"):
+    name: str
+
+
+class EllipsisArg(msgspec.Struct, frozen=True, tag="ellipsis"):
+    pass
+
+
+class TensorConst(msgspec.Struct, frozen=True, tag="tensor"):
+    """A tensor constant made during tracing, stored in ``WalkGraph.constants``."""
+
+    name: str
+
+
+class ModelAttr(msgspec.Struct, frozen=True, tag="attr"):
+    """A parameter or buffer of the model, by its dotted path (read at run time)."""
+
+    path: str
+
+
+Arg = (
+    Ref
+    | Const
+    | FloatConst
+    | ListArg
+    | TupleArg
+    | DictArg
+    | SliceArg
+    | DTypeArg
+    | DeviceArg
+    | EllipsisArg
+    | TensorConst
+    | ModelAttr
+)
+
+# ------------------------------------------------------------------------------ values
+
+
+class TensorMeta(msgspec.Struct, frozen=True, tag="tensor"):
+    """Shape (None: varies between requests or iterations) and dtype of a tensor value, as
+    observed on the sample inputs."""
+
+    shape: list[int | None]
+    dtype: str
+
+
+class ScalarMeta(msgspec.Struct, frozen=True, tag="scalar"):
+    kind: Literal["int", "float", "bool"]
+
+
+class OpaqueMeta(msgspec.Struct, frozen=True, tag="opaque"):
+    """Any other Python value (a structured model output, a cache object)."""
+
+    kind: str
+
+
+ValueMeta = TensorMeta | ScalarMeta | OpaqueMeta
+
+# ------------------------------------------------------------------------------ nodes
+
+
+class Op(msgspec.Struct, tag="op"):
+    """One component call or one glue operation; produces the value named ``name``.
+
+    ``target`` is the component's module path for components; for glue it is
+    ``"function:<qualified name>"`` (``function:torch.cat``) or ``"method:<name>"``
+    (``method:view``, called on the first argument).
+    """
+
+    name: str
+    kind: Literal["component", "glue"]
+    target: str
+    args: list[Arg] = []
+    kwargs: dict[str, Arg] = {}
+    source: str | None = None  # "file.py:123": the user's line that made this node
+
+
+class FixedTrips(msgspec.Struct, frozen=True, tag="fixed"):
+    count: int
+
+
+class InputTrips(msgspec.Struct, frozen=True, tag="input"):
+    """As many iterations as the walk input ``input`` says (an int per request)."""
+
+    input: str
+
+
+class StreamTrips(msgspec.Struct, frozen=True, tag="stream"):
+    """One iteration per chunk of the walk's streaming edge ``stream``."""
+
+    stream: str
+
+
+TripCount = FixedTrips | InputTrips | StreamTrips
+
+
+class Carried(msgspec.Struct, frozen=True, tag="carried"):
+    """Initial value ``init`` (outer scope); later iterations get body output ``output``."""
+
+    init: Arg
+    output: int
+
+
+class Invariant(msgspec.Struct, frozen=True, tag="invariant"):
+    value: Arg
+
+
+class AffineStep(msgspec.Struct, frozen=True, tag="affine"):
+    """Iteration ``i`` gets the Python int ``start + i * step``."""
+
+    start: int
+    step: int
+
+
+class TableStep(msgspec.Struct, frozen=True, tag="table"):
+    """Iteration ``i`` gets ``values[i]`` (bounded loops only)."""
+
+    values: list[Arg]
+
+
+class SelectStep(msgspec.Struct, frozen=True, tag="select"):
+    """Iteration ``i`` gets ``source.select(dim, start + i * step)``."""
+
+    source: Arg
+    dim: int
+    start: int
+    step: int
+
+
+class ChunkStep(msgspec.Struct, frozen=True, tag="chunk"):
+    """Iteration ``i`` gets chunk ``i`` of streaming edge ``stream``, whose source value is
+    ``source`` (``part="context"``: the number of left-context items in the chunk)."""
+
+    stream: str
+    source: str
+    part: Literal["data", "context"] = "data"
+
+
+class PerStep(msgspec.Struct, frozen=True, tag="per_step"):
+    source: AffineStep | TableStep | SelectStep | ChunkStep
+
+
+ParamRole = Carried | Invariant | PerStep
+
+
+class LoopParam(msgspec.Struct, frozen=True):
+    name: str  # placeholder name inside the body
+    role: ParamRole
+
+
+class Accumulated(msgspec.Struct, frozen=True):
+    """Channel joining body output ``output`` of every iteration with cat/stack on ``dim``."""
+
+    output: int
+    mode: Literal["cat", "stack"]
+    dim: int
+
+
+class LoopNode(msgspec.Struct, tag="loop"):
+    """A bounded ``Loop`` (``dynamic=False``) or a ``DynamicLoop`` (``stop`` set).
+
+    Body outputs ``outputs`` are values of the body block. Channels produced in the outer
+    scope: ``terminal`` (channel -> body output index; the last iteration's value) and
+    ``accumulated`` (channel -> ``Accumulated``). The stop value, evaluated after each
+    iteration, ends the loop when true; the stopping iteration's outputs count.
+    """
+
+    name: str
+    body: Block
+    params: list[LoopParam]
+    outputs: list[str]
+    terminal: dict[str, int]
+    accumulated: dict[str, Accumulated]
+    trips: TripCount
+    stop: str | None = None
+    max_iters: int | str | None = None  # int, or a walk input's name
+    speculative: bool = True
+    source: str | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        return self.stop is not None
+
+    def channels(self) -> list[str]:
+        return [*self.terminal, *self.accumulated]
+
+
+Node = Op | LoopNode
+
+
+class Block(msgspec.Struct):
+    """An ordered dataflow region (a walk body or a loop body). ``params`` are the values
+    bound on entry; ``nodes`` are in a valid execution order."""
+
+    params: list[str]
+    nodes: list[Node]
+
+
+class StreamEdge(msgspec.Struct, frozen=True):
+    """A streaming edge: ``source`` (a producer loop's accumulated channel) flows to the loop
+    ``consumer`` chunk by chunk along ``dim`` under ``policy`` (``chunk.ChunkPolicy.to_json``)."""
+
+    name: str
+    source: str
+    consumer: str
+    dim: int
+    policy: dict[str, str | int | float]
+
+
+class WalkInput(msgspec.Struct, frozen=True):
+    name: str
+    meta: ValueMeta | None = None
+
+
+class Walk(msgspec.Struct):
+    """A named request phase. Outputs are client outputs except those in ``state``, which
+    are request state handed to later walks by name."""
+
+    name: str
+    inputs: list[WalkInput]
+    body: Block
+    outputs: dict[str, Arg]
+    streams: list[StreamEdge] = []
+    next: str | None = None
+    state: list[str] = []
+    values: dict[str, ValueMeta] = {}
+    source: str | None = None
+
+
+class ComponentInfo(msgspec.Struct, frozen=True):
+    """A component by module path: its class, engine and batch dimension."""
+
+    path: str
+    cls: str
+    engine: Literal["stateless", "kv_cache"]
+    batch_dim: int = 0
+    speculative: bool = True
+    params: int = 0  # parameter count, for memory estimates
+
+
+class TensorData(msgspec.Struct, frozen=True):
+    """Raw little-endian bytes of a tensor constant, base64 in JSON."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class WalkGraph(msgspec.Struct):
+    """Components, walks and transitions of one model. ``custom_transition``: the model
+    defines ``next_walk(request, walk, outputs)``, which overrides each walk's ``next``."""
+
+    model: str
+    components: dict[str, ComponentInfo]
+    walks: dict[str, Walk]
+    constants: dict[str, TensorData] = {}
+    custom_transition: bool = False
+    version: int = IR_VERSION
+
+    def entry_walks(self) -> list[str]:
+        """Walks a request can start at: those no other walk's ``next`` names."""
+        targets = {w.next for w in self.walks.values()}
+        return [name for name in self.walks if name not in targets]
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def arg_refs(arg: Arg) -> list[str]:
+    """Names of all values an argument refers to."""
+    if isinstance(arg, Ref):
+        return [arg.name]
+    if isinstance(arg, (ListArg, TupleArg)):
+        return [r for item in arg.items for r in arg_refs(item)]
+    if isinstance(arg, DictArg):
+        return [r for item in arg.items.values() for r in arg_refs(item)]
+    if isinstance(arg, SliceArg):
+        return [*arg_refs(arg.start), *arg_refs(arg.stop), *arg_refs(arg.step)]
+    return []
+
+
+def node_inputs(node: Node) -> list[str]:
+    """Outer-scope values a node reads (for a loop: its initial, invariant, per-step sources)."""
+    if isinstance(node, Op):
+        refs = [r for a in node.args for r in arg_refs(a)]
+        refs += [r for a in node.kwargs.values() for r in arg_refs(a)]
+        return refs
+    refs = []
+    for p in node.params:
+        role = p.role
+        if isinstance(role, Carried):
+            refs += arg_refs(role.init)
+        elif isinstance(role, Invariant):
+            refs += arg_refs(role.value)
+        elif isinstance(role.source, SelectStep):
+            refs += arg_refs(role.source.source)
+        elif isinstance(role.source, TableStep):
+            refs += [r for v in role.source.values for r in arg_refs(v)]
+        elif isinstance(role.source, ChunkStep):
+            refs.append(role.source.source)
+    return refs
+
+
+def node_outputs(node: Node) -> list[str]:
+    """Values a node defines in its enclosing scope."""
+    return [node.name] if isinstance(node, Op) else node.channels()
+
+
+def iter_nodes(block: Block) -> list[Node]:
+    """All nodes of a block and, recursively, of its loop bodies."""
+    out: list[Node] = []
+    for node in block.nodes:
+        out.append(node)
+        if isinstance(node, LoopNode):
+            out += iter_nodes(node.body)
+    return out
+
+
+def is_component(node: Node) -> bool:
+    return isinstance(node, Op) and node.kind == "component"

@@ -1,0 +1,166 @@
+"""``trace(model, sample_inputs)``: capture a decorated model's walks as a ``WalkGraph``.
+
+Each walk method is traced with ``WalkTracer`` (components are leaves, loop bodies traced
+once), its loops finalized (``loops``), translated to IR (``convert``), then run once on the
+sample inputs through the reference interpreter with every loop cut to two iterations, which
+records each value's shape and dtype and checks that carried values keep their type. Walks are
+traced in an order where each walk's inputs exist: sample inputs first, then the outputs of
+walks already run (a decode walk gets the cache its prefill made).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from typeguard import typechecked
+
+from walkserve.capture import ir
+from walkserve.capture.api import ACTIVE_HOOK, WalkSpec, walk_specs
+from walkserve.capture.convert import BlockConverter
+from walkserve.capture.errors import CaptureError
+from walkserve.capture.interpret import Interpreter
+from walkserve.capture.lint import lint
+from walkserve.capture.loops import finalize_scope
+from walkserve.capture.model import CapturedModel
+from walkserve.capture.serialize import tensor_to_data
+from walkserve.capture.tracer import CONST_PREFIX, Scope, WalkTracer
+
+META_LOOP_ITERATIONS = 2
+
+
+@typechecked
+def trace(
+    model: nn.Module, sample_inputs: Mapping[str, Any], walks: Sequence[str] | None = None
+) -> CapturedModel:
+    """Capture ``model``'s walks (all, or those named in ``walks``). ``sample_inputs`` holds
+    a value for every input of the entry walks (extra keys are ignored)."""
+    specs = walk_specs(model)
+    if not specs:
+        raise CaptureError("no-walks", f"{type(model).__name__} declares no @walk method")
+    names = list(walks) if walks is not None else list(specs)
+    unknown = [w for w in names if w not in specs]
+    if unknown:
+        raise CaptureError(
+            "unknown-walk", f"unknown walks {unknown}; the model declares {list(specs)}"
+        )
+
+    graph = ir.WalkGraph(
+        model=f"{type(model).__module__}.{type(model).__qualname__}",
+        components={},
+        walks={},
+        custom_transition=callable(getattr(model, "next_walk", None)),
+    )
+    captured = CapturedModel(graph, model)
+    state: dict[str, Any] = dict(sample_inputs)
+    pending = list(names)
+    with torch.no_grad():
+        while pending:
+            name = next((w for w in pending if _inputs_ready(model, specs[w][0], state)), None)
+            if name is None:
+                w = pending[0]
+                need = [p for p in _walk_params(model, specs[w][0]) if p not in state]
+                raise CaptureError(
+                    "walk-inputs",
+                    f"walk {w!r} needs inputs {need}: give them in sample_inputs or produce them "
+                    "as outputs of a walk that runs before it",
+                )
+            pending.remove(name)
+            method, spec = specs[name]
+            graph.walks[name] = _trace_walk(model, method, spec, graph)
+            record: dict[str, ir.ValueMeta] = {}
+            runner = Interpreter(
+                captured, loop_limit=META_LOOP_ITERATIONS, record=record, check_carried=True
+            )
+            outputs = runner.run_walk(name, state)
+            walk = graph.walks[name]
+            walk.values = record
+            walk.inputs = [ir.WalkInput(i.name, record.get(i.name)) for i in walk.inputs]
+            state.update(outputs)
+    for w in graph.walks.values():
+        if w.next is not None and w.next not in graph.walks:
+            raise CaptureError(
+                "unknown-walk",
+                f"walk {w.name!r} names next={w.next!r}, which is not captured",
+                w.source,
+            )
+    lint(graph)
+    return captured
+
+
+def _walk_params(model: nn.Module, method: str) -> list[str]:
+    import inspect
+
+    fn = getattr(type(model), method)
+    return list(inspect.signature(fn).parameters)[1:]
+
+
+def _inputs_ready(model: nn.Module, method: str, state: Mapping[str, Any]) -> bool:
+    return all(p in state for p in _walk_params(model, method))
+
+
+def _trace_walk(model: nn.Module, method: str, spec: WalkSpec, graph: ir.WalkGraph) -> ir.Walk:
+    tracer = WalkTracer(model, const_prefix=f"{spec.name}.")
+    tracer.traced_func_name = method
+    token = ACTIVE_HOOK.set(tracer)
+    try:
+        fx_graph = tracer.trace(model)
+    finally:
+        ACTIVE_HOOK.reset(token)
+    scope = tracer.scopes.get(id(fx_graph)) or Scope(fx_graph)
+    finalize_scope(tracer, scope)
+    conv = BlockConverter(tracer, fx_graph, "")
+    block, out = conv.convert()
+    source = _method_source(model, method)
+    if out is None or (isinstance(out, dict) and not out):
+        raise CaptureError(
+            "walk-output", f"walk {spec.name!r} returns no output; return a dict of tensors", source
+        )
+    if isinstance(out, dict):
+        outputs = {str(k): conv.arg(v) for k, v in out.items()}
+    else:
+        outputs = {"output": conv.arg(out)}
+    missing_state = [s for s in spec.state if s not in outputs]
+    if missing_state:
+        raise CaptureError(
+            "walk-state",
+            f"walk {spec.name!r} declares state {missing_state} that it does not return",
+            source,
+        )
+    for path, (module, cspec) in tracer.components.items():
+        graph.components[path] = ir.ComponentInfo(
+            path,
+            f"{type(module).__module__}.{type(module).__qualname__}",
+            cspec.engine,
+            cspec.batch_dim,
+            cspec.speculative,
+            sum(p.numel() for p in module.parameters()),
+        )
+    for path, tensor in tracer.constants.items():
+        graph.constants[path[len(CONST_PREFIX) :]] = tensor_to_data(tensor)
+    return ir.Walk(
+        name=spec.name,
+        inputs=[ir.WalkInput(p) for p in block.params],
+        body=block,
+        outputs=outputs,
+        streams=conv.streams,
+        next=spec.next,
+        state=list(spec.state),
+        source=source,
+    )
+
+
+def _method_source(model: nn.Module, method: str) -> str | None:
+    import inspect
+    import os
+
+    fn = getattr(type(model), method)
+    try:
+        path = inspect.getsourcefile(fn) or "?"
+        line = inspect.getsourcelines(fn)[1]
+    except (OSError, TypeError):
+        return None
+    rel = os.path.relpath(path)
+    return f"{rel if not rel.startswith('..') else path}:{line}"
