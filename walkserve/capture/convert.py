@@ -223,7 +223,8 @@ class BlockConverter:
             accumulated={self.prefix + k: v for k, v in fin.accumulated.items()},
             trips=trips,
             stop=stop,
-            max_iters=record.spec.max_iters if stop is not None else None,
+            # A dynamic loop bounded by iterations(n) has the input n as its max_iters.
+            max_iters=(record.spec.max_iters or record.trip_input) if stop is not None else None,
             speculative=record.spec.speculative,
             source=record.source,
         )
