@@ -187,7 +187,7 @@ def _finalize(tracer: WalkTracer, graph: fx.Graph, record: LoopRecord) -> Finali
         name = f"{record.name}.{labels[j]}.all"
         acc_channels[name] = ir.Accumulated(j, mode, dim)
         seq = _join_seq(join)
-        new_seq = [*seq[:run[0]], channel(name), *seq[run[1]:]]
+        new_seq = [*seq[: run[0]], channel(name), *seq[run[1] :]]
         if len(new_seq) == 1:
             join.replace_all_uses_with(channel(name))
         else:
