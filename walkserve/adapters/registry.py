@@ -1,0 +1,84 @@
+"""Model names the CLI and the server accept, resolved to ``(model, sample_inputs)``.
+
+example-cfg-image | example-speech | example-world | example-text   built-in examples
+tiny-llama | tiny-qwen2 | tiny-qwen3      tiny random-weight Hugging Face causal LMs
+/path/to/checkpoint                       a local Hugging Face causal LM directory
+package.module:factory                    your own decorated model: factory() returns
+                                          (model, sample_inputs)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+TINY_HF = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+
+
+def model_names() -> list[str]:
+    from walkserve.adapters.examples import EXAMPLES
+
+    return [*EXAMPLES, *TINY_HF]
+
+
+def load_model(name: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
+    """Resolve ``name`` (see the module docstring)."""
+    from walkserve.adapters.examples import EXAMPLES, build_example
+
+    if name in EXAMPLES:
+        return build_example(name, seed)
+    if name in TINY_HF:
+        return tiny_hf_lm(name.removeprefix("tiny-"), seed)
+    if os.path.isdir(name):
+        from walkserve.adapters.hf_causal_lm import load_causal_lm
+
+        return load_causal_lm(name)
+    if ":" in name:
+        module_name, _, factory = name.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module_name), factory)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot load model factory {name!r}: {e}") from None
+        result = obj()
+        if not (
+            isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)
+        ):
+            raise ValueError(f"{name} must return (model, sample_inputs)")
+        return result  # type: ignore[no-any-return]
+    raise ValueError(
+        f"unknown model {name!r}: expected one of {', '.join(model_names())}, a local checkpoint "
+        "directory, or module:factory"
+    )
+
+
+def tiny_hf_lm(arch: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
+    """A tiny random-weight HF causal LM (grouped-query attention) wrapped in walks."""
+    import transformers
+
+    from walkserve.adapters.hf_causal_lm import CausalLMWalks
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    config = config_cls(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.15,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+    lm = model_cls(config).eval()
+    return CausalLMWalks(lm, 2), {"input_ids": torch.tensor([[1, 17, 42, 99]]), "max_new_tokens": 8}
