@@ -11,7 +11,7 @@ from __future__ import annotations
 import builtins
 import importlib
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import fx
@@ -263,7 +263,7 @@ class BlockConverter:
             return ir.PerStep(ir.TableStep([constant_arg(v, self.tracer) for v in p.table]))
         if p.role == "select":
             return ir.PerStep(ir.SelectStep(self.arg(deps[p.dep]), p.dim, p.start, p.step))  # type: ignore[index]
-        part = "data" if p.role == "chunk" else "context"
+        part: Literal["data", "context"] = "data" if p.role == "chunk" else "context"
         source = _require_ref(self.arg(deps[p.dep]), fin.record.source, "stream source")  # type: ignore[index]
         return ir.PerStep(ir.ChunkStep(self._stream_name(fin), source, part))
 

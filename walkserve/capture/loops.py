@@ -135,6 +135,7 @@ def _finalize(tracer: WalkTracer, graph: fx.Graph, record: LoopRecord) -> Finali
         stop_output = _move_predicate(record, preds[0], params, dep)
 
     trips: Literal["fixed", "input", "stream"]
+    count: int | str
     if record.stream is not None:
         trips, count = "stream", record.stream.key
     elif record.trip_input is not None:
@@ -176,12 +177,13 @@ def _finalize(tracer: WalkTracer, graph: fx.Graph, record: LoopRecord) -> Finali
         return channels[name]
 
     labels = _output_labels(record, params)
-    for j, out in enumerate(last.outputs):
-        uses = [u for u in out.users if u not in pred_nodes and u not in acc_nodes]
+    for j, out_node in enumerate(last.outputs):
+        uses = [u for u in out_node.users if u not in pred_nodes and u not in acc_nodes]
         if uses:
             name = f"{record.name}.{labels[j]}"
             terminal[name] = j
-            out.replace_all_uses_with(channel(name), delete_user_cb=lambda u, uses=uses: u in uses)
+            keep = set(uses)
+            out_node.replace_all_uses_with(channel(name), delete_user_cb=keep.__contains__)
     acc_channels: dict[str, ir.Accumulated] = {}
     for join, (j, mode, dim, run) in accumulated.items():
         name = f"{record.name}.{labels[j]}.all"
@@ -291,9 +293,12 @@ def _select_pattern(nodes: list[fx.Node]) -> tuple[fx.Node, int, int, int] | Non
     full = slice(None, None, None)
     if any(ix[p] != full for ix in indices for p in range(width) if p != pos):
         return None
-    ints = [ix[pos] for ix in indices]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
-        return None
+    ints: list[int] = []
+    for ix in indices:
+        v = ix[pos]
+        if not isinstance(v, int) or isinstance(v, bool):
+            return None
+        ints.append(v)
     step = ints[1] - ints[0]
     if any(v != ints[0] + i * step for i, v in enumerate(ints)):
         return None

@@ -60,11 +60,11 @@ def trace(
         while pending:
             name = next((w for w in pending if _inputs_ready(model, specs[w][0], state)), None)
             if name is None:
-                w = pending[0]
-                need = [p for p in _walk_params(model, specs[w][0]) if p not in state]
+                first = pending[0]
+                need = [p for p in _walk_params(model, specs[first][0]) if p not in state]
                 raise CaptureError(
                     "walk-inputs",
-                    f"walk {w!r} needs inputs {need}: give them in sample_inputs or produce them "
+                    f"walk {first!r} needs inputs {need}: give them in sample_inputs or produce them "
                     "as outputs of a walk that runs before it",
                 )
             pending.remove(name)
@@ -75,9 +75,9 @@ def trace(
                 captured, loop_limit=META_LOOP_ITERATIONS, record=record, check_carried=True
             )
             outputs = runner.run_walk(name, state)
-            walk = graph.walks[name]
-            walk.values = record
-            walk.inputs = [ir.WalkInput(i.name, record.get(i.name)) for i in walk.inputs]
+            traced = graph.walks[name]
+            traced.values = record
+            traced.inputs = [ir.WalkInput(i.name, record.get(i.name)) for i in traced.inputs]
             state.update(outputs)
     for w in graph.walks.values():
         if w.next is not None and w.next not in graph.walks:

@@ -124,7 +124,7 @@ class WalkTracer(fx.Tracer, _Hook):
     """fx tracer with components as leaves and loop/stream hooks. One instance per walk."""
 
     def __init__(self, model: nn.Module, const_prefix: str = "") -> None:
-        super().__init__(autowrap_modules=(), param_shapes_constant=False)
+        super().__init__(autowrap_modules=(), param_shapes_constant=False)  # type: ignore[arg-type]
         self.model = model
         self.const_prefix = const_prefix
         self.proxy_buffer_attributes = True
