@@ -34,9 +34,15 @@ class InterpreterError(RuntimeError):
     """A walk could not run: a missing input, a failing node (named), a bad transition."""
 
 
+Observer = Callable[[str, Any], None]
+OpObserver = Callable[[ir.Op, list[Any], dict[str, Any]], None]
+
+
 class Interpreter:
     """Runs walks of ``captured``. ``loop_limit`` caps every loop's iterations (capture uses
-    2 to record value metadata cheaply); ``record`` collects the metadata of every value."""
+    2 to record value metadata cheaply); ``record`` collects the metadata of every value;
+    ``observe(name, value)`` sees every value bound and ``observe_op(op, args, kwargs)`` every
+    op's materialized arguments (lowering uses both to find batch dimensions and samples)."""
 
     def __init__(
         self,
@@ -45,12 +51,16 @@ class Interpreter:
         loop_limit: int | None = None,
         record: dict[str, ir.ValueMeta] | None = None,
         check_carried: bool = False,
+        observe: Observer | None = None,
+        observe_op: OpObserver | None = None,
     ) -> None:
         self.captured = captured
         self.model: nn.Module = captured.model
         self.loop_limit = loop_limit
         self.record = record
         self.check_carried = check_carried
+        self.observe = observe
+        self.observe_op = observe_op
         self._functions: dict[str, Callable[..., Any]] = {}
         self._modules: dict[str, nn.Module] = {}
         self._walk_inputs: Mapping[str, Any] = {}
@@ -107,14 +117,17 @@ class Interpreter:
     def op(self, node: ir.Op, env: dict[str, Any]) -> Any:
         args = [self.value(a, env) for a in node.args]
         kwargs = {k: self.value(a, env) for k, a in node.kwargs.items()}
-        fn = self._callable(node, args)
+        if self.observe_op is not None:
+            self.observe_op(node, args, kwargs)
+        fn = self.callable(node, args)
         try:
             return fn(*args, **kwargs)
         except Exception as e:
             where = f" ({node.source})" if node.source else ""
             raise InterpreterError(f"node {node.name} ({node.target}){where} failed: {e}") from e
 
-    def _callable(self, node: ir.Op, args: list[Any]) -> Callable[..., Any]:
+    def callable(self, node: ir.Op, args: list[Any]) -> Callable[..., Any]:
+        """The function an op calls: its component module, or its checked glue target."""
         if node.kind == "component":
             module = self._modules.get(node.target)
             if module is None:
@@ -310,6 +323,8 @@ class Interpreter:
 
     def _bind(self, env: dict[str, Any], name: str, value: Any) -> None:
         env[name] = value
+        if self.observe is not None:
+            self.observe(name, value)
         if self.record is not None:
             meta = meta_of(value)
             old = self.record.get(name)

@@ -1,0 +1,124 @@
+"""``lower(captured, sample_inputs, placement)``: the lowering passes, in order.
+
+    analyze      batch dimension of every value (batchdims), sample arguments per op
+    split        IR blocks -> plan blocks of dispatch units, glue grouped by policy (split)
+    annotate     per component node: argument/result batch dims, batch buckets, compile plan
+    place        ranks per node and memory per rank from the placement (placement)
+
+Each pass takes its policy as a parameter; the result is an ``ExecutablePlan``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from walkserve.capture import ir
+from walkserve.capture.model import CapturedModel
+from walkserve.lowering.batchdims import BatchAnalysis, analyze
+from walkserve.lowering.compile import check_capturable, compile_plan
+from walkserve.lowering.plan import BlockPlan, ExecutablePlan, NodePlan, RankPlan
+from walkserve.lowering.split import POLICIES, GluePolicy, split_block
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to ``max_batch`` (the sizes CUDA graphs are recorded
+    for; a batch runs in the smallest bucket that holds it)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    buckets = [b for b in (1, 2, 4) if b <= max_batch]
+    buckets += list(range(8, max_batch + 1, 8))
+    if buckets[-1] != max_batch:
+        buckets.append(max_batch)
+    return buckets
+
+
+def lower(
+    captured: CapturedModel,
+    sample_inputs: Mapping[str, Any],
+    placement: Any = None,
+    *,
+    device: str = "cpu",
+    glue: str | GluePolicy = "fuse",
+    max_batch: int = 32,
+    check_capture: bool = True,
+) -> ExecutablePlan:
+    policy: GluePolicy = POLICIES[glue] if isinstance(glue, str) else glue
+    analysis = analyze(captured, sample_inputs)
+    walks: dict[str, BlockPlan] = {}
+    for name, walk in captured.graph.walks.items():
+        block = split_block(walk.body, policy)
+        ops = {n.name: n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.Op)}
+        _annotate(
+            block, ops, analysis, name, captured, device, batch_buckets(max_batch), check_capture
+        )
+        walks[name] = block
+    plan = ExecutablePlan(
+        model=captured.graph.model,
+        device=device,
+        walks=walks,
+        ranks={},
+        glue_policy=glue if isinstance(glue, str) else getattr(glue, "__name__", "custom"),
+        max_batch=max_batch,
+    )
+    _place(plan, captured, placement)
+    return plan
+
+
+def _annotate(
+    block: BlockPlan,
+    ops: dict[str, ir.Op],
+    analysis: BatchAnalysis,
+    walk: str,
+    captured: CapturedModel,
+    device: str,
+    buckets: list[int],
+    check: bool,
+) -> None:
+    dims = analysis.dims[walk]
+    samples = analysis.samples[walk]
+
+    def dim_of(arg: ir.Arg) -> Any:
+        return _jsonable(dims.get(arg.name)) if isinstance(arg, ir.Ref) else None
+
+    for node in block.nodes:
+        if not isinstance(node, NodePlan):
+            _annotate(node.body, ops, analysis, walk, captured, device, buckets, check)
+            continue
+        if node.kind != "component":
+            continue
+        op = ops[node.ops[0]]
+        node.in_dims = [dim_of(a) for a in op.args]
+        node.kw_dims = {k: dim_of(a) for k, a in op.kwargs.items()}
+        node.out_dim = _jsonable(dims.get(op.name))
+        node.batch_buckets = buckets
+        capturable: bool | None = None
+        reason: str | None = None
+        if check and op.name in samples:
+            args, kwargs = samples[op.name]
+            capturable, reason = check_capturable(
+                captured.model.get_submodule(op.target), args, kwargs
+            )
+        node.compile = compile_plan(device, capturable, reason)
+
+
+def _jsonable(dim: Any) -> Any:
+    if isinstance(dim, tuple):
+        return [_jsonable(d) for d in dim]
+    return dim
+
+
+def _place(plan: ExecutablePlan, captured: CapturedModel, placement: Any) -> None:
+    """Ranks per node; everything on rank 0 without a placement."""
+    resolve: Callable[[str, str, str], list[int]]
+    if placement is None:
+        resolve = lambda walk, node, target: [0]  # noqa: E731
+    else:
+        resolve = placement.ranks_for
+    ranks: dict[int, RankPlan] = {}
+    for walk in plan.walks:
+        for node in plan.nodes(walk):
+            node.ranks = resolve(walk, node.ops[0], node.target)
+            for r in node.ranks:
+                ranks.setdefault(r, RankPlan([])).nodes.append(f"{walk}:{node.name}")
+    plan.ranks = ranks

@@ -1,0 +1,152 @@
+"""The executable plan: what lowering produces and every worker builds its part from.
+
+Serializable without pickle (msgspec JSON), versioned, printable. It holds structure and
+policy, never weights: a worker rebuilds the callables of the nodes placed on its rank from the
+captured model (``build.callables``) and this plan.
+
+    ExecutablePlan
+      walks: {walk: BlockPlan}
+        BlockPlan.nodes: NodePlan | LoopPlan         (in execution order)
+          NodePlan   one dispatch: a component op (batched) + fused glue, or a glue group
+          LoopPlan   a loop of the IR; its body is a BlockPlan
+      ranks: {rank: RankPlan}  node names and the memory estimate per rank
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+PLAN_VERSION = 1
+
+
+class CompilePlan(msgspec.Struct, frozen=True):
+    """How a node is accelerated. ``torch_compile`` defaults off on CPU (no measured gain on
+    small models there) and on on CUDA; ``cuda_graph`` records one graph per batch bucket on
+    CUDA for nodes ``capturable`` under ``torch.compile(fullgraph=True)`` (checked on CPU too).
+    ``reason`` says why a node is not capturable."""
+
+    torch_compile: bool = False
+    cuda_graph: bool = False
+    capturable: bool | None = None
+    reason: str | None = None
+
+
+class NodePlan(msgspec.Struct, tag="node"):
+    """One dispatch unit. ``ops`` are the IR op names it runs in order: for a component node
+    the component op first, then the glue fused into it; for a glue node its glue ops.
+    ``in_dims``/``kw_dims``/``out_dim``: batch dimension of each argument and of the result of
+    the component op (an int, None, or a nested list for tuples)."""
+
+    name: str
+    kind: Literal["component", "glue"]
+    ops: list[str]
+    target: str
+    ranks: list[int] = msgspec.field(default_factory=lambda: [0])
+    in_dims: list[Any] = []
+    kw_dims: dict[str, Any] = {}
+    out_dim: Any = None
+    batch_buckets: list[int] = []
+    compile: CompilePlan = CompilePlan()
+
+
+class LoopPlan(msgspec.Struct, tag="loop"):
+    name: str
+    body: BlockPlan
+
+
+class BlockPlan(msgspec.Struct):
+    nodes: list[NodePlan | LoopPlan]
+
+
+class MemoryLine(msgspec.Struct, frozen=True):
+    weights: int = 0
+    kv: int = 0
+    streams: int = 0
+    workspace: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.streams + self.workspace
+
+
+class RankPlan(msgspec.Struct):
+    nodes: list[str]
+    memory: MemoryLine = MemoryLine()
+
+
+class ExecutablePlan(msgspec.Struct):
+    model: str
+    device: str
+    walks: dict[str, BlockPlan]
+    ranks: dict[int, RankPlan]
+    glue_policy: str = "fuse"
+    max_batch: int = 32
+    version: int = PLAN_VERSION
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @staticmethod
+    def from_json(text: str | bytes) -> ExecutablePlan:
+        plan = msgspec.json.decode(text, type=ExecutablePlan)
+        if plan.version != PLAN_VERSION:
+            raise ValueError(
+                f"plan version {plan.version} is not supported (expected {PLAN_VERSION})"
+            )
+        return plan
+
+    def nodes(self, walk: str) -> list[NodePlan]:
+        """Every node of a walk, loop bodies included, in execution order."""
+        out: list[NodePlan] = []
+
+        def visit(block: BlockPlan) -> None:
+            for n in block.nodes:
+                if isinstance(n, NodePlan):
+                    out.append(n)
+                else:
+                    visit(n.body)
+
+        visit(self.walks[walk])
+        return out
+
+    def format(self) -> str:
+        """Per-rank node list and memory estimate, for people."""
+        lines = [
+            f"plan for {self.model} on {self.device} (glue: {self.glue_policy}, max batch {self.max_batch})"
+        ]
+        for walk in self.walks:
+            lines.append(f"walk {walk}:")
+            for node in self.nodes(walk):
+                comp = node.compile
+                flags = (
+                    [f"ranks {node.ranks}", f"buckets {node.batch_buckets}"]
+                    if node.kind == "component"
+                    else [f"ranks {node.ranks}"]
+                )
+                if node.kind == "component":
+                    flags.append(
+                        "graph-capturable"
+                        if comp.capturable
+                        else f"not capturable ({comp.reason})"
+                        if comp.capturable is False
+                        else "capture unchecked"
+                    )
+                    if comp.torch_compile:
+                        flags.append("compiled")
+                    if comp.cuda_graph:
+                        flags.append("cuda graphs")
+                lines.append(f"  {node.kind:9} {node.name:32} {'; '.join(flags)}")
+        lines.append("ranks:")
+        for rank, rp in sorted(self.ranks.items()):
+            m = rp.memory
+            lines.append(
+                f"  rank {rank}: {len(rp.nodes)} nodes; memory weights {_mib(m.weights)}, KV {_mib(m.kv)}, "
+                f"streams {_mib(m.streams)}, workspace {_mib(m.workspace)}, total {_mib(m.total)}"
+            )
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
