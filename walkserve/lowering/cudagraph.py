@@ -1,0 +1,129 @@
+"""CUDA-graph replay of a batched component, one graph per batch bucket (CUDA only).
+
+The CPU twin is ``batched.BatchedComponent``: same calling convention, same grouping, same
+results (tests on a GPU compare the two). Imported lazily; nothing here runs without CUDA.
+
+For each bucket size ``b`` the component is recorded once on static input buffers shaped like
+the template request with the batch dimension widened to ``b``:
+
+    static inputs [b, ...] --graph replay--> static outputs [b, ...]
+
+A call copies the group's concatenated inputs into the first rows of the smallest bucket that
+holds it, replays, and copies the first rows of the outputs out (rows past the group are stale
+and dropped; components are row-independent by contract). A group whose non-batch shapes or
+shared arguments differ from the template, or that is larger than the largest bucket, runs
+eagerly: a graph never computes something the eager call would not.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from walkserve.lowering.batched import BatchedComponent, Call, _batch_size, _compatible, _split
+
+
+class GraphedComponent(BatchedComponent):
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        in_dims: Sequence[Any],
+        kw_dims: dict[str, Any],
+        out_dim: Any,
+        buckets: Sequence[int],
+        template: Call,
+    ) -> None:
+        super().__init__(name, fn, in_dims, kw_dims, out_dim)
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        self.template = template
+        self.sizes = sorted(buckets)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Call, Any]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
+            self.graphs[b] = self._record(b)
+        self.replays = 0
+
+    def _widen(self, value: Any, dim: Any, b: int) -> Any:
+        if not isinstance(dim, int):
+            return value
+        reps = [1] * value.dim()
+        reps[dim] = -(-b // value.shape[dim])
+        return value.repeat(*reps).narrow(dim, 0, b).contiguous()
+
+    def _record(self, b: int) -> tuple[torch.cuda.CUDAGraph, Call, Any]:
+        args = [self._widen(a, d, b) for a, d in zip(self.template[0], self.in_dims)]
+        kwargs = {k: self._widen(v, self.kw_dims.get(k), b) for k, v in self.template[1].items()}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):  # warm up kernels and allocator outside the graph
+                self.fn(*args, **kwargs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+            out = self.fn(*args, **kwargs)
+        return graph, (args, kwargs), out
+
+    def _run(self, calls: list[Call]) -> list[Any]:
+        sizes = [_batch_size(c, self.in_dims, self.kw_dims) for c in calls]
+        total = sum(sizes)
+        k = bisect.bisect_left(self.sizes, total)
+        if k == len(self.sizes) or not self._matches_template(calls[0]):
+            return super()._run(calls)
+        graph, (args, kwargs), out = self.graphs[self.sizes[k]]
+        for j, d in enumerate(self.in_dims):
+            if isinstance(d, int):
+                args[j].narrow(d, 0, total).copy_(torch.cat([c[0][j] for c in calls], dim=d))
+            elif isinstance(args[j], torch.Tensor):
+                args[j].copy_(calls[0][0][j])  # shared by the group: same value in every call
+        for key in kwargs:
+            d = self.kw_dims.get(key)
+            if isinstance(d, int):
+                kwargs[key].narrow(d, 0, total).copy_(torch.cat([c[1][key] for c in calls], dim=d))
+            elif isinstance(kwargs[key], torch.Tensor):
+                kwargs[key].copy_(calls[0][1][key])
+        graph.replay()
+        self.replays += 1
+        return _split(_clone(out), self.out_dim, sizes)
+
+    def _matches_template(self, call: Call) -> bool:
+        """Same shapes as the recorded template; shared tensors may differ in value (they are
+        copied into the graph's buffers), Python values and objects may not."""
+        t_args, t_kwargs = self.template
+        if len(call[0]) != len(t_args) or call[1].keys() != t_kwargs.keys():
+            return False
+        pairs = list(zip(call[0], t_args, self.in_dims)) + [
+            (call[1][k], t_kwargs[k], self.kw_dims.get(k)) for k in call[1]
+        ]
+        for x, y, d in pairs:
+            if (
+                not isinstance(d, int)
+                and isinstance(x, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+            ):
+                if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+                    return False
+            elif not _compatible(x, y, d):
+                return False
+        return True
+
+    def __call__(self, batch: Sequence[Call]) -> list[Any]:
+        results: list[Any] = [None] * len(batch)
+        for group in self._groups(batch):
+            outs = self._run([batch[i] for i in group])
+            for i, out in zip(group, outs):
+                results[i] = out
+        return results
+
+
+def _clone(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_clone(o) for o in out)
+    return out
