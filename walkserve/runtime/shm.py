@@ -1,0 +1,547 @@
+"""Shared-memory data plane: server-owned segments that carry tensor bytes between processes.
+
+Owns segment lifetime (create, reuse, unlink), per-slot reader counts, and handle validation.
+What crosses a process boundary:
+
+- ``ShmPoolSpec``, sent once at start-up by the owner: the pool id and, for every segment
+  index, the segment's name and capacity. Names are made by the pool; a reader opens only
+  names from a spec it was given, never a name taken from a handle.
+- ``ShmHandle``, one per tensor: pool id, segment index, generation, ``TensorHeader``.
+- An ack per reader per handle, carried back over the control plane (``messages.Ack``); the
+  owner calls ``ShmPool.ack``.
+
+One segment is one slot. Slots come in size classes (powers of two, ``min_slot_bytes`` up to
+``max_slot_bytes``); each class holds up to ``slots_per_class`` segments, created on first need.
+
+Segment layout (little-endian; the tensor starts 64-byte aligned)::
+
+    0     4     6     8          16          24          32          64            64 + capacity
+    +-----+-----+-----+----------+-----------+-----------+-----------+-------------+
+    |magic| ver | pad |generation| capacity  |  nbytes   |  (unused) | tensor bytes|
+    +-----+-----+-----+----------+-----------+-----------+-----------+-------------+
+
+Slot lifecycle; the generation is bumped on both edges, so a handle is readable exactly while
+its slot holds the tensor it was made for::
+
+    idle --write(readers=N): gen+1--> held(N) --ack--> held(N-1) ... --last ack: gen+1--> idle
+
+A reader checks the generation in the segment before and after copying, so it never returns
+bytes from a slot that was released or reused, even when a buggy peer reads after its ack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import struct
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
+from typing import Annotated, Literal
+
+import msgspec
+import torch
+
+from walkserve.runtime.tensorcodec import TensorHeader, copy_into, from_bytes, header_of
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+MAGIC = b"WSHM"
+LAYOUT_VERSION = 1
+_HEADER = struct.Struct("<4sHHQQQ")  # magic, version, pad, generation, capacity, nbytes
+_GEN_OFFSET = 8
+_NBYTES_OFFSET = 24
+DATA_OFFSET = 64
+
+_POOL_ID = re.compile(r"^[0-9a-f]{16}$")
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PoolId = Annotated[str, msgspec.Meta(pattern=_POOL_ID.pattern)]
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+class ShmError(Exception):
+    """Base class of shared-memory errors."""
+
+
+class PoolExhausted(ShmError):
+    """No slot of the needed size class became free (at once, or within the timeout)."""
+
+
+class PoolClosed(ShmError):
+    """The pool was closed."""
+
+
+class InvalidHandle(ShmError, ValueError):
+    """A handle that does not name a slot of a known pool, or disagrees with that slot."""
+
+
+class StaleHandle(InvalidHandle):
+    """The slot no longer holds the tensor the handle was made for (released or reused)."""
+
+
+# ------------------------------------------------------------------------- wire types
+
+
+class SegmentSpec(msgspec.Struct, frozen=True):
+    """One segment: its name in the shared-memory namespace and its payload capacity."""
+
+    name: str
+    capacity: Annotated[int, msgspec.Meta(gt=0)]
+
+
+class ShmPoolSpec(msgspec.Struct, frozen=True):
+    """Everything a reader needs to attach to a pool: segment index ``i`` is ``segments[i]``.
+    Segments may not exist yet (they are created on first use); readers attach lazily."""
+
+    pool_id: str
+    segments: tuple[SegmentSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not _POOL_ID.fullmatch(self.pool_id):
+            raise ValueError(f"pool_id must be 16 lowercase hex digits, got {self.pool_id!r}")
+        for index, seg in enumerate(self.segments):
+            if seg.name != segment_name(self.pool_id, index):
+                raise ValueError(f"segment {index} has unexpected name {seg.name!r}")
+
+
+class ShmHandle(msgspec.Struct, frozen=True, tag="shm", tag_field="type"):
+    """A tensor held in slot ``index`` of pool ``pool_id`` while the slot is at
+    ``generation``. Made only by ``ShmPool.write``; a member of ``messages.TensorRef``."""
+
+    pool_id: PoolId
+    index: NonNegInt
+    generation: NonNegInt
+    header: TensorHeader
+
+
+def segment_name(pool_id: str, index: int) -> str:
+    """The name of segment ``index`` of pool ``pool_id`` (at most 31 characters, the macOS
+    limit)."""
+    return f"wsp_{pool_id}_{index}"
+
+
+# ------------------------------------------------------------------------------ config
+
+
+@dataclass(frozen=True)
+class ShmPoolConfig:
+    """Size classes are the powers of two from ``min_slot_bytes`` to ``max_slot_bytes``.
+    ``when_exhausted``: ``"block"`` waits up to ``block_timeout_s`` for an ack to free a slot,
+    then raises ``PoolExhausted``; ``"raise"`` raises at once."""
+
+    min_slot_bytes: int = 64 * KiB
+    max_slot_bytes: int = 256 * MiB
+    slots_per_class: int = 4
+    when_exhausted: Literal["block", "raise"] = "block"
+    block_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for field in ("min_slot_bytes", "max_slot_bytes"):
+            value = getattr(self, field)
+            if value < 4 * KiB or value & (value - 1):
+                raise ValueError(f"{field} must be a power of two >= 4096, got {value}")
+        if self.max_slot_bytes < self.min_slot_bytes:
+            raise ValueError(
+                f"max_slot_bytes ({self.max_slot_bytes}) < min_slot_bytes ({self.min_slot_bytes})"
+            )
+        if self.slots_per_class < 1:
+            raise ValueError(f"slots_per_class must be >= 1, got {self.slots_per_class}")
+        if self.when_exhausted not in ("block", "raise"):
+            raise ValueError(
+                f"when_exhausted must be 'block' or 'raise', got {self.when_exhausted!r}"
+            )
+        if not self.block_timeout_s > 0:
+            raise ValueError(f"block_timeout_s must be > 0, got {self.block_timeout_s}")
+
+    @property
+    def class_sizes(self) -> tuple[int, ...]:
+        sizes = []
+        size = self.min_slot_bytes
+        while size <= self.max_slot_bytes:
+            sizes.append(size)
+            size *= 2
+        return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class ClassStats:
+    """One size class: ``idle + in_use == created <= limit``."""
+
+    slot_bytes: int
+    limit: int  # most segments this class may create
+    created: int
+    idle: int
+    in_use: int
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of the pool, smallest class first."""
+
+    classes: tuple[ClassStats, ...]
+
+    @property
+    def idle(self) -> int:
+        return sum(c.idle for c in self.classes)
+
+    @property
+    def in_use(self) -> int:
+        return sum(c.in_use for c in self.classes)
+
+
+# -------------------------------------------------------------------------------- pool
+
+
+@dataclass
+class _Slot:
+    shm: SharedMemory
+    buf: memoryview  # the whole segment, header included
+    capacity: int
+    generation: int = 0
+    readers: int = 0  # 0: idle
+    header: TensorHeader | None = None
+
+    def store_generation(self) -> None:
+        struct.pack_into("<Q", self.buf, _GEN_OFFSET, self.generation)
+
+
+class ShmPool:
+    """The owner's side: creates segments, copies tensors in, tracks readers, unlinks on
+    ``close()`` (also called at interpreter exit, and by the context manager).
+
+    Thread-safe: ``write`` may block waiting for a slot while another thread calls ``ack``.
+    ``close()`` must not race with a ``write`` in progress.
+    """
+
+    def __init__(self, config: ShmPoolConfig | None = None) -> None:
+        self.config = config or ShmPoolConfig()
+        self.pool_id = secrets.token_hex(8)
+        self._sizes = self.config.class_sizes
+        per_class = self.config.slots_per_class
+        self._slots: list[_Slot | None] = [None] * (len(self._sizes) * per_class)
+        self._cond = threading.Condition()
+        self._closed = False
+        self.spec = ShmPoolSpec(
+            self.pool_id,
+            tuple(
+                SegmentSpec(segment_name(self.pool_id, i), self._sizes[i // per_class])
+                for i in range(len(self._slots))
+            ),
+        )
+        # Holds the created segments for the finalizer, which must not reference self.
+        self._created: list[SharedMemory] = []
+        self._finalizer = weakref.finalize(self, _release, self._created, os.getpid())
+
+    def write(self, tensor: torch.Tensor, readers: int = 1) -> ShmHandle:
+        """Copy ``tensor`` into a free slot held for ``readers`` acks; return its handle."""
+        if readers < 1:
+            raise ValueError(f"readers must be >= 1, got {readers}")
+        header = header_of(tensor)
+        cls = self._class_for(header.nbytes)
+        with self._cond:
+            index = self._claim(cls)
+            slot = self._slot(index)
+            slot.readers = readers
+            slot.header = header
+            slot.generation += 1
+            slot.store_generation()
+            struct.pack_into("<Q", slot.buf, _NBYTES_OFFSET, header.nbytes)
+        try:
+            # Outside the lock: nobody else touches a claimed slot, and no reader has its
+            # handle before we return it.
+            copy_into(tensor, slot.buf[DATA_OFFSET : DATA_OFFSET + slot.capacity], header)
+        except BaseException:
+            with self._cond:
+                self._release_slot(slot)
+            raise
+        return ShmHandle(self.pool_id, index, slot.generation, header)
+
+    def ack(self, handle: ShmHandle) -> None:
+        """One reader is done with ``handle``; the slot turns idle after the last ack.
+        Acks arriving after ``close()`` are ignored (late acks are normal at shutdown)."""
+        with self._cond:
+            if self._closed:
+                return
+            if handle.pool_id != self.pool_id:
+                raise InvalidHandle(f"handle of pool {handle.pool_id!r} acked to {self.pool_id!r}")
+            if not 0 <= handle.index < len(self._slots):
+                raise InvalidHandle(f"segment index {handle.index} out of range")
+            slot = self._slots[handle.index]
+            if slot is None:
+                raise InvalidHandle(f"segment {handle.index} was never written")
+            if slot.readers == 0 or slot.generation != handle.generation:
+                raise StaleHandle(
+                    f"slot {handle.index} is at generation {slot.generation}, handle has "
+                    f"{handle.generation} (acked twice, or for a released slot)"
+                )
+            if slot.header != handle.header:
+                raise InvalidHandle(f"handle header does not match slot {handle.index}")
+            slot.readers -= 1
+            if slot.readers == 0:
+                self._release_slot(slot)
+
+    def stats(self) -> PoolStats:
+        per_class = self.config.slots_per_class
+        classes = []
+        with self._cond:
+            for c, size in enumerate(self._sizes):
+                slots = [s for s in self._slots[c * per_class : (c + 1) * per_class] if s]
+                in_use = sum(1 for s in slots if s.readers > 0)
+                classes.append(ClassStats(size, per_class, len(slots), len(slots) - in_use, in_use))
+        return PoolStats(tuple(classes))
+
+    def close(self) -> None:
+        """Unlink every segment (idempotent). Readers' existing mappings stay valid, but no
+        new reader can attach and blocked writers raise ``PoolClosed``."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._finalizer()
+
+    def __enter__(self) -> ShmPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _class_for(self, nbytes: int) -> int:
+        for c, size in enumerate(self._sizes):
+            if nbytes <= size:
+                return c
+        raise ValueError(
+            f"a tensor of {nbytes} bytes exceeds the largest slot ({self._sizes[-1]} bytes); "
+            "raise ShmPoolConfig.max_slot_bytes"
+        )
+
+    def _claim(self, cls: int) -> int:
+        """Index of an idle (or newly created) slot of class ``cls``; waits or raises when
+        none is free. Call with the lock held."""
+        per_class = self.config.slots_per_class
+        indices = range(cls * per_class, (cls + 1) * per_class)
+        deadline = time.monotonic() + self.config.block_timeout_s
+        while True:
+            if self._closed:
+                raise PoolClosed("the shared-memory pool is closed")
+            for i in indices:
+                slot = self._slots[i]
+                if slot is not None and slot.readers == 0:
+                    return i
+            for i in indices:
+                if self._slots[i] is None:
+                    self._slots[i] = self._create(i, self._sizes[cls])
+                    return i
+            remaining = deadline - time.monotonic()
+            if self.config.when_exhausted == "raise" or remaining <= 0:
+                waited = "" if self.config.when_exhausted == "raise" else " within timeout"
+                raise PoolExhausted(
+                    f"no free {self._sizes[cls]}-byte slot{waited}: all {per_class} held by "
+                    "readers that have not acked; raise slots_per_class or ack sooner"
+                )
+            self._cond.wait(remaining)
+
+    def _create(self, index: int, capacity: int) -> _Slot:
+        size = DATA_OFFSET + capacity
+        try:
+            shm = SharedMemory(name=segment_name(self.pool_id, index), create=True, size=size)
+        except FileExistsError as e:
+            raise ShmError(f"segment name collision for {e.filename!r}") from e
+        self._created.append(shm)
+        # Reserve the pages now, so a full /dev/shm is an error here and not a SIGBUS later.
+        fd = getattr(shm, "_fd", -1)
+        if fd >= 0 and hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise ShmError(f"cannot reserve {size} bytes of shared memory: {e}") from e
+        buf = shm.buf  # the segment's own view (a derived one would block its close())
+        assert buf is not None
+        _HEADER.pack_into(buf, 0, MAGIC, LAYOUT_VERSION, 0, 0, capacity, 0)
+        return _Slot(shm, buf, capacity)
+
+    def _slot(self, index: int) -> _Slot:
+        slot = self._slots[index]
+        assert slot is not None
+        return slot
+
+    def _release_slot(self, slot: _Slot) -> None:
+        slot.readers = 0
+        slot.header = None
+        slot.generation += 1
+        slot.store_generation()
+        self._cond.notify_all()
+
+
+def _release(segments: list[SharedMemory], owner_pid: int) -> None:
+    """Unlink and unmap the pool's segments; only in the process that created them."""
+    if os.getpid() != owner_pid:
+        return
+    for shm in segments:
+        with contextlib.suppress(FileNotFoundError):
+            shm.unlink()
+        _close_quietly(shm.close)
+    segments.clear()
+
+
+def _close_quietly(close: Callable[[], object]) -> None:
+    """Unmap, unless a zero-copy tensor still views the mapping: then the mapping lives on
+    until that tensor dies (the view keeps it referenced)."""
+    with contextlib.suppress(BufferError):
+        close()
+
+
+# ------------------------------------------------------------------------------ reader
+
+
+class _Mapping:
+    """A read-write mapping of one segment that is not registered with the resource tracker:
+    the owner alone decides when a segment is unlinked."""
+
+    def __init__(self, name: str) -> None:
+        if sys.version_info >= (3, 13):
+            shm = SharedMemory(name=name, track=False)
+            self.buf = shm.buf
+            self._closer: Callable[[], object] = shm.close
+        else:
+            # Before 3.13, attaching through SharedMemory registers the segment with this
+            # process's resource tracker, which then unlinks it (with a warning) when this
+            # process exits, or logs KeyErrors if the tracker is shared with the owner.
+            import _posixshmem
+
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            try:
+                mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            self.buf = memoryview(mm)
+
+            def unmap() -> None:
+                self.buf.release()
+                mm.close()
+
+            self._closer = unmap
+
+    def close(self) -> None:
+        _close_quietly(self._closer)
+
+
+class ShmReader:
+    """A process's read side: attaches to segments named in specs the owner sent, validates
+    every handle against the segment itself, and copies tensors out."""
+
+    def __init__(self, specs: Iterable[ShmPoolSpec] = ()) -> None:
+        self._specs: dict[str, ShmPoolSpec] = {}
+        self._maps: dict[tuple[str, int], _Mapping] = {}
+        self._lock = threading.Lock()
+        for spec in specs:
+            self.add(spec)
+
+    def add(self, spec: ShmPoolSpec) -> None:
+        self._specs[spec.pool_id] = spec
+
+    def read(self, handle: ShmHandle, *, copy: bool = True) -> torch.Tensor:
+        """The tensor ``handle`` names. ``copy=True``: a new tensor, safe to keep after the
+        ack. ``copy=False``: a zero-copy view into the slot, valid only until this reader
+        acks the handle (the slot is then reused). Raises ``InvalidHandle``/``StaleHandle``."""
+        buf = self._segment(handle)
+        tensor = from_bytes(handle.header, self._payload(handle, buf), copy=copy)
+        if copy:
+            self._check_unchanged(handle, buf)
+        return tensor
+
+    def read_into(self, handle: ShmHandle, out: torch.Tensor) -> torch.Tensor:
+        """Copy the tensor ``handle`` names into ``out`` (same dtype and shape, any device or
+        strides: a static input buffer, a CUDA tensor) and return ``out``. Saves ``read``'s
+        allocation, which for large tensors costs more than the copy (fresh pages fault in)."""
+        header = handle.header
+        if out.dtype != header.torch_dtype or tuple(out.shape) != header.shape:
+            have, want = f"{out.dtype}{list(out.shape)}", f"{header.dtype}{list(header.shape)}"
+            raise ValueError(f"out is {have}, handle holds {want}")
+        buf = self._segment(handle)
+        out.copy_(from_bytes(header, self._payload(handle, buf), copy=False))
+        self._check_unchanged(handle, buf)
+        return out
+
+    def close(self) -> None:
+        """Unmap every segment (tensors still viewing one keep it mapped until they die)."""
+        with self._lock:
+            for mapping in self._maps.values():
+                mapping.close()
+            self._maps.clear()
+
+    def __enter__(self) -> ShmReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _segment(self, handle: ShmHandle) -> memoryview:
+        """The mapped segment ``handle`` names, after checking the handle against the spec
+        and the segment's own header."""
+        spec = self._specs.get(handle.pool_id)
+        if spec is None:
+            raise InvalidHandle(f"unknown pool {handle.pool_id!r}")
+        if not 0 <= handle.index < len(spec.segments):
+            raise InvalidHandle(
+                f"segment index {handle.index} out of range for pool {spec.pool_id} "
+                f"({len(spec.segments)} segments)"
+            )
+        seg = spec.segments[handle.index]
+        if handle.header.nbytes > seg.capacity:
+            raise InvalidHandle(
+                f"handle says {handle.header.nbytes} bytes, segment {handle.index} holds at "
+                f"most {seg.capacity}"
+            )
+        key = (spec.pool_id, handle.index)
+        with self._lock:
+            mapping = self._maps.get(key)
+            if mapping is None:
+                try:
+                    mapping = _Mapping(seg.name)
+                except FileNotFoundError as e:
+                    raise InvalidHandle(f"segment {handle.index} does not exist") from e
+                self._maps[key] = mapping
+        buf = mapping.buf
+        if len(buf) < DATA_OFFSET + seg.capacity:
+            raise InvalidHandle(f"segment {handle.index} is smaller than its spec says")
+        magic, version, _, _, capacity, _ = _HEADER.unpack_from(buf, 0)
+        if magic != MAGIC or version != LAYOUT_VERSION or capacity != seg.capacity:
+            raise InvalidHandle(f"segment {handle.index} does not hold a walkserve slot")
+        return buf
+
+    def _payload(self, handle: ShmHandle, buf: memoryview) -> memoryview:
+        """The slot's tensor bytes, after checking that the slot still holds ``handle``'s."""
+        gen, nbytes = _read_state(buf)
+        if gen != handle.generation:
+            raise StaleHandle(
+                f"slot {handle.index} is at generation {gen}, handle has {handle.generation}"
+            )
+        if nbytes != handle.header.nbytes:
+            raise InvalidHandle(
+                f"handle says {handle.header.nbytes} bytes, slot {handle.index} holds {nbytes}"
+            )
+        return buf[DATA_OFFSET : DATA_OFFSET + nbytes]
+
+    def _check_unchanged(self, handle: ShmHandle, buf: memoryview) -> None:
+        """After a copy: the slot was not released (and maybe reused) while we copied."""
+        if _read_state(buf)[0] != handle.generation:
+            raise StaleHandle(f"slot {handle.index} was released while it was being read")
+
+
+def _read_state(buf: memoryview) -> tuple[int, int]:
+    """(generation, nbytes) as stored in a segment's header."""
+    (gen,) = struct.unpack_from("<Q", buf, _GEN_OFFSET)
+    (nbytes,) = struct.unpack_from("<Q", buf, _NBYTES_OFFSET)
+    return gen, nbytes
