@@ -72,7 +72,12 @@ class Interpreter:
         """Run a request from ``walk`` (default: the first entry walk) through the walk
         transitions; returns the client outputs of every walk it ran (later ones win)."""
         graph = self.captured.graph
-        current: str | None = walk or graph.entry_walks()[0]
+        entries = graph.entry_walks()
+        if walk is None and not entries:
+            raise InterpreterError(
+                "the model has no entry walk (every walk is another's next); name one"
+            )
+        current: str | None = walk or entries[0]
         state: dict[str, Any] = dict(inputs)
         client: dict[str, Any] = {}
         for _ in range(MAX_TRANSITIONS):
@@ -247,10 +252,11 @@ class Interpreter:
             result[ch] = join(collected[ch], dim=acc.dim)
         if self.record is not None:
             for ch, acc in node.accumulated.items():
-                meta = self.record.get(ch)
+                meta = meta_of(result[ch])
                 if isinstance(meta, ir.TensorMeta) and meta.shape:
                     shape = list(meta.shape)
                     shape[acc.dim] = None  # grows with the iteration count
+                    # _bind merges the concrete shape into this one and keeps the None.
                     self.record[ch] = ir.TensorMeta(shape, meta.dtype)
         return result
 

@@ -21,17 +21,26 @@ consumer loop chunk by chunk under a chunk policy. ``Parallel`` and ``Sequential
 stored: they follow from the dataflow and are derived by ``sections()``: component nodes that
 cannot reach each other form a ``Parallel`` section.
 
-Printed form of the CFG example's ``generate`` walk (``walkserve trace``)::
+Printed form of the CFG example's ``generate`` walk (``walkserve trace``, glue abridged)::
 
     walk generate(prompt_ids, noise) -> image
-      text_encoder = component text_encoder(prompt_ids)
-      loop euler_step x49 carried(z <- noise) per_step(t = sigmas[0::1], t_next = sigmas[1::1]) ...
+      full_like = glue torch.full_like(prompt_ids, 0)
+      parallel
+        text_encoder = component text_encoder(prompt_ids)
+        text_encoder_1 = component text_encoder(full_like)
+      loop euler_step x49
+        carried     z <- noise, next add_2
+        per step    t = self.sigmas[i], t_next = self.sigmas[1 + i]
+        invariant   text_ctx = text_encoder, img_ctx = expand, ...
+        terminal    euler_step.z = add_2
         parallel
           denoiser = component denoiser(z, t, text_ctx, img_ctx)
-          denoiser_1 = component denoiser(z, t, text_ctx, null_img_ctx)
+          denoiser_1 = component denoiser(z, t, null_text_ctx, img_ctx)
           denoiser_2 = component denoiser(z, t, null_text_ctx, null_img_ctx)
-        add = glue operator.add(...)
+        ...
+        add_2 = glue operator.add(z, mul_2)
       decoder = component decoder(euler_step.z)
+      return image = decoder
 
 Everything here is a msgspec Struct: ``walkserve.capture.serialize`` exports and imports the
 IR as JSON that round-trips exactly, and ``lint()`` checks every structural invariant.
@@ -249,7 +258,8 @@ class Accumulated(msgspec.Struct, frozen=True):
 
 
 class LoopNode(msgspec.Struct, tag="loop"):
-    """A bounded ``Loop`` (``dynamic=False``) or a ``DynamicLoop`` (``stop`` set).
+    """A bounded ``Loop`` (``dynamic=False``) or a ``DynamicLoop`` (``stop`` set; it needs
+    ``max_iters`` unless it iterates a stream, whose chunks bound it).
 
     Body outputs ``outputs`` are values of the body block. Channels produced in the outer
     scope: ``terminal`` (channel -> body output index; the last iteration's value) and
