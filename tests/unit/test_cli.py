@@ -1,0 +1,70 @@
+"""The ``walkserve`` command line, run in-process through ``cli.main``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from walkserve.capture import serialize
+from walkserve.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_trace_text(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "trace", "--model", "example-cfg-image", "--walk", "generate")
+    assert code == 0
+    assert "walk generate(prompt_ids, noise) -> image" in out
+    assert "loop euler_step x49" in out
+    assert out.count("= component denoiser(") == 3
+
+
+def test_trace_json_is_the_documented_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "trace", "--model", "example-speech", "--format", "json")
+    assert code == 0
+    graph = serialize.from_json(out)
+    assert list(graph.walks) == ["speak"]
+    assert json.loads(out)["version"] == 1
+
+
+def test_trace_dot(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "trace", "--model", "example-world", "--format", "dot")
+    assert code == 0 and out.lstrip().startswith("digraph") and "cluster" in out
+
+
+def test_trace_local_hf_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    code, out, _ = run(capsys, "trace", "--model", str(tmp_path))
+    assert code == 0
+    assert "walk prefill(input_ids)" in out and "walk decode(" in out
+
+
+def test_unknown_model_and_walk(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "trace", "--model", "no-such-model")
+    assert code == 2 and "unknown model 'no-such-model'" in err and "example-text" in err
+    code, _, err = run(capsys, "trace", "--model", "example-text", "--walk", "nope")
+    assert code == 2 and "unknown walk 'nope'" in err
+
+
+def test_demo_runs_and_checks_against_eager(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "demo", "--model", "example-text")
+    assert code == 0
+    assert "walk prefill" in out and "equal to eager" in out and "DIFFERENT" not in out
