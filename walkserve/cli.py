@@ -28,6 +28,27 @@ def main(argv: list[str] | None = None) -> int:
         "--svg", metavar="FILE", help="also write an SVG of --walk (needs graphviz 'dot')"
     )
 
+    pl = sub.add_parser("plan", help="lower a model for a placement and print the plan")
+    pl.add_argument(
+        "--model",
+        default="example-cfg-image",
+        help="built-in name, checkpoint dir, or module:factory",
+    )
+    pl.add_argument(
+        "--placement", metavar="FILE", help="YAML or JSON placement (default: all on rank 0)"
+    )
+    pl.add_argument(
+        "--device", default="cpu", help="cpu or cuda (decides compile and CUDA-graph plans)"
+    )
+    pl.add_argument("--glue", choices=("fuse", "separate"), default="fuse")
+    pl.add_argument("--max-batch", type=int, default=32)
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument(
+        "--skip-capture-check",
+        action="store_true",
+        help="do not check which nodes can be graph-captured (faster)",
+    )
+
     d = sub.add_parser("demo", help="trace and run the walks of every built-in model")
     d.add_argument("--model", action="append", help="only these models (repeatable)")
 
@@ -35,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "trace":
             return _trace(args)
+        if args.command == "plan":
+            return _plan(args)
         return _demo(args)
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, OSError) as e:
         print(f"walkserve: error: {e}", file=sys.stderr)
         return 2
 
@@ -72,6 +95,40 @@ def _trace(args: argparse.Namespace) -> int:
         with open(args.svg, "wb") as f:
             f.write(svg)
         print(f"wrote {args.svg}", file=sys.stderr)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import warnings
+
+    from walkserve.lowering.lower import lower
+    from walkserve.lowering.memory import format_memory
+    from walkserve.lowering.placement import Placement, PlacementWarning, resolve
+
+    captured, _, sample = _capture(args.model)
+    placement = Placement.from_file(args.placement) if args.placement else Placement.default(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlacementWarning)
+        plan = lower(
+            captured,
+            sample,
+            placement,
+            device=args.device,
+            glue=args.glue,
+            max_batch=args.max_batch,
+            check_capture=not args.skip_capture_check,
+        )
+        resolved = resolve(placement, captured)
+    if args.json:
+        print(plan.to_json())
+        return 0
+    print(plan.format())
+    from walkserve.lowering.memory import estimate_memory
+
+    print()
+    print(format_memory(estimate_memory(resolved, captured)))
+    for message in resolved.warnings:
+        print(f"warning: {message}")
     return 0
 
 

@@ -68,3 +68,32 @@ def test_demo_runs_and_checks_against_eager(capsys: pytest.CaptureFixture[str]) 
     code, out, _ = run(capsys, "demo", "--model", "example-text")
     assert code == 0
     assert "walk prefill" in out and "equal to eager" in out and "DIFFERENT" not in out
+
+
+def test_plan_prints_ranks_and_memory_for_every_example_placement(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from walkserve.adapters.examples import PLACEMENTS_DIR
+
+    files = sorted(PLACEMENTS_DIR.glob("*.yaml"))
+    assert len(files) >= 6
+    for path in files:
+        model = path.name.split(".")[0]
+        fast = [] if path.name == "example-speech.2ranks.yaml" else ["--skip-capture-check"]
+        code, out, err = run(capsys, "plan", "--model", model, "--placement", str(path), *fast)
+        assert code == 0, err
+        ranks = int(path.name.split(".")[1].removesuffix("ranks").removesuffix("rank"))
+        for rank in range(ranks):
+            assert f"rank {rank}:" in out
+        assert "weights" in out and "KV pool" in out and "total" in out
+
+
+def test_plan_json_and_bad_placement(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from walkserve.lowering.plan import ExecutablePlan
+
+    code, out, _ = run(capsys, "plan", "--model", "example-text", "--json", "--skip-capture-check")
+    assert code == 0 and ExecutablePlan.from_json(out).walks.keys() == {"prefill", "decode"}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ranks: 1\nnodes:\n  no_such_component: [0]\n")
+    code, _, err = run(capsys, "plan", "--model", "example-text", "--placement", str(bad))
+    assert code == 2 and "no_such_component" in err

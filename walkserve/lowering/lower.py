@@ -10,14 +10,16 @@ Each pass takes its policy as a parameter; the result is an ``ExecutablePlan``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from walkserve.capture import ir
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.batchdims import BatchAnalysis, analyze
 from walkserve.lowering.compile import check_capturable, compile_plan
-from walkserve.lowering.plan import BlockPlan, ExecutablePlan, NodePlan, RankPlan
+from walkserve.lowering.memory import MemoryLimits, estimate_memory
+from walkserve.lowering.placement import Placement, resolve
+from walkserve.lowering.plan import BlockPlan, ExecutablePlan, MemoryLine, NodePlan, RankPlan
 from walkserve.lowering.split import POLICIES, GluePolicy, split_block
 
 
@@ -36,12 +38,13 @@ def batch_buckets(max_batch: int) -> list[int]:
 def lower(
     captured: CapturedModel,
     sample_inputs: Mapping[str, Any],
-    placement: Any = None,
+    placement: Placement | None = None,
     *,
     device: str = "cpu",
     glue: str | GluePolicy = "fuse",
     max_batch: int = 32,
     check_capture: bool = True,
+    limits: MemoryLimits | None = None,
 ) -> ExecutablePlan:
     policy: GluePolicy = POLICIES[glue] if isinstance(glue, str) else glue
     analysis = analyze(captured, sample_inputs)
@@ -61,7 +64,7 @@ def lower(
         glue_policy=glue if isinstance(glue, str) else getattr(glue, "__name__", "custom"),
         max_batch=max_batch,
     )
-    _place(plan, captured, placement)
+    _place(plan, captured, placement, limits)
     return plan
 
 
@@ -108,17 +111,22 @@ def _jsonable(dim: Any) -> Any:
     return dim
 
 
-def _place(plan: ExecutablePlan, captured: CapturedModel, placement: Any) -> None:
-    """Ranks per node; everything on rank 0 without a placement."""
-    resolve: Callable[[str, str, str], list[int]]
-    if placement is None:
-        resolve = lambda walk, node, target: [0]  # noqa: E731
-    else:
-        resolve = placement.ranks_for
-    ranks: dict[int, RankPlan] = {}
+def _place(
+    plan: ExecutablePlan,
+    captured: CapturedModel,
+    placement: Placement | None,
+    limits: MemoryLimits | None,
+) -> None:
+    """Ranks per node (everything on rank 0 without a placement) and memory per rank."""
+    resolved = resolve(placement or Placement.default(1), captured)
+    estimates = estimate_memory(resolved, captured, limits)
+    ranks = {
+        r: RankPlan([], MemoryLine(e.weights, e.kv_pool, e.stream_buffers, e.workspace))
+        for r, e in estimates.items()
+    }
     for walk in plan.walks:
         for node in plan.nodes(walk):
-            node.ranks = resolve(walk, node.ops[0], node.target)
+            node.ranks = sorted(resolved.ranks(walk, node.ops[0]))
             for r in node.ranks:
-                ranks.setdefault(r, RankPlan([])).nodes.append(f"{walk}:{node.name}")
+                ranks[r].nodes.append(f"{walk}:{node.name}")
     plan.ranks = ranks

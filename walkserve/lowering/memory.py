@@ -1,0 +1,360 @@
+"""Memory estimate per rank of a resolved placement (review section 6: weights alone are not a
+feasibility check; live KV state, stream buffers and workspaces count too).
+
+Owns ``MemoryLimits`` (the request-side bounds an estimate assumes), ``MemoryEstimate`` (one
+rank's bytes by kind, with its largest contributors) and ``estimate_memory()``, which also
+checks each rank's budget. In: a ``ResolvedPlacement``, the ``CapturedModel`` (its modules give
+weight bytes, its IR gives value shapes). Out: ``dict[rank, MemoryEstimate]``::
+
+    total(rank) = weights + KV pool + stream buffers + workspace
+
+    weights         parameter + buffer bytes of each component with a node on the rank, once
+                    per rank however often it is called (/ its tensor-parallel degree), plus the
+                    model attributes and tensor constants read by nodes on the rank
+    KV pool         each kv_cache component on the rank: the bytes of the growing carried state
+                    (a loop parameter with a None dim: the KV cache) its nodes read, per
+                    request, x max_concurrent_requests (/ its tensor-parallel degree)
+    stream buffers  each streaming edge whose consumer reads chunks on the rank: the producer
+                    loop's per-iteration bytes x its maximum trips x max_concurrent_requests
+    workspace       workspace_fraction x weights (activations, graph-capture workspaces)
+
+Unknown lengths (a None dim, a trip count that a request input or a stream sets) count as
+``limits.max_len``. Shapes are the sample request's (one sequence), so bytes are per request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from typeguard import typechecked
+
+from walkserve.capture import ir
+from walkserve.capture.model import CapturedModel
+from walkserve.lowering.placement import (
+    NodePlacement,
+    PlacementError,
+    ResolvedPlacement,
+    check_field_types,
+    format_size,
+)
+from walkserve.lowering.valueflow import ValueFlow
+
+__all__ = ["MemoryEstimate", "MemoryLimits", "estimate_memory", "format_memory"]
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """What the estimate assumes about requests: ``max_len`` stands for every length the IR
+    leaves open (None dims, request-set trip counts); ``max_concurrent_requests`` is how many
+    requests hold KV state and stream buffers at once, per rank; ``workspace_fraction`` of the
+    weights is reserved for activations and graph workspaces."""
+
+    max_len: int = 4096
+    max_concurrent_requests: int = 8
+    workspace_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {self.max_len}")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(
+                f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"
+            )
+        if not 0 <= self.workspace_fraction <= 10:
+            raise ValueError(
+                f"workspace_fraction must be in [0, 10], got {self.workspace_fraction}"
+            )
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One rank's estimated bytes by kind; ``contributors`` are (what, bytes), largest first."""
+
+    rank: int
+    weights: int
+    kv_pool: int
+    stream_buffers: int
+    workspace: int
+    budget: int | None
+    contributors: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_pool + self.stream_buffers + self.workspace
+
+    @property
+    def over_budget(self) -> bool:
+        return self.budget is not None and self.total > self.budget
+
+
+@typechecked
+def estimate_memory(
+    resolved: ResolvedPlacement,
+    captured: CapturedModel,
+    limits: MemoryLimits | None = None,
+    *,
+    check_budget: bool = True,
+) -> dict[int, MemoryEstimate]:
+    """The estimate of every rank (see the module docstring). With ``check_budget``, a rank
+    over its budget raises ``PlacementError`` naming the rank, its total, its budget and its
+    largest contributors."""
+    limits = limits or MemoryLimits()
+    parts: dict[int, dict[str, dict[str, int]]] = {
+        rank: {"weights": {}, "kv": {}, "streams": {}} for rank in range(resolved.placement.ranks)
+    }
+    for rank, label, nbytes in _weights(resolved, captured):
+        parts[rank]["weights"][label] = nbytes
+    for rank, label, nbytes in _kv_pools(resolved, captured, limits):
+        parts[rank]["kv"][label] = nbytes
+    for rank, label, nbytes in _stream_buffers(resolved, captured, limits):
+        parts[rank]["streams"][label] = nbytes
+    budgets = resolved.placement.memory_budget_bytes or {}
+    estimates = {
+        rank: _estimate(rank, kinds, limits, budgets.get(rank)) for rank, kinds in parts.items()
+    }
+    over = [e for e in estimates.values() if e.over_budget]
+    if check_budget and over:
+        raise PlacementError("\n".join(_over_budget_message(e) for e in over))
+    return estimates
+
+
+def _estimate(
+    rank: int, kinds: Mapping[str, Mapping[str, int]], limits: MemoryLimits, budget: int | None
+) -> MemoryEstimate:
+    weights = sum(kinds["weights"].values())
+    workspace = math.ceil(weights * limits.workspace_fraction)
+    contributors = [
+        *kinds["weights"].items(),
+        *kinds["kv"].items(),
+        *kinds["streams"].items(),
+        ("workspace", workspace),
+    ]
+    contributors.sort(key=lambda item: -item[1])
+    return MemoryEstimate(
+        rank=rank,
+        weights=weights,
+        kv_pool=sum(kinds["kv"].values()),
+        stream_buffers=sum(kinds["streams"].values()),
+        workspace=workspace,
+        budget=budget,
+        contributors=tuple(c for c in contributors if c[1] > 0),
+    )
+
+
+def _over_budget_message(e: MemoryEstimate) -> str:
+    largest = ", ".join(f"{what} {format_size(n)}" for what, n in e.contributors[:3])
+    return (
+        f"rank {e.rank} needs an estimated {format_size(e.total)} ({e.total} bytes) but its "
+        f"memory budget is {format_size(e.budget or 0)} ({e.budget} bytes); largest "
+        f"contributors: {largest}. Move components to other ranks, raise the budget, or lower "
+        f"max_len / max_concurrent_requests"
+    )
+
+
+# ------------------------------------------------------------------------------ weights
+
+
+def _weights(
+    resolved: ResolvedPlacement, captured: CapturedModel
+) -> Iterator[tuple[int, str, int]]:
+    """(rank, "weights <component>", bytes) per component on each rank, and one
+    "model attributes" entry per rank for the attributes and constants its nodes read."""
+    seen: dict[int, set[int]] = defaultdict(set)  # rank -> tensors counted (shared: once)
+    for rank, path, degree in _components_on_ranks(resolved):
+        tensors = _module_tensors(captured.model.get_submodule(path))
+        nbytes = sum(_nbytes(t) for t in tensors if id(t) not in seen[rank])
+        seen[rank].update(id(t) for t in tensors)
+        yield rank, f"weights {path}", math.ceil(nbytes / degree)
+    for rank, nbytes in _attribute_bytes(resolved, captured).items():
+        yield rank, "model attributes", nbytes
+
+
+def _components_on_ranks(resolved: ResolvedPlacement) -> list[tuple[int, str, int]]:
+    """(rank, component path, tensor-parallel degree) for every component with a node on a
+    rank; the smallest degree when its nodes differ (the largest share of its weights)."""
+    degrees: dict[tuple[int, str], int] = {}
+    for p in resolved.nodes():
+        if p.kind == "component":
+            for rank in p.ranks:
+                degrees[rank, p.target] = min(
+                    degrees.get((rank, p.target), p.tensor_parallel), p.tensor_parallel
+                )
+    return [(rank, path, degree) for (rank, path), degree in sorted(degrees.items())]
+
+
+def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _attribute_bytes(resolved: ResolvedPlacement, captured: CapturedModel) -> dict[int, int]:
+    """Bytes of model attributes (``ModelAttr``) and tensor constants read by the op nodes on
+    each rank, and by loop parameters (on the ranks of the ops reading the parameter)."""
+    needed: dict[int, set[ir.ModelAttr | ir.TensorConst]] = defaultdict(set)
+    for name, walk in captured.walks.items():
+        placed, flow = resolved.walks[name], ValueFlow(walk)
+        for op in flow.ops.values():
+            for rank in placed[op.name].ranks:
+                needed[rank].update(_tensor_args([*op.args, *op.kwargs.values()]))
+        for loop in (n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)):
+            for param in loop.params:
+                attrs = _tensor_args(_role_args(param.role))
+                for reader in flow.readers[param.name]:
+                    for rank in placed[reader].ranks:
+                        needed[rank].update(attrs)
+    return {rank: sum(_arg_bytes(a, captured) for a in args) for rank, args in needed.items()}
+
+
+def _tensor_args(args: Iterable[ir.Arg]) -> set[ir.ModelAttr | ir.TensorConst]:
+    found: set[ir.ModelAttr | ir.TensorConst] = set()
+    for arg in args:
+        if isinstance(arg, (ir.ModelAttr, ir.TensorConst)):
+            found.add(arg)
+        elif isinstance(arg, (ir.ListArg, ir.TupleArg)):
+            found |= _tensor_args(arg.items)
+        elif isinstance(arg, ir.DictArg):
+            found |= _tensor_args(arg.items.values())
+        elif isinstance(arg, ir.SliceArg):
+            found |= _tensor_args([arg.start, arg.stop, arg.step])
+    return found
+
+
+def _role_args(role: ir.ParamRole) -> list[ir.Arg]:
+    if isinstance(role, ir.Carried):
+        return [role.init]
+    if isinstance(role, ir.Invariant):
+        return [role.value]
+    if isinstance(role.source, ir.SelectStep):
+        return [role.source.source]
+    if isinstance(role.source, ir.TableStep):
+        return list(role.source.values)
+    return []
+
+
+def _arg_bytes(arg: ir.ModelAttr | ir.TensorConst, captured: CapturedModel) -> int:
+    if isinstance(arg, ir.ModelAttr):
+        return _nbytes(captured.attr(arg.path))
+    return len(captured.graph.constants[arg.name].data)
+
+
+# ------------------------------------------------------------------------------ KV pools
+
+
+def _kv_pools(
+    resolved: ResolvedPlacement, captured: CapturedModel, limits: MemoryLimits
+) -> Iterator[tuple[int, str, int]]:
+    """(rank, "KV pool <component>", bytes) for each kv_cache component on each rank. A
+    component's per-request state is the largest over the loops that call it (walks of one
+    request reuse one cache: a prefill's cache is the decode loop's carried state)."""
+    per_request: dict[str, int] = defaultdict(int)
+    for walk in captured.walks.values():
+        for loop in (n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)):
+            for path, nbytes in _loop_kv_bytes(loop, walk, captured, limits).items():
+                per_request[path] = max(per_request[path], nbytes)
+    for rank, path, degree in _components_on_ranks(resolved):
+        if per_request.get(path):
+            pool = per_request[path] * limits.max_concurrent_requests
+            yield rank, f"KV pool {path}", math.ceil(pool / degree)
+
+
+def _loop_kv_bytes(
+    loop: ir.LoopNode, walk: ir.Walk, captured: CapturedModel, limits: MemoryLimits
+) -> dict[str, int]:
+    """Component path -> bytes of the growing carried parameters (a None dim) that the loop
+    body's kv_cache component ops read directly."""
+    growing = {
+        p.name: meta
+        for p in loop.params
+        if isinstance(p.role, ir.Carried)
+        and isinstance(meta := walk.values.get(p.name), ir.TensorMeta)
+        and None in meta.shape
+    }
+    out: dict[str, int] = defaultdict(int)
+    for op in loop.body.nodes:
+        info = captured.graph.components.get(op.target) if isinstance(op, ir.Op) else None
+        if isinstance(op, ir.Op) and info is not None and info.engine == "kv_cache":
+            read = dict.fromkeys(v for v in ir.node_inputs(op) if v in growing)
+            out[op.target] += sum(_meta_bytes(growing[v], limits.max_len) for v in read)
+    return out
+
+
+def _meta_bytes(meta: ir.TensorMeta, max_len: int) -> int:
+    """Bytes of a tensor of this metadata, a None dim counting as ``max_len``."""
+    dtype: torch.dtype = getattr(torch, meta.dtype)  # the IR names dtypes as torch does
+    return math.prod(max_len if d is None else d for d in meta.shape) * dtype.itemsize
+
+
+# ------------------------------------------------------------------------------ streams
+
+
+def _stream_buffers(
+    resolved: ResolvedPlacement, captured: CapturedModel, limits: MemoryLimits
+) -> Iterator[tuple[int, str, int]]:
+    """(rank, "stream <name>", bytes) for each streaming edge, on the ranks of the consumer
+    ops that read its chunks. The buffer can hold the producer's whole accumulated channel:
+    its per-iteration bytes x the producer loop's maximum trips."""
+    for name, walk in captured.walks.items():
+        loops = {n.name: n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)}
+        for stream in walk.streams:
+            producer = next(lp for lp in loops.values() if stream.source in lp.accumulated)
+            step = walk.values.get(producer.outputs[producer.accumulated[stream.source].output])
+            if not isinstance(step, ir.TensorMeta):
+                continue
+            nbytes = _meta_bytes(step, limits.max_len) * _max_trips(producer, limits.max_len)
+            nbytes *= limits.max_concurrent_requests
+            for rank in _chunk_reader_ranks(loops[stream.consumer], stream, resolved.walks[name]):
+                yield rank, f"stream {stream.name}", nbytes
+
+
+def _max_trips(loop: ir.LoopNode, max_len: int) -> int:
+    if isinstance(loop.trips, ir.FixedTrips):
+        return loop.trips.count
+    return loop.max_iters if isinstance(loop.max_iters, int) else max_len
+
+
+def _chunk_reader_ranks(
+    consumer: ir.LoopNode, stream: ir.StreamEdge, placed: Mapping[str, NodePlacement]
+) -> list[int]:
+    chunks = {
+        p.name
+        for p in consumer.params
+        if isinstance(p.role, ir.PerStep)
+        and isinstance(p.role.source, ir.ChunkStep)
+        and p.role.source.stream == stream.name
+    }
+    ranks: set[int] = set()
+    for op in ir.iter_nodes(consumer.body):
+        if isinstance(op, ir.Op) and chunks & set(ir.node_inputs(op)):
+            ranks.update(placed[op.name].ranks)
+    return sorted(ranks)
+
+
+# ------------------------------------------------------------------------------ table
+
+
+def format_memory(estimates: Mapping[int, MemoryEstimate]) -> str:
+    """A per-rank table: weights, KV pool, stream buffers, workspace, total, budget."""
+    header = ("rank", "weights", "KV pool", "streams", "workspace", "total", "budget")
+    rows = [header] + [
+        (
+            str(e.rank),
+            format_size(e.weights),
+            format_size(e.kv_pool),
+            format_size(e.stream_buffers),
+            format_size(e.workspace),
+            format_size(e.total),
+            "-" if e.budget is None else format_size(e.budget) + (" OVER" if e.over_budget else ""),
+        )
+        for e in sorted(estimates.values(), key=lambda e: e.rank)
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,602 @@
+"""Placement: which ranks run each node of each walk (the review's ``pi(n, w) ⊆ R``, section 6).
+
+Owns the deployer's ``Placement`` (rank rules keyed by component path or ``walk:node``, a
+tensor-parallel degree and replica count per rule, the branches that should run concurrently,
+per-rank memory budgets), its file format (YAML or JSON, one schema), and ``resolve()``, which
+gives every op node of every walk of a ``CapturedModel`` its rank list. What crosses the
+boundary: a ``Placement`` and a ``CapturedModel`` in, a ``ResolvedPlacement`` out (frozen
+dataclasses; the runtime's rank map reads it). Memory estimates of a resolved placement live in
+``walkserve.lowering.memory``. A placement only records choices: it does not shard a model
+(tensor parallelism needs sharded layers in the model) and does not search for a good plan.
+
+File format::
+
+    ranks: 2
+    nodes:                                    # rule key -> ranks
+      text_encoder: [0]                       #   component path: every call of the component
+      generate:euler_step/denoiser: [0]       #   walk:node: one node of one walk (wins)
+      generate:euler_step/denoiser_1: [1]
+    tensor_parallel: {decoder: 1}             # optional, per rule key; divides len(ranks)
+    replicas: {decoder: 1}                    # optional; replicas x tensor_parallel = len(ranks)
+    concurrent:                               # optional: branches of one Parallel group
+      - [generate:euler_step/denoiser, generate:euler_step/denoiser_1]   # to run at once
+    memory_budget: {0: 2GiB, 1: 2GiB}         # optional: bytes, or a size with a unit
+
+Resolution, per walk and per op node (loop bodies included; a loop node itself is not placed,
+the nodes of its body are)::
+
+    component op   its walk:node rule, else its component's rule, else rank 0
+    glue op        the ranks of a component node, the first of:
+                     the component whose structured output (a tuple) it unpacks
+                     the first component (walk order) its value reaches through glue, loop
+                       parameters and channels (``valueflow``)
+                     the component the glue op reading its value follows
+                     the last component producing its inputs
+                     the walk's first component (else rank 0)
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import typing
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from itertools import combinations
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+import yaml
+from typeguard import check_type, typechecked
+
+from walkserve.capture import ir
+from walkserve.capture.model import CapturedModel
+from walkserve.capture.sections import parallel_groups
+from walkserve.lowering.valueflow import ValueFlow
+
+__all__ = [
+    "NodePlacement",
+    "Placement",
+    "PlacementError",
+    "PlacementWarning",
+    "ResolvedPlacement",
+    "format_size",
+    "parse_size",
+    "resolve",
+]
+
+
+class PlacementError(ValueError):
+    """A placement that cannot work for this model; the message says what to change."""
+
+
+class PlacementWarning(UserWarning):
+    """A placement that works but not as the deployer asked (wished-for concurrency lost)."""
+
+
+# ------------------------------------------------------------------------------ sizes
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string with a unit: ``2GiB``, ``512 MiB``, ``1.5GB``, ``4096``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise PlacementError(f"a size must be an int or a string like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE.fullmatch(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise PlacementError(
+                f"cannot read size {value!r}: write a number with an optional unit "
+                f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '2GiB'"
+            )
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise PlacementError(f"a size must be positive, got {value!r}")
+    return size
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes in binary units with one decimal (``62.3 KiB``)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+# ------------------------------------------------------------------------------ placement
+
+
+def split_key(key: str) -> tuple[str | None, str]:
+    """``"generate:euler_step/denoiser"`` -> ``("generate", "euler_step/denoiser")``;
+    a component path ``"denoiser"`` -> ``(None, "denoiser")``."""
+    walk, sep, node = key.partition(":")
+    return (walk, node) if sep else (None, key)
+
+
+@dataclass(frozen=True, eq=True)
+class Placement:
+    """A deployment of a model on ``ranks`` worker ranks.
+
+    ``rules`` maps a rule key to the ranks its nodes run on; a key is a component path (every
+    call of that component) or ``walk:node`` (one node of one walk, which wins over its
+    component's rule). Nodes without a rule run on rank 0. ``tensor_parallel`` and
+    ``replicas`` are per rule key: a rule's ranks form ``replicas`` groups of
+    ``tensor_parallel`` ranks (recorded and validated; sharding is the model's job).
+    ``concurrent`` lists sets of ``walk:node`` keys that should run at the same time;
+    ``memory_budget_bytes`` is a budget per rank (ranks not named are unchecked).
+    """
+
+    ranks: int
+    rules: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    tensor_parallel: Mapping[str, int] = field(default_factory=dict)
+    replicas: Mapping[str, int] = field(default_factory=dict)
+    concurrent: Sequence[Sequence[str]] = ()
+    memory_budget_bytes: Mapping[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        frozen = {
+            "rules": MappingProxyType({k: tuple(v) for k, v in self.rules.items()}),
+            "tensor_parallel": MappingProxyType(dict(self.tensor_parallel)),
+            "replicas": MappingProxyType(dict(self.replicas)),
+            "concurrent": tuple(tuple(entry) for entry in self.concurrent),
+            "memory_budget_bytes": (
+                MappingProxyType(dict(self.memory_budget_bytes))
+                if self.memory_budget_bytes
+                else None
+            ),
+        }
+        for name, value in frozen.items():
+            object.__setattr__(self, name, value)
+        self._validate()
+
+    # -------------------------------------------------------------------------- validation
+
+    def _validate(self) -> None:
+        if isinstance(self.ranks, bool) or self.ranks < 1:
+            raise PlacementError(f"ranks must be a positive int, got {self.ranks!r}")
+        for key, ranks in self.rules.items():
+            _check_key(key, "nodes")
+            self._check_rank_list(key, ranks)
+        for key, degree in self.tensor_parallel.items():
+            self._check_tensor_parallel(key, degree)
+        for key, count in self.replicas.items():
+            self._check_replicas(key, count)
+        for entry in self.concurrent:
+            _check_concurrent_entry(entry)
+        for rank, budget in (self.memory_budget_bytes or {}).items():
+            self._check_rank(f"memory_budget[{rank}]", rank)
+            if budget <= 0:
+                raise PlacementError(f"memory_budget[{rank}] must be positive, got {budget}")
+
+    def _check_rank(self, where: str, rank: int) -> None:
+        if isinstance(rank, bool) or not 0 <= rank < self.ranks:
+            raise PlacementError(
+                f"{where} names rank {rank!r}, but the placement has ranks 0..{self.ranks - 1} "
+                f"(ranks: {self.ranks}); use a rank in that range or raise 'ranks'"
+            )
+
+    def _check_rank_list(self, key: str, ranks: Sequence[int]) -> None:
+        if not ranks:
+            raise PlacementError(
+                f"rule {key!r} has an empty rank list; give at least one rank in "
+                f"0..{self.ranks - 1}, or remove the rule to use rank 0"
+            )
+        for rank in ranks:
+            self._check_rank(f"rule {key!r}", rank)
+        if len(set(ranks)) != len(ranks):
+            raise PlacementError(f"rule {key!r} lists a rank twice: {list(ranks)}")
+
+    def _check_tensor_parallel(self, key: str, degree: int) -> None:
+        ranks = self._ruled(key, "tensor_parallel")
+        if degree < 1 or len(ranks) % degree:
+            raise PlacementError(
+                f"tensor_parallel[{key!r}] = {degree} does not divide the {len(ranks)} ranks "
+                f"of rule {key!r} {list(ranks)}; use a degree that divides {len(ranks)} or "
+                f"change the rank list"
+            )
+
+    def _check_replicas(self, key: str, count: int) -> None:
+        ranks = self._ruled(key, "replicas")
+        degree = self.tensor_parallel.get(key, 1)
+        if count < 1 or count * degree != len(ranks):
+            raise PlacementError(
+                f"replicas[{key!r}] = {count} with tensor_parallel {degree} needs "
+                f"{max(count, 0) * degree} ranks, but rule {key!r} has {len(ranks)} "
+                f"{list(ranks)}; replicas x tensor_parallel must equal the number of ranks"
+            )
+
+    def _ruled(self, key: str, where: str) -> Sequence[int]:
+        ranks = self.rules.get(key)
+        if ranks is None:
+            raise PlacementError(
+                f"{where} names {key!r}, which has no rank rule; add '{key}: [ranks]' under 'nodes'"
+            )
+        return ranks
+
+    # -------------------------------------------------------------------------- queries
+
+    def tensor_parallel_of(self, key: str) -> int:
+        return self.tensor_parallel.get(key, 1)
+
+    def replicas_of(self, key: str) -> int:
+        return self.replicas.get(key, len(self.rules[key]) // self.tensor_parallel_of(key))
+
+    # -------------------------------------------------------------------------- constructors
+
+    @classmethod
+    @typechecked
+    def default(cls, ranks: int = 1) -> Placement:
+        """Every node on rank 0 (a one-rank deployment, or a start to add rules to)."""
+        return cls(ranks=ranks)
+
+    @classmethod
+    @typechecked
+    def from_dict(cls, data: Mapping[str, Any]) -> Placement:
+        """A placement from the file schema (see the module docstring)."""
+        unknown = [k for k in data if k not in _FILE_KEYS]
+        if unknown:
+            raise PlacementError(
+                f"unknown placement keys {unknown}; the keys are: {', '.join(_FILE_KEYS)}"
+            )
+        if "ranks" not in data:
+            raise PlacementError("a placement needs 'ranks' (the number of worker ranks)")
+        budget = data.get("memory_budget")
+        return cls(
+            ranks=_as_int(data["ranks"], "ranks"),
+            rules={
+                key: [_as_int(r, f"nodes[{key!r}]") for r in _as_list(ranks, f"nodes[{key!r}]")]
+                for key, ranks in _as_str_mapping(data.get("nodes", {}), "nodes").items()
+            },
+            tensor_parallel=_int_values(data.get("tensor_parallel", {}), "tensor_parallel"),
+            replicas=_int_values(data.get("replicas", {}), "replicas"),
+            concurrent=[
+                [_as_str(k, "concurrent") for k in _as_list(entry, "concurrent entry")]
+                for entry in _as_list(data.get("concurrent", []), "concurrent")
+            ],
+            memory_budget_bytes=None if budget is None else _budget(budget),
+        )
+
+    @classmethod
+    @typechecked
+    def from_file(cls, path: str | os.PathLike[str]) -> Placement:
+        """A placement from a ``.yaml``/``.yml`` or ``.json`` file."""
+        path = Path(path)
+        if path.suffix not in (".yaml", ".yml", ".json"):
+            raise PlacementError(f"{path}: a placement file ends in .yaml, .yml or .json")
+        try:
+            with path.open() as f:
+                data = yaml.safe_load(f) if path.suffix != ".json" else json.load(f)
+        except (yaml.YAMLError, json.JSONDecodeError) as e:
+            raise PlacementError(f"{path}: not valid {path.suffix[1:].upper()}: {e}") from None
+        if not isinstance(data, Mapping):
+            raise PlacementError(f"{path}: expected a mapping at the top level")
+        try:
+            return cls.from_dict(data)
+        except PlacementError as e:
+            raise PlacementError(f"{path}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file schema (``from_dict(p.to_dict()) == p``); empty optional keys omitted."""
+        out: dict[str, Any] = {"ranks": self.ranks}
+        out["nodes"] = {key: list(ranks) for key, ranks in self.rules.items()}
+        if self.tensor_parallel:
+            out["tensor_parallel"] = dict(self.tensor_parallel)
+        if self.replicas:
+            out["replicas"] = dict(self.replicas)
+        if self.concurrent:
+            out["concurrent"] = [list(entry) for entry in self.concurrent]
+        if self.memory_budget_bytes:
+            out["memory_budget"] = dict(self.memory_budget_bytes)
+        return out
+
+    def to_file(self, path: str | os.PathLike[str]) -> None:
+        """Write ``to_dict()`` as YAML or JSON, by the file's suffix."""
+        path = Path(path)
+        data = self.to_dict()
+        if path.suffix == ".json":
+            path.write_text(json.dumps(data, indent=2) + "\n")
+        else:
+            path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+_FILE_KEYS = ("ranks", "nodes", "tensor_parallel", "replicas", "concurrent", "memory_budget")
+
+
+def check_field_types(obj: Any) -> None:
+    """typeguard for a dataclass's generated ``__init__`` (``@typechecked`` cannot see it)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in fields(obj):
+        check_type(getattr(obj, f.name), hints[f.name])
+
+
+def _check_key(key: str, where: str) -> None:
+    walk, node = split_key(key)
+    if not node or walk == "" or ":" in node:
+        raise PlacementError(
+            f"{where} key {key!r} is malformed: use a component path ('denoiser') or "
+            f"'walk:node' ('generate:euler_step/denoiser')"
+        )
+
+
+def _check_concurrent_entry(entry: Sequence[str]) -> None:
+    for key in entry:
+        _check_key(key, "concurrent")
+        if split_key(key)[0] is None:
+            raise PlacementError(
+                f"concurrent entry {list(entry)}: {key!r} is not a 'walk:node' key; name the "
+                f"nodes of one walk, e.g. 'generate:euler_step/denoiser'"
+            )
+    walks = {split_key(key)[0] for key in entry}
+    if len(entry) < 2 or len(set(entry)) != len(entry) or len(walks) > 1:
+        raise PlacementError(
+            f"concurrent entry {list(entry)} must name two or more distinct nodes of one walk"
+        )
+
+
+# ------------------------------------------------------------------------------ file parsing
+
+
+def _as_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlacementError(f"{where}: expected an int, got {value!r}")
+    return value
+
+
+def _as_str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise PlacementError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _as_list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise PlacementError(f"{where}: expected a list, got {value!r}")
+    return value
+
+
+def _as_str_mapping(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise PlacementError(f"{where}: expected a mapping, got {value!r}")
+    return {_as_str(k, f"{where} key"): v for k, v in value.items()}
+
+
+def _int_values(value: Any, where: str) -> dict[str, int]:
+    return {k: _as_int(v, f"{where}[{k!r}]") for k, v in _as_str_mapping(value, where).items()}
+
+
+def _budget(value: Any) -> dict[int, int]:
+    if not isinstance(value, Mapping):
+        raise PlacementError(f"memory_budget: expected a mapping rank -> size, got {value!r}")
+    out = {}
+    for rank, size in value.items():
+        if isinstance(rank, str) and rank.isdigit():  # JSON object keys are strings
+            rank = int(rank)
+        out[_as_int(rank, "memory_budget rank")] = parse_size(size)
+    return out
+
+
+# ------------------------------------------------------------------------------ resolved
+
+Source = Literal[
+    "node_rule", "component_rule", "default", "unpacks", "consumer", "reader", "producer", "walk"
+]
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """Where one op node of one walk runs. ``source`` says why: a rule (``anchor`` is its
+    key), the default rank, or, for glue, how it found the component node ``anchor`` whose
+    ranks it shares (see ``_place_glue``)."""
+
+    walk: str
+    node: str
+    kind: Literal["component", "glue"]
+    target: str  # the component path, or the glue op's target
+    ranks: tuple[int, ...]
+    tensor_parallel: int
+    replicas: int
+    source: Source
+    anchor: str | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedPlacement:
+    """Every op node of every walk with its ranks (``walks[walk][node]``, in walk order; loop
+    nodes are absent, their body nodes present), and the messages of the ``PlacementWarning``
+    resolution issued."""
+
+    placement: Placement
+    walks: Mapping[str, Mapping[str, NodePlacement]]
+    warnings: tuple[str, ...] = ()
+
+    def node(self, walk: str, node: str) -> NodePlacement:
+        return self.walks[walk][node]
+
+    def ranks(self, walk: str, node: str) -> tuple[int, ...]:
+        return self.walks[walk][node].ranks
+
+    def nodes(self) -> Iterator[NodePlacement]:
+        for placed in self.walks.values():
+            yield from placed.values()
+
+    def on_rank(self, rank: int) -> list[NodePlacement]:
+        return [p for p in self.nodes() if rank in p.ranks]
+
+
+# ------------------------------------------------------------------------------ resolve
+
+
+@typechecked
+def resolve(placement: Placement, captured: CapturedModel) -> ResolvedPlacement:
+    """The ranks of every op node of every walk (see the module docstring). Raises
+    ``PlacementError`` for rules naming unknown walks, nodes or components; warns
+    (``PlacementWarning``, also in ``.warnings``) when concurrent nodes share a rank."""
+    for key in placement.rules:
+        _check_rule_target(key, captured)
+    for entry in placement.concurrent:
+        for key in entry:
+            _check_rule_target(key, captured, where="concurrent")
+    _check_concurrent_groups(placement, captured)
+    walks = {
+        name: MappingProxyType(_place_walk(placement, walk))
+        for name, walk in captured.walks.items()
+    }
+    resolved = ResolvedPlacement(placement, MappingProxyType(walks))
+    found = tuple(_concurrency_warnings(placement, resolved))
+    for message in found:
+        warnings.warn(message, PlacementWarning, stacklevel=2)
+    return replace(resolved, warnings=found)
+
+
+def _check_rule_target(key: str, captured: CapturedModel, where: str = "rule") -> None:
+    walk_name, node_name = split_key(key)
+    if walk_name is None:
+        if node_name not in captured.graph.components:
+            raise _unknown(
+                f"{where} {key!r}: unknown component", node_name, captured.graph.components
+            )
+        return
+    if walk_name not in captured.walks:
+        raise _unknown(f"{where} {key!r}: unknown walk", walk_name, captured.walks)
+    nodes = {n.name: n for n in ir.iter_nodes(captured.walks[walk_name].body)}
+    components = [name for name, n in nodes.items() if ir.is_component(n)]
+    node = nodes.get(node_name)
+    if node is None:
+        raise _unknown(f"{where} {key!r}: walk {walk_name!r} has no node", node_name, components)
+    if isinstance(node, ir.LoopNode):
+        body = [n.name for n in ir.iter_nodes(node.body) if ir.is_component(n)]
+        raise PlacementError(
+            f"{where} {key!r} names a loop; loops are not placed, the nodes of their body are: "
+            f"{', '.join(body)}"
+        )
+    if node.kind == "glue":
+        raise PlacementError(
+            f"{where} {key!r} names a glue op; glue runs with the component that consumes its "
+            f"value, so place that component (component nodes of {walk_name}: "
+            f"{', '.join(components)})"
+        )
+
+
+def _unknown(what: str, name: str, known: Sequence[str] | Mapping[str, Any]) -> PlacementError:
+    choices = list(known)
+    # a loop body node is named "<loop>/<name>": a bare name matching its last part comes first
+    same_base = [c for c in choices if c.rpartition("/")[2] == name]
+    close = same_base or difflib.get_close_matches(name, choices, n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return PlacementError(f"{what} {name!r}{hint} (known: {', '.join(choices)})")
+
+
+def _place_walk(placement: Placement, walk: ir.Walk) -> dict[str, NodePlacement]:
+    ops = [n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.Op)]
+    placed = {
+        op.name: _place_component(placement, walk.name, op) for op in ops if op.kind == "component"
+    }
+    flow = ValueFlow(walk)
+    first = next(iter(placed.values()), None)
+    for op in reversed(ops):  # a glue op's glue readers come after it: place them first
+        if op.kind == "glue":
+            placed[op.name] = _place_glue(walk.name, op, flow, placed, first)
+    return {op.name: placed[op.name] for op in ops}
+
+
+def _place_component(placement: Placement, walk: str, op: ir.Op) -> NodePlacement:
+    rules: tuple[tuple[str, Source], ...] = (
+        (f"{walk}:{op.name}", "node_rule"),
+        (op.target, "component_rule"),
+    )
+    for key, source in rules:
+        ranks = placement.rules.get(key)
+        if ranks is not None:
+            tp, replicas = placement.tensor_parallel_of(key), placement.replicas_of(key)
+            return NodePlacement(
+                walk, op.name, "component", op.target, tuple(ranks), tp, replicas, source, key
+            )
+    return NodePlacement(walk, op.name, "component", op.target, (0,), 1, 1, "default")
+
+
+def _place_glue(
+    walk: str,
+    op: ir.Op,
+    flow: ValueFlow,
+    placed: Mapping[str, NodePlacement],
+    first: NodePlacement | None,
+) -> NodePlacement:
+    """Glue runs on the ranks of the node it follows, in this order of preference:
+
+    unpacks    the component whose structured output (a tuple) it reads: only tensors travel
+    consumer   the first component (walk order) its value reaches
+    reader     the glue op reading its value (a glue chain that ends in a walk output)
+    producer   the last component (walk order) that reaches its inputs
+    walk       the walk's first component
+    """
+    order = flow.order.__getitem__
+    source: Source
+    if unpacked := flow.unpacks(op.name):
+        follow, source = placed[unpacked[0]], "unpacks"
+    elif consumers := flow.consumers(op.name):
+        follow, source = placed[min(consumers, key=order)], "consumer"
+    elif readers := flow.glue_readers(op.name):
+        follow, source = placed[readers[0]], "reader"
+    elif producers := flow.producers(op.name):
+        follow, source = placed[max(producers, key=order)], "producer"
+    elif first is not None:
+        follow, source = first, "walk"
+    else:
+        return NodePlacement(walk, op.name, "glue", op.target, (0,), 1, 1, "default")
+    anchor = follow.node if follow.kind == "component" else follow.anchor
+    return replace(
+        follow, node=op.name, kind="glue", target=op.target, source=source, anchor=anchor
+    )
+
+
+def _check_concurrent_groups(placement: Placement, captured: CapturedModel) -> None:
+    """Each ``concurrent`` entry must lie in one Parallel group: otherwise dependencies order
+    its nodes and no placement can overlap them."""
+    for entry in placement.concurrent:
+        walk = split_key(entry[0])[0] or ""
+        names = {split_key(key)[1] for key in entry}
+        groups = parallel_groups(captured.walk(walk).body)
+        if not any(names <= set(group) for group in groups):
+            raise PlacementError(
+                f"concurrent entry {list(entry)}: these nodes are not branches of one Parallel "
+                f"group, so dependencies order them and they can never run concurrently; "
+                f"Parallel groups of walk {walk!r}: {groups or 'none'}"
+            )
+
+
+def _concurrency_warnings(placement: Placement, resolved: ResolvedPlacement) -> Iterator[str]:
+    """One message per pair of ``concurrent`` nodes whose rank lists overlap."""
+    for entry in placement.concurrent:
+        for a, b in combinations(entry, 2):
+            walk, node_a = split_key(a)
+            node_b = split_key(b)[1]
+            shared = sorted(
+                set(resolved.ranks(walk or "", node_a)) & set(resolved.ranks(walk or "", node_b))
+            )
+            if shared:
+                yield (
+                    f"concurrent nodes {a} and {b} are both placed on rank(s) {shared}, so they "
+                    f"cannot run concurrently; put them on different ranks or drop the pair "
+                    f"from 'concurrent'"
+                )

@@ -1,0 +1,129 @@
+"""Value flow of a walk: where each value goes, across loop boundaries.
+
+Owns ``ValueFlow``, an analysis of one walk's IR: which ops read each value, and which values
+a value *becomes* at a loop boundary::
+
+    outer value  -> loop parameter      (initial, invariant or per-step source; a streamed
+                                         channel -> the consumer's chunk parameter)
+    body output  -> carried parameter   (the next iteration)
+    body output  -> terminal / accumulated channel (the outer scope)
+
+On top of it, ``consumers(op)`` and ``producers(op)`` find the component ops an op's value
+reaches, or that reach its inputs, through glue and loop boundaries only (a component ends the
+search). Placement uses them to put glue next to a component. Ops are named by the value they
+produce (SSA), so an op name is also a value name.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable
+
+from walkserve.capture import ir
+
+__all__ = ["ValueFlow"]
+
+
+class ValueFlow:
+    """The value flow of one walk (see the module docstring). ``readers[value]``: ops reading
+    it; ``becomes[value]`` / ``comes_from[value]``: the loop-boundary links; ``order[op]``: the
+    op's position in the walk (``ir.iter_nodes`` order)."""
+
+    def __init__(self, walk: ir.Walk) -> None:
+        self.values = walk.values
+        self.ops: dict[str, ir.Op] = {}
+        self.order: dict[str, int] = {}
+        self.readers: defaultdict[str, list[str]] = defaultdict(list)
+        self.becomes: defaultdict[str, list[str]] = defaultdict(list)
+        self.comes_from: defaultdict[str, list[str]] = defaultdict(list)
+        for node in ir.iter_nodes(walk.body):
+            if isinstance(node, ir.Op):
+                self.order[node.name] = len(self.order)
+                self.ops[node.name] = node
+                for value in ir.node_inputs(node):
+                    self.readers[value].append(node.name)
+            else:
+                self._add_loop(node)
+
+    def _add_loop(self, loop: ir.LoopNode) -> None:
+        for param in loop.params:
+            sources = _role_refs(param.role)
+            if isinstance(param.role, ir.Carried):
+                sources.append(loop.outputs[param.role.output])
+            for value in sources:
+                self._link(value, param.name)
+        for channel, index in loop.terminal.items():
+            self._link(loop.outputs[index], channel)
+        for channel, acc in loop.accumulated.items():
+            self._link(loop.outputs[acc.output], channel)
+
+    def _link(self, value: str, into: str) -> None:
+        self.becomes[value].append(into)
+        self.comes_from[into].append(value)
+
+    def is_component(self, name: str) -> bool:
+        return name in self.ops and self.ops[name].kind == "component"
+
+    def unpacks(self, op: str) -> list[str]:
+        """Component ops whose non-tensor output (a tuple, a structured value) ``op`` reads."""
+        return [
+            value
+            for value in ir.node_inputs(self.ops[op])
+            if self.is_component(value) and isinstance(self.values.get(value), ir.OpaqueMeta)
+        ]
+
+    def glue_readers(self, op: str) -> list[str]:
+        """Glue ops reading ``op``'s value directly (same block, later in the walk)."""
+        return [r for r in self.readers[op] if not self.is_component(r)]
+
+    def consumers(self, op: str) -> list[str]:
+        """Component ops that ``op``'s value reaches without passing another component."""
+
+        def step(value: str) -> tuple[list[str], list[str]]:
+            readers = self.readers[value]
+            hits = [r for r in readers if self.is_component(r)]
+            return hits, [r for r in readers if r not in hits] + self.becomes[value]
+
+        return _search([op], step)
+
+    def producers(self, op: str) -> list[str]:
+        """Component ops whose values reach ``op``'s inputs without passing another component."""
+
+        def step(value: str) -> tuple[list[str], list[str]]:
+            if self.is_component(value):
+                return [value], []
+            if value in self.ops:
+                return [], ir.node_inputs(self.ops[value])
+            return [], self.comes_from[value]
+
+        return _search(ir.node_inputs(self.ops[op]), step)
+
+
+def _search(start: list[str], step: Callable[[str], tuple[list[str], list[str]]]) -> list[str]:
+    """Breadth-first from ``start``: ``step(value)`` returns (hits, values to visit next)."""
+    hits: list[str] = []
+    seen, todo = set(start), deque(start)
+    while todo:
+        found, more = step(todo.popleft())
+        hits += [h for h in found if h not in hits]
+        for value in more:
+            if value not in seen:
+                seen.add(value)
+                todo.append(value)
+    return hits
+
+
+def _role_refs(role: ir.ParamRole) -> list[str]:
+    """Outer values a loop parameter is made from (a stream chunk: the streamed channel)."""
+    if isinstance(role, ir.Carried):
+        return ir.arg_refs(role.init)
+    if isinstance(role, ir.Invariant):
+        return ir.arg_refs(role.value)
+    source = role.source
+    if isinstance(source, ir.SelectStep):
+        return ir.arg_refs(source.source)
+    if isinstance(source, ir.TableStep):
+        return [r for v in source.values for r in ir.arg_refs(v)]
+    if isinstance(source, ir.ChunkStep):
+        return [source.source]
+    return []
