@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from walkserve.capture import ir
-from walkserve.capture.chunk import ChunkPolicy, ChunkSpan, split
 from walkserve.capture.convert import SAFE_BUILTINS, resolve_function
 from walkserve.capture.errors import CaptureError
+from walkserve.capture.loopsem import loop_bound, loop_channels, step_value, stream_chunks, truth
 from walkserve.capture.values import merge_meta, meta_of
 
 if TYPE_CHECKING:
@@ -191,8 +191,9 @@ class Interpreter:
     # ------------------------------------------------------------------ loops
 
     def loop(self, node: ir.LoopNode, env: dict[str, Any]) -> dict[str, Any]:
-        chunks = self._chunks(node, env)
-        bound = self._trip_count(node, chunks)
+        assert self._walk is not None
+        chunks = stream_chunks(self._walk, node, env)
+        bound = loop_bound(node, self._walk_inputs, None if chunks is None else len(chunks))
         if self.loop_limit is not None:
             bound = min(bound, self.loop_limit)
         carried = {
@@ -213,7 +214,10 @@ class Interpreter:
             for name, value in (*carried.items(), *fixed.items()):
                 self._bind(body_env, name, value)
             for p in per_step:
-                self._bind(body_env, p.name, self._step_value(p.role, i, body_env, chunks, env))  # type: ignore[arg-type]
+                assert isinstance(p.role, ir.PerStep)
+                self._bind(
+                    body_env, p.name, step_value(p.role, i, lambda a: self.value(a, env), chunks)
+                )
             self.block(node.body, body_env)
             outs = [body_env[o] for o in node.outputs]
             for ch, acc in node.accumulated.items():
@@ -225,31 +229,9 @@ class Interpreter:
                         _check_carried(node, p.name, carried[p.name], new)
                     carried[p.name] = new
             last = outs
-            if node.stop is not None and _truth(body_env[node.stop], node):
+            if node.stop is not None and truth(body_env[node.stop], node):
                 break
-        result: dict[str, Any] = {}
-        for ch, j in node.terminal.items():
-            if last is None:
-                init = next(
-                    (
-                        carried[p.name]
-                        for p in node.params
-                        if isinstance(p.role, ir.Carried) and p.role.output == j
-                    ),
-                    None,
-                )
-                if init is None:
-                    raise InterpreterError(
-                        f"loop {node.name} ran no iteration, so {ch} has no value"
-                    )
-                result[ch] = init
-            else:
-                result[ch] = last[j]
-        for ch, acc in node.accumulated.items():
-            if not collected[ch]:
-                raise InterpreterError(f"loop {node.name} ran no iteration, so {ch} is empty")
-            join = torch.cat if acc.mode == "cat" else torch.stack
-            result[ch] = join(collected[ch], dim=acc.dim)
+        result = loop_channels(node, carried, last, collected)
         if self.record is not None:
             for ch, acc in node.accumulated.items():
                 meta = meta_of(result[ch])
@@ -259,71 +241,6 @@ class Interpreter:
                     # _bind merges the concrete shape into this one and keeps the None.
                     self.record[ch] = ir.TensorMeta(shape, meta.dtype)
         return result
-
-    def _stream(self, name: str) -> ir.StreamEdge:
-        assert self._walk is not None
-        for s in self._walk.streams:
-            if s.name == name:
-                return s
-        raise InterpreterError(f"unknown stream {name!r}")
-
-    def _chunks(
-        self, node: ir.LoopNode, env: Mapping[str, Any]
-    ) -> list[tuple[torch.Tensor, ChunkSpan]] | None:
-        if not isinstance(node.trips, ir.StreamTrips):
-            return None
-        edge = self._stream(node.trips.stream)
-        source = env[edge.source]
-        policy = ChunkPolicy.from_json(dict(edge.policy))
-        dim = edge.dim if edge.dim >= 0 else source.dim() + edge.dim
-        return split(source, policy, dim)
-
-    def _trip_count(self, node: ir.LoopNode, chunks: list[Any] | None) -> int:
-        trips = node.trips
-        if isinstance(trips, ir.FixedTrips):
-            count = trips.count
-        elif isinstance(trips, ir.InputTrips):
-            count = self._int_input(trips.input)
-        else:
-            assert chunks is not None
-            count = len(chunks)
-        if node.max_iters is not None and not isinstance(trips, ir.FixedTrips):
-            bound = (
-                node.max_iters
-                if isinstance(node.max_iters, int)
-                else self._int_input(node.max_iters)
-            )
-            count = min(count, bound)
-        return count
-
-    def _int_input(self, name: str) -> int:
-        value = self._walk_inputs.get(name)
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = int(value.item())
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise InterpreterError(
-                f"walk input {name!r} must be an int (a loop bound), got {value!r}"
-            )
-        return value
-
-    def _step_value(
-        self,
-        role: ir.PerStep,
-        i: int,
-        body_env: dict[str, Any],
-        chunks: list[Any] | None,
-        env: Mapping[str, Any],
-    ) -> Any:
-        src = role.source
-        if isinstance(src, ir.AffineStep):
-            return src.start + i * src.step
-        if isinstance(src, ir.TableStep):
-            return self.value(src.values[i], env)
-        if isinstance(src, ir.SelectStep):
-            return self.value(src.source, env).select(src.dim, src.start + i * src.step)
-        assert chunks is not None
-        chunk, span = chunks[i]
-        return chunk if src.part == "data" else span.context
 
     # ------------------------------------------------------------------ values
 
@@ -335,16 +252,6 @@ class Interpreter:
             meta = meta_of(value)
             old = self.record.get(name)
             self.record[name] = meta if old is None else merge_meta(old, meta)
-
-
-def _truth(value: Any, node: ir.LoopNode) -> bool:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise InterpreterError(
-                f"the stop of loop {node.name} must be one boolean per request, got shape {list(value.shape)}"
-            )
-        return bool(value.item())
-    return bool(value)
 
 
 def _check_carried(node: ir.LoopNode, name: str, old: Any, new: Any) -> None:

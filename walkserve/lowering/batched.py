@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from walkserve.capture import ir
-from walkserve.capture.chunk import ChunkPolicy, split
-from walkserve.capture.interpret import Interpreter, InterpreterError, _truth
+from walkserve.capture.interpret import Interpreter, InterpreterError
+from walkserve.capture.loopsem import loop_bound, loop_channels, step_value, stream_chunks, truth
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.plan import BlockPlan, ExecutablePlan, LoopPlan, NodePlan
 
@@ -313,34 +313,13 @@ class BatchedRunner:
                         s.carried[p.name] = outs[p.role.output]
                 s.last = outs
                 s.i += 1
-                if node.stop is not None and _truth(body[node.stop], node):
+                if node.stop is not None and truth(body[node.stop], node):
                     s.done = True
         for s in states:
             self._finish(node, s)
 
     def _start(self, node: ir.LoopNode, env: dict[str, Any], owner: int) -> _LoopState:
-        inputs = self.walk_inputs[owner]
-        chunks = None
-        if isinstance(node.trips, ir.StreamTrips):
-            edge = next(e for e in self.walk.streams if e.name == node.trips.stream)
-            source = env[edge.source]
-            dim = edge.dim if edge.dim >= 0 else source.dim() + edge.dim
-            chunks = split(source, ChunkPolicy.from_json(dict(edge.policy)), dim)
-        trips = node.trips
-        if isinstance(trips, ir.FixedTrips):
-            bound = trips.count
-        elif isinstance(trips, ir.InputTrips):
-            bound = _as_int(inputs[trips.input])
-        else:
-            assert chunks is not None
-            bound = len(chunks)
-        if node.max_iters is not None and not isinstance(trips, ir.FixedTrips):
-            cap = (
-                node.max_iters
-                if isinstance(node.max_iters, int)
-                else _as_int(inputs[node.max_iters])
-            )
-            bound = min(bound, cap)
+        chunks = stream_chunks(self.walk, node, env)
         return _LoopState(
             env=env,
             carried={
@@ -354,53 +333,17 @@ class BatchedRunner:
                 if isinstance(p.role, ir.Invariant)
             },
             chunks=chunks,
-            bound=bound,
+            bound=loop_bound(
+                node, self.walk_inputs[owner], None if chunks is None else len(chunks)
+            ),
             collected={ch: [] for ch in node.accumulated},
         )
 
     def _step_value(self, role: ir.PerStep, s: _LoopState) -> Any:
-        src = role.source
-        if isinstance(src, ir.AffineStep):
-            return src.start + s.i * src.step
-        if isinstance(src, ir.TableStep):
-            return self.interp.value(src.values[s.i], s.env)
-        if isinstance(src, ir.SelectStep):
-            return self.interp.value(src.source, s.env).select(src.dim, src.start + s.i * src.step)
-        assert s.chunks is not None
-        chunk, span = s.chunks[s.i]
-        return chunk if src.part == "data" else span.context
+        return step_value(role, s.i, lambda a: self.interp.value(a, s.env), s.chunks)
 
     def _finish(self, node: ir.LoopNode, s: _LoopState) -> None:
-        for ch, j in node.terminal.items():
-            if s.last is None:
-                init = next(
-                    (
-                        s.carried[p.name]
-                        for p in node.params
-                        if isinstance(p.role, ir.Carried) and p.role.output == j
-                    ),
-                    None,
-                )
-                if init is None:
-                    raise InterpreterError(
-                        f"loop {node.name} ran no iteration, so {ch} has no value"
-                    )
-                s.env[ch] = init
-            else:
-                s.env[ch] = s.last[j]
-        for ch, acc in node.accumulated.items():
-            if not s.collected[ch]:
-                raise InterpreterError(f"loop {node.name} ran no iteration, so {ch} is empty")
-            join = torch.cat if acc.mode == "cat" else torch.stack
-            s.env[ch] = join(s.collected[ch], dim=acc.dim)
-
-
-def _as_int(value: Any) -> int:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return int(value.item())
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InterpreterError(f"a loop bound must be an int, got {value!r}")
-    return value
+        s.env.update(loop_channels(node, s.carried, s.last, s.collected))
 
 
 def build_callables(
