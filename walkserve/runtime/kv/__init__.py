@@ -1,0 +1,35 @@
+"""Paged KV memory: one preallocated pool of pages, block tables per (request, label), copy-on-write
+forks and prefix caching. ``pool.py`` owns the tensors and the bookkeeping, ``prefix.py`` the
+content keys of full pages and the LRU of evictable cached pages."""
+
+from walkserve.runtime.kv.pool import (
+    BlockTable,
+    KVError,
+    KVPool,
+    KVPoolConfig,
+    PoolExhausted,
+    PoolStats,
+    SeqId,
+    SequenceExists,
+    Slot,
+    UnknownSequence,
+)
+from walkserve.runtime.kv.prefix import PrefixCache, PrefixStats, features_key, page_keys, root_key
+
+__all__ = [
+    "BlockTable",
+    "KVError",
+    "KVPool",
+    "KVPoolConfig",
+    "PoolExhausted",
+    "PoolStats",
+    "PrefixCache",
+    "PrefixStats",
+    "SeqId",
+    "SequenceExists",
+    "Slot",
+    "UnknownSequence",
+    "features_key",
+    "page_keys",
+    "root_key",
+]

@@ -1,0 +1,601 @@
+"""The paged KV pool: one preallocated K and one V tensor, and the page bookkeeping over them.
+
+Owns the two tensors (allocated once, never reallocated), page reference counts, the free list,
+one block table per sequence, copy-on-write, and, through ``PrefixCache`` (``prefix.py``), the
+reuse of full pages across requests. It does no attention math and knows no model.
+
+What crosses its boundary:
+
+- in: ``SeqId(request_id, label)`` and token counts (or token ids, for prefix caching);
+- out: ``Slot(page, offset)`` lists telling an engine where to write new tokens' K/V,
+  ``BlockTable`` snapshots telling an attention kernel where to read, ``PoolStats``, and the
+  typed errors ``PoolExhausted``, ``UnknownSequence``, ``SequenceExists``;
+- tensors only through ``write``/``gather`` (tests and the CPU attention reference); engines
+  index ``pool.k``/``pool.v`` with slots themselves.
+
+Layout (S = page_size, P = num_pages, L = num_layers)::
+
+    k, v: [L, P, S, kv_heads, head_dim]
+
+             page 0               page 1               page P-1
+    layer 0  [s0|s1|...|s(S-1)]   [s0|s1|...|s(S-1)]   ...  [s0|...|s(S-1)]
+    layer 1  [s0|s1|...|s(S-1)]   [s0|s1|...|s(S-1)]   ...
+    ...                           each slot s: [kv_heads, head_dim]
+
+    token t of a sequence with block table pages=[7, 2, 9] (S = 4, 10 tokens):
+        page = pages[t // S], offset = t % S, flat slot = page * S + offset
+        tokens 0-3 -> page 7, 4-7 -> page 2, 8-9 -> page 9 offsets 0-1 (offsets 2-3 unused)
+
+A page id means the same slots in every layer, so one block table serves all layers.
+
+Sequences and labels: a sequence is ``(request_id, label)``. The label is an extra cache
+identity over the same pool ("cond", "uncond", "image" contexts of one guided walk), so each
+labelled context gets paging, forking and prefix reuse instead of a dense per-context cache.
+``free_request``/``preempt`` act on all labels of a request.
+
+Page lifecycle; ``ref`` counts the block-table entries naming a page::
+
+    free --take--> in use (ref >= 1) --last release, unregistered--> free
+                     ^        |
+          prefix hit |        | last release of a page registered in the prefix cache
+                     |        v
+                   cached, evictable (LRU) --evicted when no page is free--> taken again
+
+    pages_in_use + pages_free + pages_cached == num_pages, always.
+
+Copy-on-write: ``fork`` shares every page (ref + 1). A page is written in place only while its
+one reference is the writer's and it is not registered in the prefix cache; otherwise the
+writer first gets a private copy. ``append`` does this for a shared, partially filled last page
+before returning its slots; ``write`` does it for any page it touches. **The pool copies the
+page itself** (all layers, K and V); ``copy_on_write`` returns the ``(src, dst)`` pairs it
+copied, for logging and tests: the caller has nothing to copy. Slots returned by ``append`` stay
+private to the sequence until it is forked again.
+
+Prefix caching: ``allocate_with_prefix`` reuses the longest run of cached full pages whose
+chained key matches (see ``prefix.py``); ``mark_computed`` registers a sequence's full pages once
+their K/V is written, so no request reads K/V that is not computed yet. A partial last page is
+never registered, hence never shared across requests. A registered page holds exactly the K/V
+of its key: it is immutable (a write copies it first), and a page whose computed K/V is
+rewritten, or that was copied, loses its key and is never registered.
+
+Exhaustion: an operation that needs more pages than are free plus evictable raises
+``PoolExhausted(needed, free)`` *before* changing anything. Not thread-safe: one engine thread
+owns a pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from walkserve.runtime.kv.prefix import PrefixCache, page_keys, root_key
+
+__all__ = [
+    "BlockTable",
+    "KVError",
+    "KVPool",
+    "KVPoolConfig",
+    "PoolExhausted",
+    "PoolStats",
+    "SeqId",
+    "SequenceExists",
+    "Slot",
+    "UnknownSequence",
+]
+
+TokenIds = Sequence[int] | torch.Tensor
+Positions = Sequence[int] | torch.Tensor
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+class KVError(Exception):
+    """Base class of KV pool errors."""
+
+
+class PoolExhausted(KVError):
+    """``needed`` pages were asked for; only ``free`` (free + evictable) could be had. Raised
+    before any state changed: the caller may free or preempt something and retry."""
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(f"KV pool exhausted: {needed} pages needed, {free} obtainable")
+        self.needed = needed
+        self.free = free
+
+
+class UnknownSequence(KVError, KeyError):
+    """The sequence has no block table in this pool."""
+
+
+class SequenceExists(KVError, ValueError):
+    """A sequence with this id already has a block table."""
+
+
+# ------------------------------------------------------------------------------ values
+
+
+class SeqId(NamedTuple):
+    """One cache identity: a request and one of its labelled contexts."""
+
+    request_id: str
+    label: str
+
+
+class Slot(NamedTuple):
+    """Where one token's K/V lives in every layer: ``pool.k[layer, page, offset]``."""
+
+    page: int
+    offset: int
+
+    def flat(self, page_size: int) -> int:
+        """Index into ``pool.k[layer].view(-1, kv_heads, head_dim)``."""
+        return self.page * page_size + self.offset
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    """A snapshot of one sequence's pages; token t is at ``pages[t // page_size]``."""
+
+    pages: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class KVPoolConfig:
+    """Shape and placement of a pool. ``nbytes`` can be computed before allocating."""
+
+    num_pages: int
+    page_size: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "num_layers", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"KVPoolConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"KVPoolConfig.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """``[num_layers, num_pages, page_size, kv_heads, head_dim]``, of K and of V."""
+        return (self.num_layers, self.num_pages, self.page_size, self.kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_page(self) -> int:
+        """K and V of one page, all layers."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.page_size * self.kv_heads * self.head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.bytes_per_page
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Exact accounting at one moment; counters since the pool was made."""
+
+    num_pages: int
+    page_size: int
+    pages_in_use: int
+    pages_free: int
+    pages_cached: int  # referenced by nobody, kept for prefix hits, evictable
+    sequences: int
+    requests: int
+    tokens: int
+    prefix_hits: int  # full pages reused
+    prefix_misses: int  # full pages looked up and not found
+    evictions: int
+    cow_copies: int
+    nbytes: int
+
+
+@dataclass
+class _Seq:
+    pages: list[int]
+    num_tokens: int
+    keys: list[bytes | None]  # prefix key per full prompt page; None once rewritten
+    computed: int = 0  # leading tokens whose K/V the caller declared written (mark_computed)
+
+
+# ------------------------------------------------------------------------------ the pool
+
+
+class KVPool:
+    """Paged K/V memory shared by all sequences (requests x labels) of one engine."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = KVPoolConfig(
+            num_pages, page_size, num_layers, kv_heads, head_dim, dtype, torch.device(device)
+        )
+        self.k = torch.zeros(self.config.shape, dtype=dtype, device=device)  # [L, P, S, H, D]
+        self.v = torch.zeros_like(self.k)  # [L, P, S, H, D]
+        self._ref = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest id pops first
+        self._in_use = 0
+        self._seqs: dict[SeqId, _Seq] = {}
+        self._labels: dict[str, list[str]] = {}  # request id -> its labels, in creation order
+        self._prefix = PrefixCache()
+        self._cow_copies = 0
+
+    # ---------------------------------------------------------------------- sizes
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.config.num_pages
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V: ``2 * layers * pages * page_size * heads * dim * itemsize``."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def pages_for(self, n_tokens: int) -> int:
+        """Pages that hold ``n_tokens`` tokens."""
+        return -(-n_tokens // self.page_size)
+
+    # ---------------------------------------------------------------------- accounting
+
+    @property
+    def pages_in_use(self) -> int:
+        return self._in_use
+
+    @property
+    def pages_free(self) -> int:
+        """Pages holding nothing; evictable cached pages are not counted (``pages_cached``)."""
+        return len(self._free)
+
+    @property
+    def pages_cached(self) -> int:
+        """Pages nobody references, kept for prefix hits; reclaimed LRU when needed."""
+        return self._prefix.num_evictable
+
+    @property
+    def pages_available(self) -> int:
+        """Pages an allocation can get now: free plus evictable."""
+        return self.pages_free + self.pages_cached
+
+    def can_allocate(self, n_pages: int) -> bool:
+        """Admission check: would ``n_pages`` new pages fit (evicting cached pages if needed)?"""
+        return n_pages <= self.pages_available
+
+    def pages_of(self, request_id: str) -> frozenset[int]:
+        """The distinct pages the request's sequences reference (all labels)."""
+        labels = self._labels.get(request_id, [])
+        return frozenset(p for lb in labels for p in self._seqs[SeqId(request_id, lb)].pages)
+
+    def ref_count(self, page: int) -> int:
+        return self._ref[page]
+
+    def is_cached(self, page: int) -> bool:
+        """Is ``page`` registered in the prefix cache (referenced or evictable)?"""
+        return self._prefix.is_registered(page)
+
+    def evictable_pages(self) -> list[int]:
+        """Cached pages nobody references, in eviction order (least recently used first)."""
+        return self._prefix.evictable_pages()
+
+    def stats(self) -> PoolStats:
+        prefix = self._prefix.stats()
+        return PoolStats(
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            pages_in_use=self.pages_in_use,
+            pages_free=self.pages_free,
+            pages_cached=self.pages_cached,
+            sequences=len(self._seqs),
+            requests=len(self._labels),
+            tokens=sum(s.num_tokens for s in self._seqs.values()),
+            prefix_hits=prefix.hits,
+            prefix_misses=prefix.misses,
+            evictions=prefix.evictions,
+            cow_copies=self._cow_copies,
+            nbytes=self.nbytes,
+        )
+
+    # ---------------------------------------------------------------------- sequences
+
+    def sequences(self) -> list[SeqId]:
+        return list(self._seqs)
+
+    def labels(self, request_id: str) -> list[str]:
+        return list(self._labels.get(request_id, []))
+
+    def block_table(self, seq: tuple[str, str]) -> BlockTable:
+        s = self._get(seq)
+        return BlockTable(tuple(s.pages), s.num_tokens)
+
+    def num_tokens(self, seq: tuple[str, str]) -> int:
+        return self._get(seq).num_tokens
+
+    def allocate(self, seq: tuple[str, str], n_tokens: int) -> None:
+        """A new sequence with room for ``n_tokens`` tokens (whole pages)."""
+        key = self._check_new(seq)
+        _check_count("n_tokens", n_tokens)
+        self._add(key, _Seq(self._take(self.pages_for(n_tokens)), n_tokens, []))
+
+    def allocate_with_prefix(
+        self,
+        seq: tuple[str, str],
+        token_ids: TokenIds,
+        extra_key: bytes | str | None = None,
+        *,
+        namespace: str = "",
+        max_cached_tokens: int | None = None,
+    ) -> int:
+        """A new sequence for ``token_ids``, reusing cached full pages of the same prefix.
+
+        ``namespace`` names the model/adapter; ``extra_key`` whatever else the K/V depend on
+        (``prefix.features_key(image_features)``). Returns how many leading tokens are cached
+        (a multiple of ``page_size``); the caller computes and writes the rest, then calls
+        ``mark_computed``. ``max_cached_tokens`` caps reuse, e.g. ``len(token_ids) - 1`` when the
+        caller needs the last prompt position's output."""
+        key = self._check_new(seq)
+        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        if max_cached_tokens is not None:
+            _check_count("max_cached_tokens", max_cached_tokens)
+        keys = page_keys(ids, self.page_size, root_key(namespace, extra_key))
+        limit = len(keys) if max_cached_tokens is None else max_cached_tokens // self.page_size
+        looked_up = keys[:limit]
+        hits = self._prefix.lookup(looked_up)
+        n_new = self.pages_for(len(ids)) - len(hits)
+        self._require(n_new, reviving=sum(1 for p in hits if self._ref[p] == 0))
+        for page in hits:  # before taking: a revived page must not be evicted for ourselves
+            self._retain(page)
+        pages = hits + self._take(n_new)
+        self._prefix.record(hits=len(hits), misses=len(looked_up) - len(hits))
+        self._add(key, _Seq(pages, len(ids), [*keys]))
+        return len(hits) * self.page_size
+
+    def mark_computed(self, seq: tuple[str, str], n_tokens: int | None = None) -> int:
+        """Declare that the first ``n_tokens`` (default: all) positions hold, in every layer,
+        the K/V the model computes for the tokens given to ``allocate_with_prefix``; register
+        the full pages among them that still have prefix keys. Returns how many of those pages
+        are now cached (a key already cached under another page keeps that page)."""
+        s = self._get(seq)
+        n = s.num_tokens if n_tokens is None else n_tokens
+        if not 0 <= n <= s.num_tokens:
+            raise ValueError(f"n_tokens must be in [0, {s.num_tokens}], got {n}")
+        s.computed = max(s.computed, n)
+        cached = 0
+        for index, key in enumerate(s.keys[: n // self.page_size]):
+            if key is not None and self._prefix.register(key, s.pages[index]):
+                cached += 1
+        return cached
+
+    def append(self, seq: tuple[str, str], n_tokens: int = 1) -> list[Slot]:
+        """Reserve ``n_tokens`` more tokens; returns their slots, private to ``seq``. Grows by
+        whole pages; a shared partial last page is first copied (copy-on-write)."""
+        s = self._get(seq)
+        _check_count("n_tokens", n_tokens)
+        if n_tokens == 0:
+            return []
+        cow = 1 if self._tail_needs_copy(s) else 0
+        grow = self.pages_for(s.num_tokens + n_tokens) - len(s.pages)
+        self._require(cow + grow)
+        if cow:
+            self._copy_page(s, len(s.pages) - 1)
+        s.pages += self._take(grow)
+        start, s.num_tokens = s.num_tokens, s.num_tokens + n_tokens
+        return self._slots(s, start, s.num_tokens)
+
+    def fork(self, src: tuple[str, str], dst: tuple[str, str]) -> None:
+        """``dst`` starts as ``src``: same tokens, every page shared (copy-on-write)."""
+        s = self._get(src)
+        key = self._check_new(dst)
+        for page in s.pages:
+            self._retain(page)
+        self._add(key, _Seq(list(s.pages), s.num_tokens, list(s.keys), s.computed))
+
+    def copy_on_write(self, seq: tuple[str, str]) -> list[tuple[int, int]]:
+        """Make the partial last page private if it is shared. The pool copies the page (all
+        layers, K and V) itself; returns the ``(src_page, dst_page)`` pairs it copied."""
+        s = self._get(seq)
+        if not self._tail_needs_copy(s):
+            return []
+        self._require(1)
+        return [self._copy_page(s, len(s.pages) - 1)]
+
+    def free(self, seq: tuple[str, str]) -> None:
+        """Drop ``seq``'s block table; its pages lose one reference each."""
+        key = SeqId(*seq)
+        s = self._seqs.pop(key, None)
+        if s is None:
+            raise UnknownSequence(key)
+        labels = self._labels[key.request_id]
+        labels.remove(key.label)
+        if not labels:
+            del self._labels[key.request_id]
+        for page in reversed(s.pages):  # the tail becomes least recently used: evicted first
+            self._release(page)
+
+    def free_request(self, request_id: str) -> int:
+        """Free every label of a request (idempotent: 0 when it holds nothing). Returns how
+        many sequences were freed."""
+        labels = self.labels(request_id)
+        for label in labels:
+            self.free(SeqId(request_id, label))
+        return len(labels)
+
+    def preempt(self, request_id: str) -> dict[str, int]:
+        """Free a request's pages so that a scheduler can recompute it later. Returns the token
+        count of each label it held (``sum(...)`` is the request's total)."""
+        tokens = {
+            lb: self._seqs[SeqId(request_id, lb)].num_tokens for lb in self.labels(request_id)
+        }
+        self.free_request(request_id)
+        return tokens
+
+    # ---------------------------------------------------------------------- slots and data
+
+    def slots(self, seq: tuple[str, str], start: int = 0, end: int | None = None) -> list[Slot]:
+        """Slots of tokens ``start .. end - 1`` (default: all)."""
+        s = self._get(seq)
+        end = s.num_tokens if end is None else end
+        if not 0 <= start <= end <= s.num_tokens:
+            raise ValueError(f"need 0 <= start <= end <= {s.num_tokens}, got {start}, {end}")
+        return self._slots(s, start, end)
+
+    def write(
+        self,
+        seq: tuple[str, str],
+        layer: int,
+        positions: Positions,
+        k: torch.Tensor,  # [N, kv_heads, head_dim]
+        v: torch.Tensor,  # [N, kv_heads, head_dim]
+    ) -> None:
+        """Write K/V of reserved token positions (distinct, < num_tokens) of one layer. Pages
+        that are shared or cached are copied first, so no other sequence sees the write."""
+        s = self._get(seq)
+        pos = self._check_positions(s, positions)
+        self._check_layer(layer)
+        want = (len(pos), self.config.kv_heads, self.config.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"k and v must be {list(want)}, got {list(k.shape)}, {list(v.shape)}")
+        indices = sorted({p // self.page_size for p in pos})
+        to_copy = [i for i in indices if self._needs_copy(s.pages[i])]
+        self._require(len(to_copy))
+        for index in to_copy:
+            self._copy_page(s, index)
+        for p in pos:  # K/V declared computed is being rewritten: never register that page
+            if p < s.computed and p // self.page_size < len(s.keys):
+                s.keys[p // self.page_size] = None
+        flat = self._flat(s, pos)
+        self._layer_view(self.k, layer).index_copy_(0, flat, k.to(self.k))
+        self._layer_view(self.v, layer).index_copy_(0, flat, v.to(self.v))
+
+    def gather(self, seq: tuple[str, str], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense copies of ``seq``'s K and V in one layer: ``([T, kv_heads, head_dim]`` x 2)."""
+        s = self._get(seq)
+        self._check_layer(layer)
+        flat = self._flat(s, range(s.num_tokens))
+        return (
+            self._layer_view(self.k, layer).index_select(0, flat),
+            self._layer_view(self.v, layer).index_select(0, flat),
+        )
+
+    # ---------------------------------------------------------------------- pages
+
+    def _require(self, n_pages: int, reviving: int = 0) -> None:
+        """Raise unless ``n_pages`` can be taken after ``reviving`` evictable pages are
+        re-referenced (they stop being obtainable)."""
+        obtainable = self.pages_available - reviving
+        if n_pages > obtainable:
+            raise PoolExhausted(needed=n_pages, free=obtainable)
+
+    def _take(self, n_pages: int) -> list[int]:
+        """``n_pages`` pages with ref 1: free ones first, then evicted cached ones (LRU)."""
+        self._require(n_pages)
+        pages = [self._free.pop() if self._free else self._prefix.evict() for _ in range(n_pages)]
+        for page in pages:
+            self._ref[page] = 1
+        self._in_use += n_pages
+        return pages
+
+    def _retain(self, page: int) -> None:
+        if self._ref[page] == 0:
+            self._prefix.unpark(page)
+            self._in_use += 1
+        self._ref[page] += 1
+
+    def _release(self, page: int) -> None:
+        self._ref[page] -= 1
+        if self._ref[page] > 0:
+            return
+        self._in_use -= 1
+        if self._prefix.is_registered(page):
+            self._prefix.park(page)
+        else:
+            self._free.append(page)
+
+    def _needs_copy(self, page: int) -> bool:
+        return self._ref[page] > 1 or self._prefix.is_registered(page)
+
+    def _tail_needs_copy(self, s: _Seq) -> bool:
+        partial = s.num_tokens % self.page_size != 0
+        return partial and self._needs_copy(s.pages[-1])
+
+    def _copy_page(self, s: _Seq, index: int) -> tuple[int, int]:
+        """Give ``s`` a private copy of its page ``index`` (caller checked one page is free)."""
+        src = s.pages[index]
+        (dst,) = self._take(1)
+        self.k[:, dst].copy_(self.k[:, src])
+        self.v[:, dst].copy_(self.v[:, src])
+        s.pages[index] = dst
+        if index < len(s.keys):
+            s.keys[index] = None  # conservative: a private copy is never registered
+        self._release(src)
+        self._cow_copies += 1
+        return src, dst
+
+    # ---------------------------------------------------------------------- helpers
+
+    def _get(self, seq: tuple[str, str]) -> _Seq:
+        s = self._seqs.get(SeqId(*seq))
+        if s is None:
+            raise UnknownSequence(SeqId(*seq))
+        return s
+
+    def _check_new(self, seq: tuple[str, str]) -> SeqId:
+        key = SeqId(*seq)
+        if not isinstance(key.request_id, str) or not isinstance(key.label, str):
+            raise TypeError(f"a sequence id is (request_id: str, label: str), got {seq!r}")
+        if key in self._seqs:
+            raise SequenceExists(f"sequence {key} already allocated")
+        return key
+
+    def _add(self, key: SeqId, s: _Seq) -> None:
+        self._seqs[key] = s
+        self._labels.setdefault(key.request_id, []).append(key.label)
+
+    def _slots(self, s: _Seq, start: int, end: int) -> list[Slot]:
+        size = self.page_size
+        return [Slot(s.pages[t // size], t % size) for t in range(start, end)]
+
+    def _flat(self, s: _Seq, positions: Sequence[int]) -> torch.Tensor:
+        size = self.page_size
+        flat = [s.pages[t // size] * size + t % size for t in positions]
+        return torch.tensor(flat, dtype=torch.long, device=self.k.device)
+
+    def _layer_view(self, pool: torch.Tensor, layer: int) -> torch.Tensor:
+        """``pool[layer]`` as ``[num_pages * page_size, kv_heads, head_dim]`` (a view)."""
+        return pool[layer].view(-1, self.config.kv_heads, self.config.head_dim)
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"layer must be in [0, {self.config.num_layers}), got {layer}")
+
+    def _check_positions(self, s: _Seq, positions: Positions) -> list[int]:
+        pos = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
+        if len(set(pos)) != len(pos):
+            raise ValueError("positions must be distinct")
+        bad = [p for p in pos if not 0 <= p < s.num_tokens]
+        if bad:
+            raise ValueError(f"positions {bad[:4]} not reserved (sequence has {s.num_tokens})")
+        return pos
+
+
+def _check_count(name: str, n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {n!r}")
