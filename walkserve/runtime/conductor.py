@@ -1,0 +1,1074 @@
+"""The conductor: per-request walk state machines and readiness tracking, and nothing else.
+
+It owns, for every live request, where the request is in its walk chain and which values of
+which loop iteration exist, and derives from that which plan nodes may run (the review's
+Algorithm 1; streaming readiness is its Algorithm 3). It never runs a node: its caller
+(``local.run_local`` in tests, the worker scheduler when serving) runs the ``WorkItem``\\s that
+``ready()`` returns and reports back with ``complete`` or ``fail``. It is pure: no sockets,
+threads, processes or CUDA. Values are opaque to it, except that it slices tensors for
+per-step ``select``\\s and stream chunks, and reads stop flags (``bool(t.item())``). The oracle
+for what every request must compute is ``capture.interpret.Interpreter``, one request at a time.
+
+Data flow (every arrow is one method call on a ``Conductor``)::
+
+    submit(id, inputs)  -> _Request: state (inputs + outputs of finished walks), walk,
+                           root _Frame: the walk body's values, its undispatched ops
+    complete(item, {op: value}) -> values bound in the item's frame -> _advance(request):
+        ops whose inputs now exist in that frame     -> WorkItem queued for ready()
+        loops whose inputs exist                      -> _LoopRun (frames {i: _Frame})
+        iteration i+1 whose carried values exist      -> a new frame (speculative while
+                                                         stop(i) is unknown)
+        stop values, in iteration order               -> confirm i+1, or discard it
+        complete iterations, in order                 -> commit: accumulate, feed streams,
+                                                         StreamItem events
+        loop done (bound, stop, end of stream)        -> channels bound in the parent frame
+        walk body done                                -> Output events, next_walk: the next
+                                                         walk, or Finished and release
+    ready()   <- the queued WorkItems (each once)
+    events()  <- Output, StreamItem, Finished, Failed (drained)
+
+Frames and iterations of a DynamicLoop with speculation (``frame`` paths, outer to inner)::
+
+    iteration   0          1            2
+    frame       (0,)       (1,)         (2,)  started when (1,)'s carried values exist
+    state       committed  running      speculative: stop(1) not yet known
+                           stop(1) true -> (2,) discarded, its results ignored: one wasted step
+
+Dispatch units: a plan node is one dispatch, but the conductor splits it where the plan's
+grouping would delay work: of a node's undispatched ops it dispatches those whose inputs exist
+(or come from earlier ops of the same item), in order. A component node whose fused glue reads
+a parallel branch's output thus dispatches the component at once and the glue later (as a
+``glue`` item of the same node), and a glue group mixing early and late inputs runs in parts.
+
+Streams: a producer loop's accumulated channel feeds a ``_Stream`` buffer as its iterations
+commit; consumer iteration ``i`` starts once ``policy.ready(n, producer_finished) > i``, so the
+consumer runs while the producer still produces. Items before ``policy.retain_from(next)`` are
+released; a producer waits while its buffer holds ``stream_buffer_limit`` items, counting its
+iterations in flight as one item each (backpressure).
+
+Release: a value is dropped from its frame once every op and loop that reads it has been
+dispatched or has finished (block outputs and stops stay until the frame ends); an iteration's
+frame is dropped when it commits; everything of a request when it finishes, fails or is
+cancelled. Results of items of released frames are ignored.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+import torch
+
+from walkserve.capture import ir
+from walkserve.capture.chunk import (
+    ChunkPolicy,
+    ChunkSpan,
+    FixedChunk,
+    LeftContext,
+    SlidingWindow,
+    take,
+)
+from walkserve.capture.interpret import MAX_TRANSITIONS, Interpreter
+from walkserve.capture.loopsem import (
+    LoopError,
+    int_input,
+    loop_bound,
+    loop_channels,
+    step_value,
+    truth,
+)
+from walkserve.capture.model import CapturedModel
+from walkserve.lowering.plan import BlockPlan, ExecutablePlan, NodePlan
+
+NodeKind = Literal["component", "glue"]
+
+# ------------------------------------------------------------------------------ public types
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """Ops of one plan node for one request at one loop iteration, inputs materialized.
+
+    ``ops`` are the IR op names to run, in order; for ``kind="component"`` the first is the
+    component op, called with ``call`` = (args, kwargs), and the rest is glue fused into it.
+    ``env`` holds every value the item's glue ops read from outside the item (by name; model
+    attributes and constants are resolved by the runner). ``frame`` is the loop iteration path,
+    outer to inner (``()`` outside loops). ``speculative``: dispatched before the stop of the
+    previous iteration was known. Report with ``complete(id, {op: value for op in ops})``.
+    """
+
+    id: int
+    request: str
+    walk: str
+    node: str
+    kind: NodeKind
+    ops: tuple[str, ...]
+    frame: tuple[int, ...]
+    speculative: bool
+    call: tuple[list[Any], dict[str, Any]] | None = field(default=None, repr=False)
+    env: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class Output:
+    """A client output of walk ``walk``, at the walk's end."""
+
+    request: str
+    walk: str
+    name: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """Iteration ``index``'s contribution to client output ``channel`` (an accumulated
+    channel of a walk-level loop), as soon as that iteration commits. The final ``Output`` of
+    ``channel`` is these values joined as the loop's accumulation says (cat or stack)."""
+
+    request: str
+    channel: str
+    index: int
+    value: Any
+
+
+@dataclass(frozen=True)
+class Finished:
+    request: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    request: str
+    error: str
+
+
+Event = Output | StreamItem | Finished | Failed
+
+
+@dataclass(frozen=True)
+class ConductorStats:
+    """Counters since construction (steps) and a snapshot of what is held now."""
+
+    speculated_steps: int  # iterations started before the previous stop was known
+    wasted_steps: int  # speculative iterations discarded after dispatching work
+    live_requests: int
+    in_flight: int  # items queued or returned by ready(), not yet completed
+    buffered_stream_items: int
+    live_values: int
+    live_values_by_request: Mapping[str, int]
+
+
+# ------------------------------------------------------------------------------ static specs
+
+
+@dataclass(frozen=True)
+class _OpSpec:
+    op: ir.Op
+    reads: tuple[str, ...]  # names of the values it reads (each once)
+
+
+@dataclass(frozen=True)
+class _NodeSpec:
+    name: str
+    ops: tuple[_OpSpec, ...]
+
+
+@dataclass(frozen=True)
+class _StreamSpec:
+    edge: ir.StreamEdge
+    policy: ChunkPolicy
+    producer: str | None  # the sibling loop whose accumulated channel is the source, if any
+    acc: ir.Accumulated | None
+    backpressure: bool  # False where the consumer cannot start before the producer ends
+
+
+@dataclass(eq=False)
+class _LoopSpec:
+    node: ir.LoopNode
+    body: _BlockSpec
+    need: tuple[str, ...]  # outer values needed to start (init, invariant, select, table)
+    step_reads: tuple[str, ...]  # outer values read per iteration, released at the end
+    speculative: bool  # the loop and every component of its body allow speculation
+    visible: ir.LoopNode  # the loop as its block reads it: unread accumulations left out
+    feeds: tuple[tuple[str, str], ...]  # (stream, channel) pairs this loop produces into
+    emit: dict[str, tuple[str, ...]]  # accumulated channel -> client outputs (walk level)
+
+
+@dataclass(eq=False)
+class _BlockSpec:
+    params: tuple[str, ...]
+    nodes: tuple[_NodeSpec, ...]
+    loops: tuple[_LoopSpec, ...]
+    streams: dict[str, _StreamSpec]  # streams between loops of this block, by name
+    uses: dict[str, int]  # readers of each value: ops, loop starts, loop ends
+    pinned: frozenset[str]  # values kept until the frame ends (block outputs, stop)
+
+
+def _unique(names: list[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))
+
+
+def _loop_reads(node: ir.LoopNode) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(needed to start, read per step) outer values of a loop; stream sources excluded."""
+    need: list[str] = []
+    step: list[str] = []
+    for p in node.params:
+        role = p.role
+        if isinstance(role, ir.Carried):
+            need += ir.arg_refs(role.init)
+        elif isinstance(role, ir.Invariant):
+            need += ir.arg_refs(role.value)
+        elif isinstance(role.source, ir.SelectStep):
+            step += ir.arg_refs(role.source.source)
+        elif isinstance(role.source, ir.TableStep):
+            step += [r for v in role.source.values for r in ir.arg_refs(v)]
+    return _unique(need + step), _unique(step)
+
+
+def _min_buffer(policy: ChunkPolicy) -> int:
+    """Items a buffer must hold for the consumer's next chunk to become ready."""
+    if isinstance(policy, FixedChunk):
+        return policy.size
+    if isinstance(policy, LeftContext):
+        return policy.context + policy.chunk
+    assert isinstance(policy, SlidingWindow)
+    return policy.window
+
+
+class _SpecBuilder:
+    """Builds the ``_BlockSpec`` tree of one walk from its IR and its plan."""
+
+    def __init__(self, captured: CapturedModel, walk: ir.Walk) -> None:
+        self.graph = captured.graph
+        self.walk = walk
+        nodes = ir.iter_nodes(walk.body)
+        self.ops = {n.name: n for n in nodes if isinstance(n, ir.Op)}
+        self.loops = {n.name: n for n in nodes if isinstance(n, ir.LoopNode)}
+        self.edges = {s.name: s for s in walk.streams}
+
+    def block(self, block: ir.Block, plan: BlockPlan, pinned: set[str], top: bool) -> _BlockSpec:
+        nodes: list[_NodeSpec] = []
+        loops: list[_LoopSpec] = []
+        planned: set[str] = set()
+        for pn in plan.nodes:
+            if isinstance(pn, NodePlan):
+                ops = []
+                for name in pn.ops:
+                    op = self.ops[name]
+                    ops.append(_OpSpec(op, _unique(ir.node_inputs(op))))
+                    planned.add(name)
+                nodes.append(_NodeSpec(pn.name, tuple(ops)))
+            else:
+                node = self.loops[pn.name]
+                body_pinned = {*node.outputs, *([node.stop] if node.stop else [])}
+                body = self.block(node.body, pn.body, body_pinned, top=False)
+                need, step = _loop_reads(node)
+                loops.append(
+                    _LoopSpec(node, body, need, step, self._speculative(node), node, (), {})
+                )
+                planned.add(node.name)
+        block_ops = {n.name for n in block.nodes}
+        if planned != block_ops:
+            raise ValueError(
+                f"the plan of walk {self.walk.name!r} does not match the captured model: "
+                f"plan-only {sorted(planned - block_ops)}, IR-only {sorted(block_ops - planned)}"
+            )
+        streams = self._streams(block, loops)
+        uses: dict[str, int] = {}
+        for n in nodes:
+            for o in n.ops:
+                for r in o.reads:
+                    uses[r] = uses.get(r, 0) + 1
+        for ls in loops:
+            for r in ls.need:  # step reads are among them
+                uses[r] = uses.get(r, 0) + 1
+        for s in streams.values():
+            if s.producer is None:  # a whole value: read by the consumer until it ends
+                uses[s.edge.source] = uses.get(s.edge.source, 0) + 1
+        for ls in loops:
+            ls.visible = msgspec.structs.replace(
+                ls.node,
+                accumulated={
+                    ch: acc
+                    for ch, acc in ls.node.accumulated.items()
+                    if uses.get(ch, 0) > 0 or ch in pinned
+                },
+            )
+            ls.feeds = tuple(
+                (name, s.edge.source) for name, s in streams.items() if s.producer == ls.node.name
+            )
+            if top:
+                ls.emit = {
+                    ch: tuple(
+                        out
+                        for out, arg in self.walk.outputs.items()
+                        if arg == ir.Ref(ch) and out not in self.walk.state
+                    )
+                    for ch in ls.node.accumulated
+                }
+        return _BlockSpec(
+            tuple(block.params), tuple(nodes), tuple(loops), streams, uses, frozenset(pinned)
+        )
+
+    def _speculative(self, node: ir.LoopNode) -> bool:
+        components = [
+            self.graph.components[n.target].speculative
+            for n in ir.iter_nodes(node.body)
+            if ir.is_component(n) and isinstance(n, ir.Op)
+        ]
+        return node.speculative and all(components)
+
+    def _streams(self, block: ir.Block, loops: list[_LoopSpec]) -> dict[str, _StreamSpec]:
+        by_name = {ls.node.name: ls for ls in loops}
+        producers = {ch: ls.node for ls in loops for ch in ls.node.accumulated}
+        out: dict[str, _StreamSpec] = {}
+        for ls in loops:
+            trips = ls.node.trips
+            if not isinstance(trips, ir.StreamTrips):
+                continue
+            edge = self.edges[trips.stream]
+            producer = producers.get(edge.source)
+            acc = producer.accumulated[edge.source] if producer is not None else None
+            waits = producer is not None and producer.name in self._ancestors(
+                block, by_name, ls.need
+            )
+            out[edge.name] = _StreamSpec(
+                edge,
+                ChunkPolicy.from_json(dict(edge.policy)),
+                producer.name if producer is not None else None,
+                acc,
+                backpressure=producer is not None and not waits,
+            )
+        return out
+
+    def _ancestors(
+        self, block: ir.Block, loops: dict[str, _LoopSpec], names: tuple[str, ...]
+    ) -> set[str]:
+        """Nodes of ``block`` that the values ``names`` depend on, transitively."""
+        made_by: dict[str, ir.Node] = {}
+        for n in block.nodes:
+            for v in ir.node_outputs(n):
+                made_by[v] = n
+        seen: set[str] = set()
+        todo = list(names)
+        while todo:
+            node = made_by.get(todo.pop())
+            if node is None or node.name in seen:
+                continue
+            seen.add(node.name)
+            todo += ir.node_inputs(node) if isinstance(node, ir.Op) else loops[node.name].need
+        return seen
+
+
+# ------------------------------------------------------------------------------ live state
+
+
+@dataclass(eq=False)
+class _Stream:
+    """The buffer of one streaming edge in one frame: the producer's committed items, of
+    which ``[base, n)`` are retained (one tensor piece per producer iteration)::
+
+        stream items       0  1  2  3  4  5  6  7     n = 8 committed so far
+        chunk 1 (L=2, C=3)    [1  2 |3  4  5]         context | new items
+        after taking it, retain_from(2) = 2*3 - 2 = 4: items 0..3 are released
+        retained                       [4  5  6  7]   base = 4, buffered = n - base = 4
+    """
+
+    spec: _StreamSpec
+    pieces: deque[torch.Tensor] = field(default_factory=deque)
+    sizes: deque[int] = field(default_factory=deque)
+    dim: int = 0
+    base: int = 0
+    n: int = 0
+    finished: bool = False  # the producer is done
+    closed: bool = False  # the consumer is done: later items are dropped
+
+    @property
+    def buffered(self) -> int:
+        return self.n - self.base
+
+    def append(self, piece: Any) -> None:
+        if self.closed:
+            return
+        if not isinstance(piece, torch.Tensor):
+            raise LoopError(
+                f"stream {self.spec.edge.name!r} carries {type(piece).__name__}, not a tensor"
+            )
+        acc = self.spec.acc
+        if acc is not None and acc.mode == "stack":
+            piece = piece.unsqueeze(acc.dim if acc.dim >= 0 else acc.dim + piece.dim() + 1)
+        dim = self.spec.edge.dim if self.spec.edge.dim >= 0 else self.spec.edge.dim + piece.dim()
+        if acc is not None:
+            acc_dim = acc.dim if acc.dim >= 0 else acc.dim + piece.dim()
+            if acc_dim != dim:
+                raise LoopError(
+                    f"stream {self.spec.edge.name!r} chunks along dim {dim}, but its source "
+                    f"accumulates along dim {acc_dim}; streaming needs the same dim"
+                )
+        self.dim = dim
+        self.pieces.append(piece)
+        self.sizes.append(int(piece.shape[dim]))
+        self.n += int(piece.shape[dim])
+
+    def ready(self) -> int:
+        return self.spec.policy.ready(self.n, self.finished)
+
+    def chunk(self, i: int) -> tuple[torch.Tensor, ChunkSpan]:
+        """Chunk ``i`` cut from the retained pieces (``ready() > i``)."""
+        span = self.spec.policy.span(i, self.n, self.finished)
+        parts: list[torch.Tensor] = []
+        offset = pos = self.base
+        for piece, size in zip(self.pieces, self.sizes):
+            if pos + size <= span.start:
+                offset = pos + size
+            elif pos < span.stop:
+                parts.append(piece)
+            pos += size
+        if span.start < self.base or not parts:
+            raise LoopError(f"stream {self.spec.edge.name!r} released chunk {i}'s items")
+        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+        return take(x, span, self.dim, self.spec.policy.pad_value, offset), span
+
+    def release(self, before: int) -> None:
+        """Drop items ``< before``; a piece cut in two keeps a copy of its tail only."""
+        while self.pieces and self.base + self.sizes[0] <= before:
+            self.base += self.sizes.popleft()
+            self.pieces.popleft()
+        if self.pieces and self.base < before:
+            cut = before - self.base
+            rest = self.sizes[0] - cut
+            self.pieces[0] = self.pieces[0].narrow(self.dim, cut, rest).clone()
+            self.sizes[0] = rest
+            self.base = before
+
+
+@dataclass(eq=False)
+class _Frame:
+    """One instance of a block: a walk body, or one iteration of a loop body."""
+
+    spec: _BlockSpec
+    path: tuple[int, ...]
+    parent: _Frame | None
+    env: dict[str, Any] = field(default_factory=dict)
+    uses: dict[str, int] = field(default_factory=dict)
+    todo: dict[str, list[int]] = field(default_factory=dict)  # node -> undispatched op indices
+    waiting: list[_LoopSpec] = field(default_factory=list)  # loops not started
+    runs: list[_LoopRun] = field(default_factory=list)  # loops started, not finished
+    streams: dict[str, _Stream] = field(default_factory=dict)
+    inflight: set[int] = field(default_factory=set)
+    speculative: bool = False
+    alive: bool = True
+    dispatched: int = 0
+    error: str | None = None
+
+    def done(self) -> bool:
+        return not (
+            self.inflight or self.waiting or self.runs or self.error or any(self.todo.values())
+        )
+
+    def in_speculation(self) -> bool:
+        f: _Frame | None = self
+        while f is not None:
+            if f.speculative:
+                return True
+            f = f.parent
+        return False
+
+
+@dataclass(eq=False)
+class _LoopRun:
+    """One execution of a loop inside ``parent``. Iterations ``< committed`` are done;
+    ``frames`` holds the live ones (at most two); stops are known false below ``known``."""
+
+    spec: _LoopSpec
+    parent: _Frame
+    carried: dict[str, Any]  # carried values for the next iteration to start, by param
+    fixed: dict[str, Any]
+    bound: int | None  # None: a stream's chunk count, not known until the producer ends
+    cap: int | None  # max_iters of a stream loop
+    frames: dict[int, _Frame] = field(default_factory=dict)
+    started: int = 0
+    committed: int = 0
+    known: int = 0
+    stop_at: int | None = None  # iteration count once a stop came true
+    collected: dict[str, list[Any]] = field(default_factory=dict)
+    last: list[Any] | None = None  # body outputs of the last committed iteration
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    walk: str
+    state: dict[str, Any]
+    root: _Frame
+    walk_inputs: dict[str, Any]
+    transitions: int = 0
+
+
+@dataclass(eq=False)
+class _Pending:
+    request: _Request
+    frame: _Frame
+    node: str
+    ops: tuple[str, ...]
+    internal: dict[str, int]  # reads of values produced inside the item
+
+
+class _RequestFailed(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------ conductor
+
+
+class Conductor:
+    """Per-request walk state machines over ``plan``; see the module docstring.
+
+    ``speculate=False`` never starts an iteration of a DynamicLoop before the previous stop is
+    known (zero wasted steps). ``stream_buffer_limit``: items a stream buffer may hold before
+    its producer waits; it must cover the largest chunk (with context) of every stream.
+    """
+
+    def __init__(
+        self,
+        captured: CapturedModel,
+        plan: ExecutablePlan,
+        *,
+        speculate: bool = True,
+        stream_buffer_limit: int = 64,
+    ) -> None:
+        if stream_buffer_limit < 1:
+            raise ValueError(f"stream_buffer_limit must be >= 1, got {stream_buffer_limit}")
+        self.captured = captured
+        self.speculate = speculate
+        self.stream_buffer_limit = stream_buffer_limit
+        self._walks: dict[str, _BlockSpec] = {}
+        for name, walk in captured.graph.walks.items():
+            if name not in plan.walks:
+                raise ValueError(f"the plan has no walk {name!r}; was it lowered from this model?")
+            pinned = {r for a in walk.outputs.values() for r in ir.arg_refs(a)}
+            spec = _SpecBuilder(captured, walk).block(walk.body, plan.walks[name], pinned, True)
+            self._walks[name] = spec
+            self._check_streams(name, spec)
+        self._interp = Interpreter(captured)
+        self._requests: dict[str, _Request] = {}
+        self._items: dict[int, _Pending] = {}
+        self._queue: list[WorkItem] = []
+        self._events: list[Event] = []
+        self._ids = itertools.count()
+        self._next_id = 0
+        self._speculated = 0
+        self._wasted = 0
+
+    def _check_streams(self, walk: str, spec: _BlockSpec) -> None:
+        for s in spec.streams.values():
+            need = _min_buffer(s.policy)
+            if s.backpressure and self.stream_buffer_limit < need:
+                raise ValueError(
+                    f"stream_buffer_limit={self.stream_buffer_limit} cannot hold one chunk of "
+                    f"stream {s.edge.name!r} of walk {walk!r} ({s.policy.to_json()}); "
+                    f"use at least {need}"
+                )
+        for ls in spec.loops:
+            self._check_streams(walk, ls.body)
+
+    # ------------------------------------------------------------------ the interface
+
+    def submit(self, request_id: str, inputs: Mapping[str, Any], walk: str | None = None) -> None:
+        """Start a request at ``walk`` (default: the model's first entry walk)."""
+        graph = self.captured.graph
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already live")
+        if walk is None:
+            entries = graph.entry_walks()
+            if not entries:
+                raise ValueError("the model has no entry walk (every walk is another's next)")
+            walk = entries[0]
+        if walk not in graph.walks:
+            raise ValueError(f"unknown walk {walk!r}; the model has {sorted(graph.walks)}")
+        self._check_inputs(walk, inputs)
+        req = _Request(request_id, walk, dict(inputs), _Frame(self._walks[walk], (), None), {})
+        self._requests[request_id] = req
+        self._enter_walk(req, walk)
+        self._advance(req)
+
+    def ready(self) -> list[WorkItem]:
+        """Items whose inputs exist (same request, same iteration), each returned once."""
+        items = [it for it in self._queue if it.id in self._items]
+        self._queue = []
+        return items
+
+    def complete(self, item_id: int, value: Any) -> None:
+        """``value``: ``{op: result}`` for every op of the item. Results of items of released
+        requests or discarded iterations are ignored."""
+        p = self._take(item_id)
+        if p is None:
+            return
+        missing = [op for op in p.ops if op not in value] if isinstance(value, Mapping) else p.ops
+        if missing:
+            self._node_failed(p, f"result has no value for ops {list(missing)}")
+            return
+        frame = p.frame
+        for op in p.ops:
+            left = frame.uses.get(op, 0) - p.internal.get(op, 0)
+            frame.uses[op] = left
+            if left > 0 or op in frame.spec.pinned:
+                frame.env[op] = value[op]
+        self._advance(p.request)
+
+    def fail(self, item_id: int, error: str) -> None:
+        """The item's node raised: its request fails (after the fact, if the item belongs to
+        a speculative iteration that turns out to run); other requests are untouched."""
+        p = self._take(item_id)
+        if p is not None:
+            self._node_failed(p, error)
+
+    def cancel(self, request_id: str) -> None:
+        """Drop every value, frame and buffer of the request; no event. Unknown ids: no-op."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            self._release(req)
+
+    def events(self) -> list[Event]:
+        out, self._events = self._events, []
+        return out
+
+    def idle(self) -> bool:
+        return not self._requests
+
+    def stats(self) -> ConductorStats:
+        by_request = {rid: _count_values(req) for rid, req in self._requests.items()}
+        return ConductorStats(
+            speculated_steps=self._speculated,
+            wasted_steps=self._wasted,
+            live_requests=len(self._requests),
+            in_flight=len(self._items),
+            buffered_stream_items=sum(
+                s.buffered for req in self._requests.values() for s in _streams(req.root)
+            ),
+            live_values=sum(by_request.values()),
+            live_values_by_request=by_request,
+        )
+
+    # ------------------------------------------------------------------ requests and walks
+
+    def _check_inputs(self, walk: str, inputs: Mapping[str, Any]) -> None:
+        """The walk's inputs, and along a static ``next`` chain every later walk's inputs
+        that no earlier walk outputs, must be given."""
+        graph = self.captured.graph
+        have = set(inputs)
+        seen: set[str] = set()
+        current: str | None = walk
+        while current is not None and current not in seen:
+            w = graph.walks[current]
+            missing = [i.name for i in w.inputs if i.name not in have]
+            if missing:
+                raise ValueError(f"walk {current!r} needs inputs {missing}")
+            have |= set(w.outputs)
+            seen.add(current)
+            current = None if graph.custom_transition else w.next
+
+    def _enter_walk(self, req: _Request, walk: str) -> None:
+        w = self.captured.graph.walks[walk]
+        missing = [i.name for i in w.inputs if i.name not in req.state]
+        if missing:
+            raise _RequestFailed(f"walk {walk!r} needs inputs {missing}")
+        req.walk = walk
+        req.walk_inputs = {i.name: req.state[i.name] for i in w.inputs}
+        req.root = self._new_frame(self._walks[walk], (), None, req.walk_inputs)
+
+    def _finish_walk(self, req: _Request) -> None:
+        w = self.captured.graph.walks[req.walk]
+        outputs = {k: self._interp.value(a, req.root.env) for k, a in w.outputs.items()}
+        for k, v in outputs.items():
+            if k not in w.state:
+                self._events.append(Output(req.id, w.name, k, v))
+        req.state.update(outputs)
+        nxt = self.captured.next_walk(req.state, w.name, outputs)
+        if nxt is None:
+            self._events.append(Finished(req.id))
+            self._release(req)
+            return
+        req.transitions += 1
+        if req.transitions >= MAX_TRANSITIONS:
+            raise _RequestFailed(f"more than {MAX_TRANSITIONS} walk transitions")
+        self._kill(req.root)
+        self._enter_walk(req, nxt)
+
+    def _advance(self, req: _Request) -> None:
+        """Run the request's state machine until nothing changes; any error fails it."""
+        try:
+            while req.id in self._requests:
+                while self._pump(req, req.root):
+                    pass
+                if not req.root.done():
+                    break
+                self._finish_walk(req)
+        except (_RequestFailed, LoopError) as e:
+            self._fail_request(req, str(e))
+        except Exception as e:  # a bad request never takes the conductor down
+            self._fail_request(req, f"{type(e).__name__}: {e}")
+
+    def _fail_request(self, req: _Request, error: str) -> None:
+        if self._requests.get(req.id) is req:
+            self._events.append(Failed(req.id, error))
+            self._release(req)
+
+    def _release(self, req: _Request) -> None:
+        self._kill(req.root)
+        req.state.clear()
+        req.walk_inputs.clear()
+        del self._requests[req.id]
+
+    def _take(self, item_id: int) -> _Pending | None:
+        p = self._items.pop(item_id, None)
+        if p is None:
+            if not 0 <= item_id < self._next_id:
+                raise KeyError(f"no work item {item_id} was ever issued")
+            return None  # released, discarded, or reported before
+        p.frame.inflight.discard(item_id)
+        return p
+
+    def _node_failed(self, p: _Pending, error: str) -> None:
+        message = f"node {p.node} of walk {p.request.walk!r} failed: {error}"
+        if p.frame.in_speculation():
+            p.frame.error = p.frame.error or message  # decided when the iteration is
+        else:
+            self._fail_request(p.request, message)
+
+    # ------------------------------------------------------------------ frames and ops
+
+    def _new_frame(
+        self, spec: _BlockSpec, path: tuple[int, ...], parent: _Frame | None, values: dict[str, Any]
+    ) -> _Frame:
+        f = _Frame(spec, path, parent, uses=dict(spec.uses))
+        f.todo = {n.name: list(range(len(n.ops))) for n in spec.nodes}
+        f.waiting = list(spec.loops)
+        f.streams = {name: _Stream(s) for name, s in spec.streams.items()}
+        for name, value in values.items():
+            self._bind(f, name, value)
+        return f
+
+    @staticmethod
+    def _bind(f: _Frame, name: str, value: Any) -> None:
+        if f.uses.get(name, 0) > 0 or name in f.spec.pinned:
+            f.env[name] = value
+
+    @staticmethod
+    def _consume(f: _Frame, name: str) -> None:
+        left = f.uses.get(name, 0) - 1
+        f.uses[name] = left
+        if left <= 0 and name not in f.spec.pinned:
+            f.env.pop(name, None)
+
+    def _pump(self, req: _Request, f: _Frame) -> bool:
+        """One pass over a frame: fill whole-value streams, start loops, dispatch ops,
+        advance its loops. True if anything changed."""
+        changed = False
+        for s in f.streams.values():
+            if s.spec.producer is None and not s.finished and s.spec.edge.source in f.env:
+                s.append(f.env[s.spec.edge.source])
+                s.finished = changed = True
+        for ls in list(f.waiting):
+            if all(r in f.env for r in ls.need):
+                self._start_loop(req, f, ls)
+                changed = True
+        for node in f.spec.nodes:
+            if f.todo[node.name]:
+                changed |= self._dispatch(req, f, node)
+        for run in list(f.runs):
+            changed |= self._pump_loop(req, run)
+        return changed
+
+    def _dispatch(self, req: _Request, f: _Frame, node: _NodeSpec) -> bool:
+        """Queue the node's undispatched ops whose inputs exist, as one item."""
+        chosen: list[int] = []
+        made: set[str] = set()
+        internal: dict[str, int] = {}
+        for k in f.todo[node.name]:
+            spec = node.ops[k]
+            if all(r in f.env or r in made for r in spec.reads):
+                chosen.append(k)
+                made.add(spec.op.name)
+        if not chosen:
+            return False
+        ops = [node.ops[k] for k in chosen]
+        f.todo[node.name] = [k for k in f.todo[node.name] if k not in chosen]
+        first = ops[0].op
+        kind: NodeKind = "component" if first.kind == "component" else "glue"
+        call = None
+        if kind == "component":
+            call = (
+                [self._interp.value(a, f.env) for a in first.args],
+                {k: self._interp.value(a, f.env) for k, a in first.kwargs.items()},
+            )
+        env: dict[str, Any] = {}
+        produced: set[str] = set()
+        for spec in ops:
+            for r in spec.reads:
+                if r in produced:
+                    internal[r] = internal.get(r, 0) + 1
+                elif spec.op.kind == "glue":
+                    env[r] = f.env[r]
+            produced.add(spec.op.name)
+        for spec in ops:  # release after materializing: an op may read a value twice
+            for r in spec.reads:
+                if r not in produced:
+                    self._consume(f, r)
+        item = WorkItem(
+            id=next(self._ids),
+            request=req.id,
+            walk=req.walk,
+            node=node.name,
+            kind=kind,
+            ops=tuple(s.op.name for s in ops),
+            frame=f.path,
+            speculative=f.in_speculation(),
+            call=call,
+            env=env,
+        )
+        self._next_id = item.id + 1
+        self._items[item.id] = _Pending(req, f, node.name, item.ops, internal)
+        f.inflight.add(item.id)
+        f.dispatched += 1
+        self._queue.append(item)
+        return True
+
+    def _kill(self, f: _Frame) -> int:
+        """Release a frame and everything under it; returns how many items it dispatched."""
+        f.alive = False
+        for item_id in f.inflight:
+            self._items.pop(item_id, None)
+        f.inflight.clear()
+        n = f.dispatched
+        for run in f.runs:
+            for sub in run.frames.values():
+                n += self._kill(sub)
+            run.frames.clear()
+        f.runs.clear()
+        f.env.clear()
+        f.streams.clear()
+        return n
+
+    # ------------------------------------------------------------------ loops
+
+    def _start_loop(self, req: _Request, f: _Frame, ls: _LoopSpec) -> None:
+        node = ls.node
+        carried = {
+            p.name: self._interp.value(p.role.init, f.env)
+            for p in node.params
+            if isinstance(p.role, ir.Carried)
+        }
+        fixed = {
+            p.name: self._interp.value(p.role.value, f.env)
+            for p in node.params
+            if isinstance(p.role, ir.Invariant)
+        }
+        bound: int | None = None
+        cap: int | None = None
+        if not isinstance(node.trips, ir.StreamTrips):
+            bound = loop_bound(node, req.walk_inputs, None)
+        elif isinstance(node.max_iters, int):
+            cap = node.max_iters
+        elif node.max_iters is not None:
+            cap = int_input(req.walk_inputs, node.max_iters)
+        run = _LoopRun(ls, f, carried, fixed, bound, cap)
+        run.collected = {ch: [] for ch in ls.visible.accumulated}
+        f.waiting.remove(ls)
+        f.runs.append(run)
+        for r in ls.need:
+            if r not in ls.step_reads:
+                self._consume(f, r)
+
+    def _pump_loop(self, req: _Request, run: _LoopRun) -> bool:
+        changed = self._settle(req, run)
+        if run not in run.parent.runs:
+            return changed
+        for sub in list(run.frames.values()):
+            if sub.alive:
+                changed |= self._pump(req, sub)
+        if self._can_start(run):
+            self._start_iteration(run)
+            changed = True
+        return self._settle(req, run) or changed
+
+    def _can_start(self, run: _LoopRun) -> bool:
+        ls, i = run.spec, run.started
+        if run.stop_at is not None or len(run.frames) >= 2:
+            return False
+        if (run.bound is not None and i >= run.bound) or (run.cap is not None and i >= run.cap):
+            return False
+        trips = ls.node.trips
+        if isinstance(trips, ir.StreamTrips) and run.parent.streams[trips.stream].ready() <= i:
+            return False
+        if ls.node.stop is not None:
+            ahead = 1 if (self.speculate and ls.speculative) else 0
+            if i > run.known + ahead:
+                return False
+        prev = run.frames.get(i - 1)
+        if prev is not None:
+            outs = ls.node.outputs
+            needed = [outs[p.role.output] for p in ls.node.params if isinstance(p.role, ir.Carried)]
+            if not all(o in prev.env for o in needed):
+                return False
+        for stream, _ in ls.feeds:  # iterations in flight count as one item each
+            s = run.parent.streams[stream]
+            full = s.buffered + len(run.frames) >= self.stream_buffer_limit
+            if s.spec.backpressure and not s.closed and full:
+                return False
+        return True
+
+    def _start_iteration(self, run: _LoopRun) -> None:
+        ls, i, parent = run.spec, run.started, run.parent
+        node = ls.node
+        prev = run.frames.get(i - 1)
+        values: dict[str, Any] = {}
+        chunks: dict[str, tuple[torch.Tensor, ChunkSpan]] = {}
+        for p in node.params:
+            role = p.role
+            if isinstance(role, ir.Carried):
+                values[p.name] = (
+                    prev.env[node.outputs[role.output]] if prev is not None else run.carried[p.name]
+                )
+            elif isinstance(role, ir.Invariant):
+                values[p.name] = run.fixed[p.name]
+            elif isinstance(role.source, ir.ChunkStep):
+                src = role.source
+                if src.stream not in chunks:
+                    chunks[src.stream] = parent.streams[src.stream].chunk(i)
+                data, span = chunks[src.stream]
+                values[p.name] = data if src.part == "data" else span.context
+            else:
+                values[p.name] = step_value(
+                    role, i, lambda a: self._interp.value(a, parent.env), None
+                )
+        for stream in chunks:
+            s = parent.streams[stream]
+            s.release(s.spec.policy.retain_from(i + 1))
+        speculative = node.stop is not None and i > run.known
+        if speculative:
+            self._speculated += 1
+        frame = self._new_frame(ls.body, (*parent.path, i), parent, values)
+        frame.speculative = speculative
+        run.frames[i] = frame
+        run.started += 1
+
+    def _settle(self, req: _Request, run: _LoopRun) -> bool:
+        """Evaluate stops in order, commit complete iterations in order, finish the loop."""
+        changed = False
+        node = run.spec.node
+        while node.stop is not None and run.stop_at is None:
+            k = run.known
+            f = run.frames.get(k)
+            if f is None or node.stop not in f.env:
+                break
+            changed = True
+            if truth(f.env[node.stop], node):
+                run.stop_at = k + 1
+                for j in [j for j in run.frames if j > k]:
+                    if self._kill(run.frames.pop(j)):
+                        self._wasted += 1
+                run.started = k + 1
+            else:
+                run.known = k + 1
+                nxt = run.frames.get(k + 1)
+                if nxt is not None:
+                    nxt.speculative = False
+                    if not nxt.in_speculation():
+                        error = _first_error(nxt)
+                        if error is not None:
+                            raise _RequestFailed(error)
+        while True:
+            f = run.frames.get(run.committed)
+            if f is None or not f.done():
+                break
+            self._commit(req, run, f)
+            changed = True
+        if run.bound is None and isinstance(node.trips, ir.StreamTrips):
+            s = run.parent.streams[node.trips.stream]
+            if s.finished:
+                run.bound = loop_bound(node, req.walk_inputs, s.ready())
+        end = run.stop_at if run.stop_at is not None else run.bound
+        if end is not None and run.committed >= end:
+            self._finish_loop(run)
+            changed = True
+        return changed
+
+    def _commit(self, req: _Request, run: _LoopRun, f: _Frame) -> None:
+        ls, i = run.spec, run.committed
+        node = ls.node
+        outs = [f.env[o] for o in node.outputs]
+        for ch, acc in node.accumulated.items():
+            piece = outs[acc.output]
+            if ch in run.collected:
+                run.collected[ch].append(piece)
+            for out in ls.emit.get(ch, ()):
+                self._events.append(StreamItem(req.id, out, i, piece))
+        for stream, ch in ls.feeds:
+            run.parent.streams[stream].append(outs[node.accumulated[ch].output])
+        run.last = outs
+        run.carried = {
+            p.name: outs[p.role.output] for p in node.params if isinstance(p.role, ir.Carried)
+        }
+        del run.frames[i]
+        self._kill(f)
+        run.committed += 1
+
+    def _finish_loop(self, run: _LoopRun) -> None:
+        node, parent = run.spec.node, run.parent
+        if run.committed == 0 and node.accumulated:  # as the interpreter, kept or not
+            ch = next(iter(node.accumulated))
+            raise LoopError(f"loop {node.name} ran no iteration, so {ch} is empty")
+        channels = loop_channels(run.spec.visible, run.carried, run.last, run.collected)
+        for ch, value in channels.items():
+            self._bind(parent, ch, value)
+        for stream, _ in run.spec.feeds:
+            parent.streams[stream].finished = True
+        for r in run.spec.step_reads:
+            self._consume(parent, r)
+        if isinstance(node.trips, ir.StreamTrips):
+            s = parent.streams[node.trips.stream]
+            s.closed = True
+            s.release(s.n)
+            if s.spec.producer is None:
+                self._consume(parent, s.spec.edge.source)
+        parent.runs.remove(run)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _first_error(f: _Frame) -> str | None:
+    """The first deferred error of ``f`` or a frame under it that is not speculative."""
+    if f.error is not None:
+        return f.error
+    for run in f.runs:
+        for sub in run.frames.values():
+            error = None if sub.speculative else _first_error(sub)
+            if error is not None:
+                return error
+    return None
+
+
+def _streams(f: _Frame) -> list[_Stream]:
+    out = list(f.streams.values())
+    for run in f.runs:
+        for sub in run.frames.values():
+            out += _streams(sub)
+    return out
+
+
+def _count_values(req: _Request) -> int:
+    def frame(f: _Frame) -> int:
+        n = len(f.env) + sum(len(s.pieces) for s in f.streams.values())
+        for run in f.runs:
+            n += len(run.carried) + len(run.fixed) + len(run.last or ())
+            n += sum(len(v) for v in run.collected.values())
+            n += sum(frame(sub) for sub in run.frames.values())
+        return n
+
+    return len(req.state) + frame(req.root) if req.root.alive else len(req.state)
