@@ -12,18 +12,26 @@ Tensors travel as ``TensorRef``: small ones ``Inline`` (header + bytes in the me
 ones as an ``ShmHandle`` into a pool the receiver attached at start-up (``AttachPools``). A
 receiver of a handle sends ``Ack`` to the pool's owner once it no longer needs the slot.
 
+Values that are not tensors travel as ``Value``: Python scalars and None as themselves,
+tuples/lists/``torch.Size`` as ``Seq``, and objects that cannot be encoded (a Hugging Face cache)
+as ``ObjectRef``: a handle into the per-request object store of the worker that made the object.
+Objects never cross a process; only that worker resolves the handle.
+
 Direction (C: conductor, W: worker):
 
-    W->C  Hello, Heartbeat, NodeDone, NodeFailed
-    C->W  RunNode, Cancel, Shutdown
+    W->C  Join, Hello, Heartbeat, Fatal, NodeDone, NodeFailed, BatchDone, BatchFailed
+    C->W  WorkerSetup, RunNode, RunBatch, Cancel, Shutdown
     both  AttachPools (the sender's own pools), Ack (to the owner of the handles' pool)
+
+Worker start-up: ``Join`` (connected) -> ``WorkerSetup`` -> ``AttachPools`` (the worker's output
+pool) -> ``Hello`` (ready for ``RunBatch``).
 
 To add a message: subclass ``_Msg`` (repeat ``frozen=True``) and add it to ``Message``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, TypeAlias
+from typing import Annotated, Literal, TypeAlias
 
 import msgspec
 
@@ -34,6 +42,7 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+ObjectKey = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 class MessageError(ValueError):
@@ -55,6 +64,53 @@ class Inline(msgspec.Struct, frozen=True, tag="inline", tag_field="type"):
 
 
 TensorRef: TypeAlias = Inline | ShmHandle
+
+
+# ------------------------------------------------------------------------------ values
+
+
+class ObjectRef(msgspec.Struct, frozen=True, tag="object", tag_field="type"):
+    """A Python object that cannot be encoded (a Hugging Face cache object): it stays in the
+    per-request object store of worker ``rank`` under ``key``. Only that worker resolves it,
+    and only for the request that made it; the object itself never leaves that process, so a
+    plan must place its producer and all its consumers on one rank."""
+
+    rank: NonNegInt
+    key: ObjectKey
+
+
+class Seq(msgspec.Struct, frozen=True, tag="seq", tag_field="type"):
+    """A tuple, list or ``torch.Size`` of values."""
+
+    kind: Literal["tuple", "list", "size"]
+    items: list[Value]
+
+
+# Any value a node reads or produces, on the wire. bool before int: msgpack keeps them apart.
+Value: TypeAlias = Inline | ShmHandle | ObjectRef | Seq | bool | int | float | str | None
+
+
+class BatchItem(msgspec.Struct, frozen=True):
+    """One request's share of a ``RunBatch``: the values the node reads, by name.
+    ``item`` tells items of one batch apart (one request may appear twice: two iterations)."""
+
+    item: NonNegInt
+    request_id: RequestId
+    inputs: dict[Name, Value]
+
+
+class ItemOutput(msgspec.Struct, frozen=True):
+    """The values a node produced for one item that are read outside the node, by name."""
+
+    item: NonNegInt
+    values: dict[Name, Value]
+
+
+class ItemError(msgspec.Struct, frozen=True):
+    """Why an item failed; ``error`` is a message fit for a client."""
+
+    item: NonNegInt
+    error: str
 
 
 # ---------------------------------------------------------------------------- messages
@@ -127,8 +183,82 @@ class Ack(_Msg, frozen=True):
     handles: list[ShmHandle]
 
 
+class Join(_Msg, frozen=True):
+    """A worker process connected and waits for its ``WorkerSetup``."""
+
+    rank: NonNegInt
+    pid: PosInt
+
+
+class WorkerSetup(_Msg, frozen=True):
+    """Everything a worker builds its part of the plan from. The worker loads the weights
+    itself (``registry.load_model(model, seed)``); ``ir`` is ``serialize.to_json`` of the
+    captured graph, ``plan`` is ``ExecutablePlan.to_json``; ``pool`` is the conductor's
+    shared-memory pool, whose handles the worker will receive."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    seed: int
+    ir: str
+    plan: str
+    rank: NonNegInt
+    pool: ShmPoolSpec
+
+
+class Fatal(_Msg, frozen=True):
+    """A worker cannot go on (its setup failed) and exits; ``error`` says why."""
+
+    rank: NonNegInt
+    error: str
+
+
+class RunBatch(_Msg, frozen=True):
+    """Run node ``node`` of walk ``walk`` once for every item (one batched call for a
+    component node). ``batch`` is the sender's id; the reply carries it back. ``ops``: run
+    only these of the node's ops (in plan order); ``outputs``: the values to send back
+    (defaults: the whole node, and the values it makes that are read outside it; with
+    ``ops``, every one of them)."""
+
+    batch: NonNegInt
+    walk: Name
+    node: Name
+    items: list[BatchItem]
+    ops: list[Name] | None = None
+    outputs: list[Name] | None = None
+
+
+class BatchDone(_Msg, frozen=True):
+    """Batch ``batch`` ran on ``rank``; one ``ItemOutput`` per item, in the batch's order."""
+
+    batch: NonNegInt
+    rank: NonNegInt
+    outputs: list[ItemOutput]
+
+
+class BatchFailed(_Msg, frozen=True):
+    """Batch ``batch`` failed on ``rank``: one ``ItemError`` per item of the batch. The
+    worker goes on serving."""
+
+    batch: NonNegInt
+    rank: NonNegInt
+    errors: list[ItemError]
+
+
 Message: TypeAlias = (
-    Hello | AttachPools | Shutdown | Heartbeat | RunNode | NodeDone | NodeFailed | Cancel | Ack
+    Hello
+    | AttachPools
+    | Shutdown
+    | Heartbeat
+    | RunNode
+    | NodeDone
+    | NodeFailed
+    | Cancel
+    | Ack
+    | Join
+    | WorkerSetup
+    | Fatal
+    | RunBatch
+    | BatchDone
+    | BatchFailed
 )
 
 _encoder = msgspec.msgpack.Encoder()

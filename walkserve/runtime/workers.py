@@ -1,0 +1,766 @@
+"""The conductor's side of the worker processes: start them, dispatch batches, watch, stop.
+
+Owns the worker processes, the ROUTER sockets they connect to, the conductor's shared-memory
+pool (inputs it sends) and the reads of the workers' pools (outputs it receives). What crosses
+its boundary: typed messages (``messages``), tensor bytes in shared memory; never pickle (the
+child gets only ``rank``, the socket address and a JSON config string as spawn arguments;
+everything else goes over ZeroMQ after start-up)::
+
+    with WorkerPool("example-cfg-image", 0, captured, plan, ranks=2) as pool:
+        fut = pool.submit_batch(1, "generate", "decoder", [(item, request_id, {name: value})])
+        fut.result().outputs[item]     # {name: value}: tensors, scalars, None, ObjectRef
+        pool.health()                  # {rank: RankHealth}
+
+Sockets: two ROUTERs bound in a private temporary directory (``ipc://``; or on 127.0.0.1).
+Workers report on *reports* and are commanded on *commands*; each worker connects one DEALER
+to each. Threads in the conductor process:
+
+    callers     submit_batch: encode the inputs (small tensors inline, large ones written
+                into the conductor's pool), register a future, send RunBatch on *commands*
+                (shared under a lock; nobody reads it)
+    io thread   owns *reports*: receives every worker message and dispatches it by type (a
+                table), and polls every worker's ``Process.sentinel``, so a dead worker is
+                noticed at once, not at a heartbeat timeout
+
+A reply's tensors are copied out of the worker's pool on the io thread and acked at once;
+futures complete on the io thread (callbacks added to them should not block). Input slots are
+released when the worker acks them, and at the latest when its reply (or its death) arrives.
+
+A dead worker: its in-flight futures fail with ``WorkerDied`` naming the rank, the input slots
+it held are released, its pool's segments are unlinked (a killed process cannot), and
+``health()`` reports it ``dead``; the other ranks keep serving. There is no restart yet.
+``close()`` sends ``Shutdown``, waits ``stop_timeout_s``, kills what is left, reaps every
+process (no zombies) and removes its sockets' directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal
+
+import zmq
+
+from walkserve.capture.model import CapturedModel
+from walkserve.capture.serialize import to_json as ir_to_json
+from walkserve.lowering.plan import ExecutablePlan
+from walkserve.runtime.messages import (
+    Ack,
+    AttachPools,
+    BatchDone,
+    BatchFailed,
+    BatchItem,
+    Fatal,
+    Heartbeat,
+    Hello,
+    Join,
+    Message,
+    MessageError,
+    RunBatch,
+    Shutdown,
+    Value,
+    WorkerSetup,
+    decode,
+    encode,
+)
+from walkserve.runtime.shm import (
+    PoolStats,
+    ShmError,
+    ShmHandle,
+    ShmPool,
+    ShmPoolConfig,
+    ShmPoolSpec,
+    ShmReader,
+)
+from walkserve.runtime.transport import INLINE_MAX_BYTES, ShmTransport, shm_handles
+from walkserve.runtime.worker import WorkerConfig, default_threads, routing_id, worker_main
+
+log = logging.getLogger("walkserve.workers")
+
+Item = tuple[int, str, Mapping[str, Any]]  # (item id, request id, {input name: value})
+Status = Literal["starting", "ready", "unresponsive", "dead", "closed"]
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+class WorkerError(RuntimeError):
+    """Base of the errors a batch or the pool raises; ``rank`` names the worker."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class WorkerStartError(WorkerError):
+    """A worker did not come up (it failed its setup, died, or did not say Hello in time)."""
+
+
+class WorkerDied(WorkerError):
+    """The worker running a batch died before replying."""
+
+
+class BatchError(WorkerError):
+    """The node raised on the worker; ``errors`` holds the message of every item."""
+
+    def __init__(self, rank: int, walk: str, node: str, errors: dict[int, str]) -> None:
+        first = next(iter(errors.values()), "no items")
+        super().__init__(f"batch of {walk}:{node} failed on rank {rank}: {first}", rank)
+        self.errors = errors
+
+
+class WorkerPoolClosed(WorkerError):
+    """The pool was closed (before or while a batch ran)."""
+
+
+# ------------------------------------------------------------------------------ config
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """``address``: ``"ipc"`` (a socket file in a private temporary directory) or ``"tcp"``
+    (127.0.0.1, a free port). ``unresponsive_after_s``: a ready worker silent for this long is
+    reported ``unresponsive`` (heartbeats come every ``heartbeat_s``). ``forbid_pickle``: make
+    pickle raise inside the workers after their setup."""
+
+    start_timeout_s: float = 120.0
+    stop_timeout_s: float = 10.0
+    address: Literal["ipc", "tcp"] = "ipc"
+    heartbeat_s: float = 1.0
+    unresponsive_after_s: float = 10.0
+    inline_max_bytes: int = INLINE_MAX_BYTES
+    shm: ShmPoolConfig = field(default_factory=ShmPoolConfig)
+    forbid_pickle: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("start_timeout_s", "stop_timeout_s", "heartbeat_s", "unresponsive_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.address not in ("ipc", "tcp"):
+            raise ValueError(f"address must be 'ipc' or 'tcp', got {self.address!r}")
+        if self.inline_max_bytes < 0:
+            raise ValueError(f"inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
+
+
+# ------------------------------------------------------------------------------ results
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """What a batch produced: per item id, the node's outputs by name (``NodeIO.outputs``)."""
+
+    rank: int
+    walk: str
+    node: str
+    outputs: dict[int, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class RankHealth:
+    rank: int
+    pid: int | None
+    status: Status
+    exitcode: int | None  # negative: killed by that signal
+    last_seen_s: float | None  # seconds since its last message
+    in_flight: int  # batches sent and not answered
+    error: str | None
+    shm_pool: str | None  # pool id of its output pool (segments ``wsp_<id>_<i>``)
+
+
+@dataclass(eq=False)
+class _Pending:
+    rank: int
+    walk: str
+    node: str
+    items: list[int]
+    future: Future[BatchResult]
+    handles: set[ShmHandle]  # input slots the worker has not acked yet
+
+
+@dataclass(eq=False)
+class _Rank:
+    rank: int
+    process: BaseProcess
+    identity: bytes
+    status: Status = "starting"
+    pid: int | None = None
+    exitcode: int | None = None
+    error: str | None = None
+    last_seen: float | None = None
+    spec: ShmPoolSpec | None = None
+    settled: threading.Event = field(default_factory=threading.Event)  # ready, or never will be
+
+
+# -------------------------------------------------------------------------------- pool
+
+
+class WorkerPool:
+    """One spawned worker process per rank (see the module docstring). ``threads``: torch
+    threads per worker, default ``worker.default_threads(ranks)`` (cores // ranks, >= 1)."""
+
+    def __init__(
+        self,
+        model_name: str,
+        seed: int,
+        captured: CapturedModel,
+        plan: ExecutablePlan,
+        ranks: int,
+        threads: int | None = None,
+        config: PoolConfig | None = None,
+    ) -> None:
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        for walk in plan.walks:
+            for node in plan.nodes(walk):
+                bad = [r for r in node.ranks if not 0 <= r < ranks]
+                if bad:
+                    raise ValueError(
+                        f"node {walk}:{node.name} is placed on ranks {bad}, but the pool has "
+                        f"ranks 0..{ranks - 1}"
+                    )
+        self.config = config or PoolConfig()
+        self.threads = threads if threads is not None else default_threads(ranks)
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        self._model = (model_name, seed, ir_to_json(captured.graph), plan.to_json())
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._handle_batch: dict[ShmHandle, int] = {}
+        self._batch_ids = itertools.count()
+        self._closed = False
+        self._tmpdir: str | None = None
+        self._io: threading.Thread | None = None
+        self._ranks: dict[int, _Rank] = {}
+        self._ctx = zmq.Context()
+        try:
+            self._start(ranks)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ start-up
+
+    def _start(self, ranks: int) -> None:
+        # Two ROUTERs: workers report on one (the io thread's alone) and are commanded on the
+        # other (any thread, under _send_lock; never read), so a caller's RunBatch goes out
+        # on the caller's own thread instead of waking the io thread.
+        self._reports = self._ctx.socket(zmq.ROUTER)
+        self._reports.setsockopt(zmq.LINGER, 0)
+        self._commands = self._ctx.socket(zmq.ROUTER)
+        self._commands.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable: an error, not a drop
+        self._commands.setsockopt(zmq.LINGER, 0)
+        self._send_lock = threading.Lock()
+        if self.config.address == "ipc" and zmq.has("ipc"):
+            self._tmpdir = tempfile.mkdtemp(prefix="walkserve-")  # mode 0700: ours alone
+            weakref.finalize(self, shutil.rmtree, self._tmpdir, True)  # if never closed
+            self.address = f"ipc://{self._tmpdir}/reports"
+            self._reports.bind(self.address)
+            commands = f"ipc://{self._tmpdir}/commands"
+            self._commands.bind(commands)
+        else:
+            port = self._reports.bind_to_random_port("tcp://127.0.0.1")
+            self.address = f"tcp://127.0.0.1:{port}"
+            port = self._commands.bind_to_random_port("tcp://127.0.0.1")
+            commands = f"tcp://127.0.0.1:{port}"
+        worker_config = WorkerConfig(
+            threads=self.threads,
+            commands_addr=commands,
+            heartbeat_s=self.config.heartbeat_s,
+            setup_timeout_s=self.config.start_timeout_s,
+            inline_max_bytes=self.config.inline_max_bytes,
+            forbid_pickle=self.config.forbid_pickle,
+        )
+        self._wake_rx = self._ctx.socket(zmq.PULL)  # close() stops the io thread through it
+        self._wake_rx.bind("inproc://wake")
+        self._wake = self._ctx.socket(zmq.PUSH)
+        self._wake.connect("inproc://wake")
+        self._setups_due: dict[int, bytes] = {}  # rank -> WorkerSetup not yet routable
+
+        self._shm = ShmPool(self.config.shm)
+        self._reader = ShmReader()
+        self._transport = ShmTransport(
+            self._shm, self._reader, inline_max_bytes=self.config.inline_max_bytes
+        )
+        spawn = mp.get_context("spawn")
+        config_json = worker_config.to_json()
+        for rank in range(ranks):
+            process = spawn.Process(
+                target=worker_main,
+                args=(rank, self.address, config_json),
+                name=f"walkserve-worker-{rank}",
+                daemon=True,
+            )
+            process.start()
+            self._ranks[rank] = _Rank(rank, process, routing_id(rank), pid=process.pid)
+        self._by_identity = {r.identity: r for r in self._ranks.values()}
+        self._handlers: dict[type, Callable[[_Rank, Any], None]] = {
+            Join: self._on_join,
+            AttachPools: self._on_attach,
+            Hello: self._on_hello,
+            Heartbeat: lambda state, msg: None,  # every message refreshes last_seen
+            BatchDone: self._on_done,
+            BatchFailed: self._on_failed,
+            Ack: self._on_ack,
+            Fatal: self._on_fatal,
+        }
+        self._io = threading.Thread(target=self._io_loop, name="walkserve-pool-io", daemon=True)
+        self._io.start()
+
+        deadline = time.monotonic() + self.config.start_timeout_s
+        for state in self._ranks.values():
+            state.settled.wait(max(0.0, deadline - time.monotonic()))
+        failed = [s for s in self._ranks.values() if s.status != "ready"]
+        if failed:
+            reasons = "; ".join(f"rank {s.rank}: {self._start_failure(s)}" for s in failed)
+            raise WorkerStartError(f"workers did not start: {reasons}", failed[0].rank)
+
+    def _start_failure(self, state: _Rank) -> str:
+        if state.error is not None:
+            return state.error
+        if state.status == "dead":
+            return f"the process exited ({_describe_exit(state.exitcode)})"
+        return f"no Hello within {self.config.start_timeout_s:.0f} s"
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._ranks)
+
+    def pid(self, rank: int) -> int | None:
+        return self._rank(rank).pid
+
+    @property
+    def shm_pool_id(self) -> str:
+        """The id of the conductor's pool (the inputs it sends)."""
+        return self._shm.pool_id
+
+    def shm_stats(self) -> PoolStats:
+        """Slots of the conductor's pool: ``in_use`` are inputs not yet released."""
+        return self._shm.stats()
+
+    def submit_batch(
+        self,
+        rank: int,
+        walk: str,
+        node: str,
+        items: Iterable[Item],
+        ops: Sequence[str] | None = None,
+        outputs: Sequence[str] | None = None,
+    ) -> Future[BatchResult]:
+        """Run ``node`` of ``walk`` on ``rank`` for ``items`` (item id, request id, inputs by
+        name: tensors, Python scalars, None, tuples/lists of them, or ``ObjectRef`` handles a
+        worker returned). ``ops``/``outputs``: part of the node, and the values to return
+        (see ``messages.RunBatch``). The future fails with ``BatchError`` (the node raised),
+        ``WorkerDied`` or ``WorkerPoolClosed``."""
+        state = self._rank(rank)
+        future: Future[BatchResult] = Future()
+        batch_items: list[BatchItem] = []
+        handles: list[ShmHandle] = []
+        seen: set[int] = set()
+        try:
+            for item, request_id, inputs in items:
+                if item in seen:
+                    raise ValueError(f"item id {item} appears twice in one batch")
+                seen.add(item)
+                values: dict[str, Value] = {}
+                for name, value in inputs.items():
+                    values[name] = payload = self._transport.send(value, request_id)
+                    handles += shm_handles(payload)
+                batch_items.append(BatchItem(item, request_id, values))
+            batch = next(self._batch_ids)
+            data = encode(
+                RunBatch(
+                    batch,
+                    walk,
+                    node,
+                    batch_items,
+                    None if ops is None else list(ops),
+                    None if outputs is None else list(outputs),
+                )
+            )
+            with self._lock:
+                if self._closed:
+                    raise WorkerPoolClosed("the worker pool is closed", rank)
+                if state.status in ("dead", "closed"):
+                    raise WorkerDied(
+                        f"worker rank {rank} is dead ({_describe_exit(state.exitcode)})", rank
+                    )
+                self._pending[batch] = _Pending(
+                    rank, walk, node, [i.item for i in batch_items], future, set(handles)
+                )
+                for h in handles:
+                    self._handle_batch[h] = batch
+        except WorkerDied as e:
+            self._transport.release(handles)
+            future.set_exception(e)
+            return future
+        except BaseException:
+            self._transport.release(handles)
+            raise
+        try:
+            self._send(state, data)
+        except zmq.ZMQError as e:  # its socket is gone (dead) or its queue is full
+            pending = self._take(batch)
+            if pending is not None:
+                error = WorkerDied(f"worker rank {rank} is unreachable: {e}", rank)
+                _fail(pending.future, error)
+        return future
+
+    def _send(self, state: _Rank, data: bytes) -> None:
+        with self._send_lock:
+            self._commands.send_multipart([state.identity, data], zmq.NOBLOCK)
+
+    def health(self) -> dict[int, RankHealth]:
+        now = time.monotonic()
+        with self._lock:
+            in_flight: dict[int, int] = {}
+            for p in self._pending.values():
+                in_flight[p.rank] = in_flight.get(p.rank, 0) + 1
+            out = {}
+            for rank, s in sorted(self._ranks.items()):
+                seen = None if s.last_seen is None else now - s.last_seen
+                status = s.status
+                if (
+                    status == "ready"
+                    and seen is not None
+                    and seen > self.config.unresponsive_after_s
+                ):
+                    status = "unresponsive"
+                pool_id = None if s.spec is None else s.spec.pool_id
+                out[rank] = RankHealth(
+                    rank, s.pid, status, s.exitcode, seen, in_flight.get(rank, 0), s.error, pool_id
+                )
+            return out
+
+    def close(self) -> None:
+        """Shut every worker down (``Shutdown``, then a kill after ``stop_timeout_s``), fail
+        the batches still in flight with ``WorkerPoolClosed``, release everything. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for s in self._ranks.values():
+            if s.status not in ("dead", "closed") and hasattr(self, "_commands"):
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(s, encode(Shutdown()))
+        deadline = time.monotonic() + self.config.stop_timeout_s
+        for s in self._ranks.values():
+            _reap(s.process, deadline - time.monotonic())
+        for s in self._ranks.values():
+            if s.process.exitcode is None:
+                log.warning("worker rank %d did not stop in time; killing it", s.rank)
+                s.process.kill()
+                _reap(s.process, 5.0)
+        if self._io is not None:
+            self._wake.send(b"stop")
+            if threading.current_thread() is not self._io:  # close() from a future callback
+                self._io.join()
+        for s in self._ranks.values():
+            self._on_exit(s, closing=True)
+            with contextlib.suppress(ValueError):
+                s.process.close()
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for batch, p in pending.items():
+            _fail(
+                p.future, WorkerPoolClosed(f"the pool closed with batch {batch} in flight", p.rank)
+            )
+        for name in ("_wake", "_wake_rx", "_reports", "_commands"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+        for name in ("_shm", "_reader"):
+            resource = getattr(self, name, None)
+            if resource is not None:
+                resource.close()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _rank(self, rank: int) -> _Rank:
+        state = self._ranks.get(rank)
+        if state is None:
+            raise ValueError(f"no rank {rank}; the pool has ranks {self.ranks}")
+        return state
+
+    # ------------------------------------------------------------------ io thread
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._reports, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        sentinels = {s.process.sentinel: s for s in self._ranks.values()}
+        for fd in sentinels:
+            poller.register(fd, zmq.POLLIN)
+        while True:
+            for sock, _ in poller.poll(5 if self._setups_due else 1000):
+                if sock is self._reports:
+                    while (frames := _recv_multipart(self._reports)) is not None:
+                        self._dispatch(frames)
+                elif sock is self._wake_rx:
+                    return
+                elif isinstance(sock, int) and sock in sentinels:
+                    poller.unregister(sock)
+                    self._drain_reports()  # its last words (a Fatal) come first
+                    self._on_exit(sentinels.pop(sock), closing=self._closed)
+            for rank, setup in list(self._setups_due.items()):
+                self._send_setup(self._ranks[rank], setup)
+
+    def _drain_reports(self, wait_ms: int = 20) -> None:
+        """Dispatch what the workers sent so far, waiting up to ``wait_ms`` for stragglers."""
+        while self._reports.poll(wait_ms):
+            while (frames := _recv_multipart(self._reports)) is not None:
+                self._dispatch(frames)
+            wait_ms = 2
+
+    def _send_setup(self, state: _Rank, setup: bytes) -> None:
+        """Send a worker its setup once its command socket is connected (its ``Join`` came
+        over the other one, so it may not be yet)."""
+        try:
+            self._send(state, setup)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._setups_due[state.rank] = setup
+        else:
+            self._setups_due.pop(state.rank, None)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        state = self._by_identity.get(frames[0])
+        if state is None or len(frames) != 2:
+            log.warning("ignoring a message from an unknown peer")
+            return
+        state.last_seen = time.monotonic()
+        try:
+            msg: Message = decode(frames[1])
+        except MessageError as e:
+            log.warning("rank %d sent a bad message: %s", state.rank, e)
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            log.warning("rank %d sent an unexpected %s", state.rank, type(msg).__name__)
+            return
+        if getattr(msg, "rank", state.rank) != state.rank:
+            log.warning("rank %d sent a message for rank %s", state.rank, msg.rank)  # type: ignore[union-attr]
+            return
+        handler(state, msg)
+
+    def _on_join(self, state: _Rank, msg: Join) -> None:
+        if msg.pid != state.process.pid:
+            log.warning("rank %d: Join from pid %d, expected %s", state.rank, msg.pid, state.pid)
+            return
+        model, seed, ir, plan = self._model
+        setup = WorkerSetup(model, seed, ir, plan, state.rank, self._shm.spec)
+        self._send_setup(state, encode(setup))
+
+    def _on_attach(self, state: _Rank, msg: AttachPools) -> None:
+        if len(msg.pools) != 1 or state.spec is not None:
+            log.warning("rank %d: unexpected AttachPools", state.rank)
+            return
+        state.spec = msg.pools[0]
+        self._reader.add(state.spec)
+
+    def _on_hello(self, state: _Rank, msg: Hello) -> None:
+        if msg.pid != state.process.pid or state.spec is None:
+            log.warning("rank %d: unexpected Hello", state.rank)
+            return
+        with self._lock:
+            state.status = "ready"
+        state.settled.set()
+
+    def _on_fatal(self, state: _Rank, msg: Fatal) -> None:
+        state.error = msg.error
+        log.error("worker rank %d: %s", state.rank, msg.error)
+
+    def _on_ack(self, state: _Rank, msg: Ack) -> None:
+        with self._lock:
+            for h in msg.handles:
+                batch = self._handle_batch.pop(h, None)
+                pending = self._pending.get(batch) if batch is not None else None
+                if pending is None or pending.rank != state.rank or h not in pending.handles:
+                    log.warning("rank %d acked a handle it was not given", state.rank)
+                    continue
+                pending.handles.discard(h)
+                self._release(h)
+
+    def _on_done(self, state: _Rank, msg: BatchDone) -> None:
+        handles = [h for out in msg.outputs for v in out.values.values() for h in shm_handles(v)]
+        pending = self._take(msg.batch, state.rank)
+        try:
+            if pending is None:
+                return
+            outputs: dict[int, dict[str, Any]] = {}
+            for out in msg.outputs:
+                outputs[out.item] = {
+                    name: self._transport.receive(payload, "")[0]
+                    for name, payload in out.values.items()
+                }
+        except Exception as e:
+            assert pending is not None
+            error = f"outputs of batch {msg.batch} from rank {state.rank} are unreadable: {e}"
+            _fail(pending.future, WorkerError(error, state.rank))
+            return
+        finally:
+            if handles:  # copied out (or unreadable): the worker may reuse the slots
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(state, encode(Ack(handles)))
+        if sorted(outputs) != sorted(pending.items):
+            error = (
+                f"rank {state.rank} answered items {sorted(outputs)}, sent {sorted(pending.items)}"
+            )
+            _fail(pending.future, WorkerError(error, state.rank))
+            return
+        pending.future.set_result(BatchResult(pending.rank, pending.walk, pending.node, outputs))
+
+    def _on_failed(self, state: _Rank, msg: BatchFailed) -> None:
+        pending = self._take(msg.batch, state.rank)
+        if pending is not None:
+            errors = {e.item: e.error for e in msg.errors}
+            _fail(pending.future, BatchError(pending.rank, pending.walk, pending.node, errors))
+
+    def _take(self, batch: int, rank: int | None = None) -> _Pending | None:
+        """Take batch ``batch`` out of the pending table and release the input slots its
+        worker did not ack (it is done with them once it replied, or dead)."""
+        with self._lock:
+            pending = self._pending.get(batch)
+            if pending is None or (rank is not None and pending.rank != rank):
+                log.warning("reply for unknown batch %d", batch)
+                return None
+            del self._pending[batch]
+            for h in pending.handles:
+                self._handle_batch.pop(h, None)
+                self._release(h)
+            pending.handles.clear()
+        return pending
+
+    def _on_exit(self, state: _Rank, closing: bool) -> None:
+        """A worker process ended (or the pool closed): settle its state, free what it held,
+        then fail its batches (so that whoever sees the failure finds everything released)."""
+        if state.status in ("dead", "closed"):
+            return
+        _reap(state.process, 5.0)  # no zombie
+        with self._lock:
+            if state.status in ("dead", "closed"):
+                return
+            state.exitcode = state.process.exitcode
+            clean = closing and state.exitcode == 0
+            state.status = "closed" if clean else "dead"
+            if not clean:
+                exit_ = _describe_exit(state.exitcode)
+                state.error = state.error or f"the process exited ({exit_})"
+            mine = [b for b, p in self._pending.items() if p.rank == state.rank]
+        if not clean:
+            log.error("worker rank %d died (%s)", state.rank, _describe_exit(state.exitcode))
+            if state.spec is not None:
+                _unlink_segments(state.spec)
+        for batch in mine:
+            pending = self._take(batch)
+            if pending is None:
+                continue
+            what = f"batch {batch} ({pending.walk}:{pending.node})"
+            if clean:
+                error: WorkerError = WorkerPoolClosed(
+                    f"the pool closed with {what} in flight on rank {state.rank}", state.rank
+                )
+            else:
+                error = WorkerDied(
+                    f"worker rank {state.rank} (pid {state.pid}) died "
+                    f"({_describe_exit(state.exitcode)}) with {what} in flight",
+                    state.rank,
+                )
+            _fail(pending.future, error)
+        state.settled.set()
+
+    def _release(self, handle: ShmHandle) -> None:
+        try:
+            self._transport.release([handle])
+        except ShmError as e:
+            log.warning("could not release an input slot: %s", e)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _fail(future: Future[BatchResult], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def _reap(process: BaseProcess, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for ``process`` to end and reap it. ``join`` alone
+    returns early when the sentinel fires, which happens as the process closes its files, a
+    moment before it can be reaped."""
+    deadline = time.monotonic() + timeout
+    while process.exitcode is None and (remaining := deadline - time.monotonic()) > 0:
+        process.join(remaining)
+        if process.exitcode is None:
+            time.sleep(0.001)
+
+
+def _recv_multipart(sock: zmq.Socket[bytes]) -> list[bytes] | None:
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _unlink_segments(spec: ShmPoolSpec) -> None:
+    """Unlink the segments of a dead worker's pool (it cannot any more), and tell the resource
+    tracker the worker registered them with (shared with this process under spawn)."""
+    import _posixshmem
+    from multiprocessing import resource_tracker
+
+    for seg in spec.segments:
+        try:
+            _posixshmem.shm_unlink("/" + seg.name)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.warning("could not unlink %s: %s", seg.name, e)
+            continue
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister("/" + seg.name, "shared_memory")
+
+
+__all__ = [
+    "BatchError",
+    "BatchResult",
+    "Item",
+    "PoolConfig",
+    "RankHealth",
+    "WorkerDied",
+    "WorkerError",
+    "WorkerPool",
+    "WorkerPoolClosed",
+    "WorkerStartError",
+]
