@@ -1,0 +1,165 @@
+"""The runtime end to end: ``serve()`` starts real worker processes; 16 concurrent requests
+of mixed sizes per example walk, on 1 rank and on 2 ranks (CFG branches split; speech thinker
+on rank 0, talker + codec on rank 1), against the reference interpreter per request.
+
+Integer outputs (tokens, codes) must be identical. Float outputs are compared as
+``max|served - reference| <= 1e-5 * max|reference|``: the served components run batched, and a
+batched matmul sums in a different order than the interpreter's batch-1 call (see
+tests/unit/test_lowering_batched.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from walkserve import capture
+from walkserve.adapters.examples import EXAMPLES, example_placement
+from walkserve.adapters.registry import load_model
+from walkserve.lowering.placement import Placement
+from walkserve.runtime.server import RequestFailed, Server, serve
+
+CAPTURED: dict[str, tuple[capture.CapturedModel, dict[str, Any]]] = {}
+
+
+def reference(name: str) -> tuple[capture.CapturedModel, dict[str, Any]]:
+    if name not in CAPTURED:
+        model, sample = load_model(name)
+        CAPTURED[name] = (capture.trace(model, sample), sample)
+    return CAPTURED[name]
+
+
+def requests(name: str, sample: dict[str, Any], n: int = 16) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(n)
+    out = []
+    for i in range(n):
+        r = dict(sample)
+        if name == "example-text":
+            r.update(
+                prompt_ids=torch.randint(2, 64, (1, 2 + i % 4), generator=g),
+                max_new_tokens=1 + (3 * i) % 9,
+            )
+        elif name == "example-speech":
+            r.update(
+                prompt_ids=torch.randint(2, 60, (1, 2 + i % 3), generator=g),
+                max_new_tokens=2 + i % 7,
+            )
+        elif name == "example-cfg-image":
+            r.update(
+                noise=torch.randn(sample["noise"].shape, generator=g),
+                prompt_ids=torch.randint(1, 64, (1, 4 + i % 2), generator=g),
+            )
+        elif name == "example-world":
+            r.update(
+                horizon=1 + i % 6,
+                frames=torch.randn((1, 1 + i % 3, *sample["frames"].shape[2:]), generator=g),
+            )
+        out.append(r)
+    return out
+
+
+def check(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got.keys() == want.keys()
+    for key, expected in want.items():
+        value = got[key]
+        assert value.shape == expected.shape and value.dtype == expected.dtype, key
+        if expected.is_floating_point():
+            assert (value - expected).abs().max().item() <= 1e-5 * expected.abs().max().item(), key
+        else:
+            assert torch.equal(value, expected), key
+
+
+def run_all(server: Server, name: str) -> None:
+    captured, sample = reference(name)
+    reqs = requests(name, sample)
+    for walk in captured.graph.entry_walks():
+        handles = [server.submit(r, walk) for r in reqs]  # all in flight at once
+        for handle, r in zip(handles, reqs):
+            check(handle.result(timeout=300), captured.run(r, walk))
+    stats = server.stats()
+    assert stats.live_requests == 0 and stats.live_values == 0
+    assert server.pool.shm_stats().in_use == 0
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_every_example_on_one_rank(name: str) -> None:
+    with serve(name) as server:
+        run_all(server, name)
+        # Continuous batching: requests of different lengths shared component calls.
+        assert max(server.batch_sizes) > 1, server.batch_sizes
+
+
+@pytest.mark.parametrize("name", ["example-cfg-image", "example-speech"])
+def test_two_ranks(name: str) -> None:
+    with serve(name, example_placement(name, 2)) as server:
+        run_all(server, name)
+        assert {r: h.status for r, h in server.health().items()} == {0: "ready", 1: "ready"}
+
+
+def test_streamed_items_join_to_the_final_output() -> None:
+    _, sample = reference("example-speech")
+    with serve("example-speech", example_placement("example-speech", 2)) as server:
+        handle = server.submit({**sample, "max_new_tokens": 12})
+        items = list(handle.stream(timeout=120))
+        out = handle.result(timeout=120)
+        waveform = [i.value for i in items if i.channel == "waveform"]
+        assert len(waveform) > 1 and torch.equal(torch.cat(waveform, dim=-1), out["waveform"])
+        codes = [i.index for i in items if i.channel == "codes"]
+        assert codes == sorted(codes)
+
+
+def test_speculation_off_wastes_nothing() -> None:
+    _, sample = reference("example-text")
+    with serve("example-text", speculate=False) as server:
+        for r in requests("example-text", sample, 6):
+            server.run(r, timeout=120)
+        stats = server.stats()
+        assert stats.speculated_steps == 0 and stats.wasted_steps == 0
+    with serve("example-text") as server:
+        terminations = 0
+        for r in requests("example-text", sample, 6):
+            server.run(r, timeout=120)
+            terminations += 1
+        stats = server.stats()
+        assert stats.wasted_steps <= terminations
+
+
+def test_cancel_mid_walk_releases_state() -> None:
+    captured, sample = reference("example-cfg-image")
+    with serve("example-cfg-image") as server:
+        handle = server.submit(sample, "generate")
+        time.sleep(0.3)  # some Euler steps in
+        handle.cancel()
+        with pytest.raises(RequestFailed, match="cancelled"):
+            handle.result(timeout=60)
+        deadline = time.time() + 30
+        while server.stats().live_requests and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.stats().live_values == 0
+        # The next request is answered, and correct.
+        check(server.run(sample, "generate", timeout=120), captured.run(sample, "generate"))
+        deadline = time.time() + 30
+        while server.pool.shm_stats().in_use and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.pool.shm_stats().in_use == 0
+
+
+def test_killed_worker_fails_its_requests_and_others_go_on() -> None:
+    captured, sample = reference("example-cfg-image")
+    # Everything on rank 0 except the edit walk's image encoder.
+    placement = Placement.from_dict({"ranks": 2, "nodes": {"edit:image_encoder": [1]}})
+    with serve("example-cfg-image", placement) as server:
+        pid = server.pool.pid(1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.time() + 30
+        while server.health()[1].status != "dead" and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.health()[1].status == "dead"
+        with pytest.raises(RequestFailed, match="rank 1"):
+            server.run(sample, "edit", timeout=120)
+        check(server.run(sample, "generate", timeout=120), captured.run(sample, "generate"))

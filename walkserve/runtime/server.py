@@ -1,0 +1,313 @@
+"""``serve(...)``: the runtime's Python API. A conductor loop in this process, one worker
+process per rank, requests in, outputs and streamed items out.
+
+    server = serve("example-speech", placement)          # or serve(captured, ..., model=...)
+    server.run({"prompt_ids": ids, "max_new_tokens": 8})  # blocking: the client outputs
+    handle = server.submit(inputs)                         # RequestHandle
+    for item in handle.stream(): ...                       # StreamItem as iterations commit
+    handle.result(); handle.cancel()
+    server.health(); server.stats(); server.close()        # also a context manager
+
+The conductor loop (one thread, the only one touching the conductor)::
+
+    items   = conductor.ready()                  schedule: ready work of every request
+    batches = group(items)                       by (walk, plan node, ops, rank)
+    futures = pool.submit_batch(...)             run: one RunBatch per group, on its rank
+    conductor.complete / fail(...)               postprocess, as each batch's reply arrives
+    route(conductor.events())                    outputs and stream items to their handles
+
+Planning overlaps execution: while batches are out on the workers, the loop keeps taking
+newly ready items (the next iteration of another request, another branch) and dispatching
+them. A worker that dies fails the requests whose batches it held, with an error naming the
+rank; requests that need only other ranks go on (there is no restart yet).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from walkserve.capture import ir
+from walkserve.capture.model import CapturedModel
+from walkserve.lowering.plan import ExecutablePlan, NodePlan
+from walkserve.runtime.conductor import (
+    Conductor,
+    ConductorStats,
+    Event,
+    Failed,
+    Finished,
+    Output,
+    StreamItem,
+    WorkItem,
+)
+from walkserve.runtime.workers import BatchResult, PoolConfig, RankHealth, WorkerPool
+
+_STOP = object()
+
+
+class RequestFailed(RuntimeError):
+    """A request failed: a node raised, a worker died, or the request was cancelled."""
+
+
+@dataclass
+class RequestHandle:
+    """One submitted request. ``result()`` blocks for the client outputs; ``stream()``
+    yields ``StreamItem`` events as the request's loops commit iterations."""
+
+    request_id: str
+    _server: Server = field(repr=False)
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _outputs: dict[str, Any] = field(default_factory=dict, repr=False)
+    _error: str | None = field(default=None, repr=False)
+    _items: queue.Queue[Any] = field(default_factory=queue.Queue, repr=False)
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish in {timeout} s")
+        if self._error is not None:
+            raise RequestFailed(self._error)
+        return dict(self._outputs)
+
+    def stream(self, timeout: float | None = None) -> Iterator[StreamItem]:
+        """Stream items in commit order until the request ends."""
+        while True:
+            item = self._items.get(timeout=timeout)
+            if item is _STOP:
+                return
+            yield item
+
+    def cancel(self) -> None:
+        self._server.cancel(self.request_id)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _event(self, event: Event) -> None:
+        if isinstance(event, Output):
+            self._outputs[event.name] = event.value
+        elif isinstance(event, StreamItem):
+            self._items.put(event)
+        elif isinstance(event, Finished):
+            self._finish(None)
+        elif isinstance(event, Failed):
+            self._finish(event.error)
+
+    def _finish(self, error: str | None) -> None:
+        if self._done.is_set():
+            return
+        self._error = error
+        self._done.set()
+        self._items.put(_STOP)
+
+
+class Server:
+    """See the module docstring. Built by ``serve``."""
+
+    def __init__(
+        self,
+        captured: CapturedModel,
+        plan: ExecutablePlan,
+        pool: WorkerPool,
+        *,
+        speculate: bool = True,
+        stream_buffer_limit: int = 64,
+    ) -> None:
+        self.captured = captured
+        self.plan = plan
+        self.pool = pool
+        self.conductor = Conductor(
+            captured, plan, speculate=speculate, stream_buffer_limit=stream_buffer_limit
+        )
+        self._nodes: dict[tuple[str, str], NodePlan] = {
+            (w, n.name): n for w in plan.walks for n in plan.nodes(w)
+        }
+        self._ops: dict[str, dict[str, ir.Op]] = {
+            w.name: {n.name: n for n in ir.iter_nodes(w.body) if isinstance(n, ir.Op)}
+            for w in captured.graph.walks.values()
+        }
+        self._inbox: queue.Queue[Any] = queue.Queue()  # callables run on the loop thread
+        self._handles: dict[str, RequestHandle] = {}
+        self._ids = itertools.count()
+        self._round_robin = itertools.count()
+        self._closed = False
+        self.batch_sizes: dict[int, int] = {}
+        self._thread = threading.Thread(target=self._loop, name="walkserve-conductor", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- client API
+
+    def submit(
+        self, inputs: Mapping[str, Any], walk: str | None = None, request_id: str | None = None
+    ) -> RequestHandle:
+        if self._closed:
+            raise RuntimeError("the server is closed")
+        rid = request_id or f"req-{next(self._ids)}"
+        handle = RequestHandle(rid, self)
+        done: Future[None] = Future()
+
+        def admit() -> None:
+            try:
+                self.conductor.submit(rid, inputs, walk)
+                self._handles[rid] = handle
+                done.set_result(None)
+            except Exception as e:
+                done.set_exception(e)
+
+        self._inbox.put(admit)
+        done.result()  # a bad request raises here, in the caller
+        return handle
+
+    def run(
+        self, inputs: Mapping[str, Any], walk: str | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        return self.submit(inputs, walk).result(timeout)
+
+    def cancel(self, request_id: str) -> None:
+        def drop() -> None:
+            self.conductor.cancel(request_id)
+            handle = self._handles.pop(request_id, None)
+            if handle is not None:
+                handle._finish("cancelled")
+
+        self._inbox.put(drop)
+
+    def health(self) -> dict[int, RankHealth]:
+        return self.pool.health()
+
+    def stats(self) -> ConductorStats:
+        result: Future[ConductorStats] = Future()
+        self._inbox.put(lambda: result.set_result(self.conductor.stats()))
+        return result.result()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(_STOP)
+        self._thread.join(timeout=30)
+        self.pool.close()
+        for handle in self._handles.values():
+            handle._finish("the server closed")
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- the loop
+
+    def _loop(self) -> None:
+        while True:
+            task = self._inbox.get()
+            if task is _STOP:
+                return
+            task()
+            while True:  # drain whatever else is waiting before dispatching
+                try:
+                    task = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if task is _STOP:
+                    return
+                task()
+            self._dispatch(self.conductor.ready())
+            self._route(self.conductor.events())
+
+    def _dispatch(self, items: list[WorkItem]) -> None:
+        groups: dict[tuple[str, str, tuple[str, ...], int], list[WorkItem]] = {}
+        for item in items:
+            ranks = self._nodes[(item.walk, item.node)].ranks
+            rank = ranks[next(self._round_robin) % len(ranks)]
+            groups.setdefault((item.walk, item.node, item.ops, rank), []).append(item)
+        for (walk, node_name, ops, rank), group in groups.items():
+            self.batch_sizes[len(group)] = self.batch_sizes.get(len(group), 0) + 1
+            payload = [(it.id, it.request, self._inputs(it)) for it in group]
+            future = self.pool.submit_batch(rank, walk, node_name, payload, ops=list(ops))
+            future.add_done_callback(self._reply_callback(group))
+
+    def _reply_callback(self, group: list[WorkItem]) -> Any:
+        def on_reply(future: Future[BatchResult]) -> None:
+            self._inbox.put(lambda: self._finished(future, group))
+
+        return on_reply
+
+    def _inputs(self, item: WorkItem) -> dict[str, Any]:
+        """The item's inputs by value name: the component op's argument values (from the
+        conductor's materialized call) and the values its glue reads."""
+        values = dict(item.env)
+        if item.call is not None:
+            op = self._ops[item.walk][item.ops[0]]
+            args, kwargs = item.call
+            for arg, value in zip(op.args, args):
+                if isinstance(arg, ir.Ref):
+                    values[arg.name] = value
+            for key, arg in op.kwargs.items():
+                if isinstance(arg, ir.Ref):
+                    values[arg.name] = kwargs[key]
+        return values
+
+    def _finished(self, future: Future[BatchResult], group: list[WorkItem]) -> None:
+        error = future.exception()
+        if error is not None:
+            for item in group:
+                self.conductor.fail(item.id, str(error))
+        else:
+            outputs = future.result().outputs
+            for item in group:
+                self.conductor.complete(item.id, outputs[item.id])
+
+    def _route(self, events: list[Event]) -> None:
+        for event in events:
+            handle = self._handles.get(event.request)
+            if handle is None:
+                continue
+            handle._event(event)
+            if isinstance(event, (Finished, Failed)):
+                del self._handles[event.request]
+
+
+def serve(
+    model: str,
+    placement: Any = None,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    glue: str = "fuse",
+    threads: int | None = None,
+    speculate: bool = True,
+    stream_buffer_limit: int = 64,
+    pool_config: PoolConfig | None = None,
+) -> Server:
+    """Load ``model`` (a name ``adapters.registry`` knows), capture it, lower it for
+    ``placement`` (a ``Placement``, a file path, or None for one rank) and start the workers.
+    Workers load the same weights themselves from the name and seed."""
+    from walkserve import capture
+    from walkserve.adapters.registry import load_model
+    from walkserve.lowering.lower import lower
+    from walkserve.lowering.placement import Placement
+
+    module, sample = load_model(model, seed)
+    captured = capture.trace(module, sample)
+    if placement is None:
+        placement = Placement.default(1)
+    elif not isinstance(placement, Placement):
+        placement = Placement.from_file(placement)
+    plan = lower(
+        captured, sample, placement, device=device, glue=glue, check_capture=device != "cpu"
+    )
+    pool = WorkerPool(
+        model, seed, captured, plan, placement.ranks, threads=threads, config=pool_config
+    )
+    try:
+        return Server(
+            captured, plan, pool, speculate=speculate, stream_buffer_limit=stream_buffer_limit
+        )
+    except BaseException:
+        pool.close()
+        raise
