@@ -163,3 +163,30 @@ def test_killed_worker_fails_its_requests_and_others_go_on() -> None:
         with pytest.raises(RequestFailed, match="rank 1"):
             server.run(sample, "edit", timeout=120)
         check(server.run(sample, "generate", timeout=120), captured.run(sample, "generate"))
+
+
+def test_hugging_face_lm_served_from_a_captured_model() -> None:
+    pytest.importorskip("transformers")
+    from walkserve.adapters.registry import capture_model
+
+    captured = capture_model("tiny-llama")
+    g = torch.Generator().manual_seed(3)
+    reqs = [
+        {
+            "input_ids": torch.randint(3, 256, (1, 2 + 3 * i), generator=g),
+            "max_new_tokens": 1 + 3 * i,
+        }
+        for i in range(4)
+    ]
+    # The DynamicCache never leaves the worker (an ObjectRef travels instead); decode is
+    # skipped by the model's own transition when max_new_tokens is 1.
+    with serve(captured) as server:
+        handles = [server.submit(r) for r in reqs]
+        for handle, r in zip(handles, reqs):
+            check(handle.result(timeout=120), captured.run(r))
+
+
+def test_a_captured_model_without_origin_is_refused() -> None:
+    model, sample = load_model("example-text")
+    with pytest.raises(ValueError, match="capture_model"):
+        serve(capture.trace(model, sample))

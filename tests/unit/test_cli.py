@@ -64,10 +64,15 @@ def test_unknown_model_and_walk(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "unknown walk 'nope'" in err
 
 
-def test_demo_runs_and_checks_against_eager(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "demo", "--model", "example-text")
+def test_demo_serves_on_workers_and_checks_the_reference(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(capsys, "demo", "--model", "example-speech")
     assert code == 0
-    assert "walk prefill" in out and "equal to eager" in out and "DIFFERENT" not in out
+    assert "started 2 worker(s)" in out  # the shipped two-rank placement
+    assert (
+        "walk speak" in out and "matches the reference interpreter" in out and "DIFFERS" not in out
+    )
 
 
 def test_plan_prints_ranks_and_memory_for_every_example_placement(

@@ -55,6 +55,17 @@ def load_model(name: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     )
 
 
+def capture_model(name: str, seed: int = 0) -> Any:
+    """``capture.trace`` of ``load_model(name, seed)``, remembering the name and seed so that
+    ``runtime.serve`` can have worker processes load the same weights."""
+    from walkserve import capture
+
+    model, sample = load_model(name, seed)
+    captured = capture.trace(model, sample)
+    captured.origin = (name, seed)
+    return captured
+
+
 def tiny_hf_lm(arch: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """A tiny random-weight HF causal LM (grouped-query attention) wrapped in walks."""
     import transformers

@@ -20,6 +20,11 @@ class CapturedModel:
         self.graph = graph
         self.model = model
         self._constants: dict[str, torch.Tensor] = {}
+        # Set by capture: the sample inputs it traced with (lowering runs them again); set by
+        # ``adapters.registry.capture_model``: the (model name, seed) that rebuilds the same
+        # weights, which worker processes use to load their own copy.
+        self.sample_inputs: dict[str, Any] = {}
+        self.origin: tuple[str, int] | None = None
 
     @property
     def walks(self) -> dict[str, ir.Walk]:

@@ -54,6 +54,7 @@ def trace(
         custom_transition=callable(getattr(model, "next_walk", None)),
     )
     captured = CapturedModel(graph, model)
+    captured.sample_inputs = dict(sample_inputs)
     state: dict[str, Any] = dict(sample_inputs)
     pending = list(names)
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """``serve(...)``: the runtime's Python API. A conductor loop in this process, one worker
 process per rank, requests in, outputs and streamed items out.
 
-    server = serve("example-speech", placement)          # or serve(captured, ..., model=...)
+    server = serve("example-speech", placement)          # or serve(capture_model(name), ...)
     server.run({"prompt_ids": ids, "max_new_tokens": 8})  # blocking: the client outputs
     handle = server.submit(inputs)                         # RequestHandle
     for item in handle.stream(): ...                       # StreamItem as iterations commit
@@ -25,6 +25,7 @@ rank; requests that need only other ranks go on (there is no restart yet).
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 from collections.abc import Iterator, Mapping
@@ -32,8 +33,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from typeguard import typechecked
+
 from walkserve.capture import ir
 from walkserve.capture.model import CapturedModel
+from walkserve.lowering.placement import Placement
 from walkserve.lowering.plan import ExecutablePlan, NodePlan
 from walkserve.runtime.conductor import (
     Conductor,
@@ -272,37 +276,54 @@ class Server:
                 del self._handles[event.request]
 
 
+@typechecked
 def serve(
-    model: str,
-    placement: Any = None,
+    model: str | CapturedModel,
+    placement: Placement | str | os.PathLike[str] | None = None,
     *,
     seed: int = 0,
     device: str = "cpu",
     glue: str = "fuse",
+    max_batch: int = 32,
     threads: int | None = None,
     speculate: bool = True,
     stream_buffer_limit: int = 64,
     pool_config: PoolConfig | None = None,
 ) -> Server:
-    """Load ``model`` (a name ``adapters.registry`` knows), capture it, lower it for
-    ``placement`` (a ``Placement``, a file path, or None for one rank) and start the workers.
-    Workers load the same weights themselves from the name and seed."""
-    from walkserve import capture
-    from walkserve.adapters.registry import load_model
+    """Start serving ``model``: a name ``adapters.registry`` knows (a built-in model, a local
+    checkpoint directory, ``module:factory``), or a ``CapturedModel`` made by
+    ``registry.capture_model`` (it remembers its name and seed). The model is lowered for
+    ``placement`` (a ``Placement``, a YAML/JSON file, or None for everything on one rank) and
+    one worker process per rank is started; workers load the same weights themselves."""
+    from walkserve.adapters.registry import capture_model
     from walkserve.lowering.lower import lower
-    from walkserve.lowering.placement import Placement
 
-    module, sample = load_model(model, seed)
-    captured = capture.trace(module, sample)
+    if isinstance(model, str):
+        captured = capture_model(model, seed)
+    else:
+        captured = model
+    if captured.origin is None:
+        raise ValueError(
+            "serve() needs to know how worker processes load the model: pass its name (a built-in "
+            "model, a checkpoint directory or module:factory), or capture it with "
+            "walkserve.adapters.registry.capture_model(name, seed)"
+        )
+    name, seed = captured.origin
     if placement is None:
         placement = Placement.default(1)
     elif not isinstance(placement, Placement):
         placement = Placement.from_file(placement)
     plan = lower(
-        captured, sample, placement, device=device, glue=glue, check_capture=device != "cpu"
+        captured,
+        captured.sample_inputs,
+        placement,
+        device=device,
+        glue=glue,
+        max_batch=max_batch,
+        check_capture=device != "cpu",
     )
     pool = WorkerPool(
-        model, seed, captured, plan, placement.ranks, threads=threads, config=pool_config
+        name, seed, captured, plan, placement.ranks, threads=threads, config=pool_config
     )
     try:
         return Server(
