@@ -2,10 +2,8 @@
 of mixed sizes per example walk, on 1 rank and on 2 ranks (CFG branches split; speech thinker
 on rank 0, talker + codec on rank 1), against the reference interpreter per request.
 
-Integer outputs (tokens, codes) must be identical. Float outputs are compared as
-``max|served - reference| <= 1e-5 * max|reference|``: the served components run batched, and a
-batched matmul sums in a different order than the interpreter's batch-1 call (see
-tests/unit/test_lowering_batched.py)."""
+Outputs are compared by ``walkserve.testing.assert_outputs_match``: integers identical, floats
+within 1e-5 of max|reference| (the served components run batched; the module says why)."""
 
 from __future__ import annotations
 
@@ -22,6 +20,7 @@ from walkserve.adapters.examples import EXAMPLES, example_placement
 from walkserve.adapters.registry import load_model
 from walkserve.lowering.placement import Placement
 from walkserve.runtime.server import RequestFailed, Server, serve
+from walkserve.testing import assert_outputs_match, mixed_requests
 
 CAPTURED: dict[str, tuple[capture.CapturedModel, dict[str, Any]]] = {}
 
@@ -33,53 +32,13 @@ def reference(name: str) -> tuple[capture.CapturedModel, dict[str, Any]]:
     return CAPTURED[name]
 
 
-def requests(name: str, sample: dict[str, Any], n: int = 16) -> list[dict[str, Any]]:
-    g = torch.Generator().manual_seed(n)
-    out = []
-    for i in range(n):
-        r = dict(sample)
-        if name == "example-text":
-            r.update(
-                prompt_ids=torch.randint(2, 64, (1, 2 + i % 4), generator=g),
-                max_new_tokens=1 + (3 * i) % 9,
-            )
-        elif name == "example-speech":
-            r.update(
-                prompt_ids=torch.randint(2, 60, (1, 2 + i % 3), generator=g),
-                max_new_tokens=2 + i % 7,
-            )
-        elif name == "example-cfg-image":
-            r.update(
-                noise=torch.randn(sample["noise"].shape, generator=g),
-                prompt_ids=torch.randint(1, 64, (1, 4 + i % 2), generator=g),
-            )
-        elif name == "example-world":
-            r.update(
-                horizon=1 + i % 6,
-                frames=torch.randn((1, 1 + i % 3, *sample["frames"].shape[2:]), generator=g),
-            )
-        out.append(r)
-    return out
-
-
-def check(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert got.keys() == want.keys()
-    for key, expected in want.items():
-        value = got[key]
-        assert value.shape == expected.shape and value.dtype == expected.dtype, key
-        if expected.is_floating_point():
-            assert (value - expected).abs().max().item() <= 1e-5 * expected.abs().max().item(), key
-        else:
-            assert torch.equal(value, expected), key
-
-
 def run_all(server: Server, name: str) -> None:
     captured, sample = reference(name)
-    reqs = requests(name, sample)
+    reqs = mixed_requests(name, sample, 16)
     for walk in captured.graph.entry_walks():
         handles = [server.submit(r, walk) for r in reqs]  # all in flight at once
         for handle, r in zip(handles, reqs):
-            check(handle.result(timeout=300), captured.run(r, walk))
+            assert_outputs_match(handle.result(timeout=300), captured.run(r, walk))
     stats = server.stats()
     assert stats.live_requests == 0 and stats.live_values == 0
     assert server.pool.shm_stats().in_use == 0
@@ -115,13 +74,13 @@ def test_streamed_items_join_to_the_final_output() -> None:
 def test_speculation_off_wastes_nothing() -> None:
     _, sample = reference("example-text")
     with serve("example-text", speculate=False) as server:
-        for r in requests("example-text", sample, 6):
+        for r in mixed_requests("example-text", sample, 6):
             server.run(r, timeout=120)
         stats = server.stats()
         assert stats.speculated_steps == 0 and stats.wasted_steps == 0
     with serve("example-text") as server:
         terminations = 0
-        for r in requests("example-text", sample, 6):
+        for r in mixed_requests("example-text", sample, 6):
             server.run(r, timeout=120)
             terminations += 1
         stats = server.stats()
@@ -141,7 +100,9 @@ def test_cancel_mid_walk_releases_state() -> None:
             time.sleep(0.05)
         assert server.stats().live_values == 0
         # The next request is answered, and correct.
-        check(server.run(sample, "generate", timeout=120), captured.run(sample, "generate"))
+        assert_outputs_match(
+            server.run(sample, "generate", timeout=120), captured.run(sample, "generate")
+        )
         deadline = time.time() + 30
         while server.pool.shm_stats().in_use and time.time() < deadline:
             time.sleep(0.05)
@@ -162,7 +123,9 @@ def test_killed_worker_fails_its_requests_and_others_go_on() -> None:
         assert server.health()[1].status == "dead"
         with pytest.raises(RequestFailed, match="rank 1"):
             server.run(sample, "edit", timeout=120)
-        check(server.run(sample, "generate", timeout=120), captured.run(sample, "generate"))
+        assert_outputs_match(
+            server.run(sample, "generate", timeout=120), captured.run(sample, "generate")
+        )
 
 
 def test_hugging_face_lm_served_from_a_captured_model() -> None:
@@ -183,7 +146,7 @@ def test_hugging_face_lm_served_from_a_captured_model() -> None:
     with serve(captured) as server:
         handles = [server.submit(r) for r in reqs]
         for handle, r in zip(handles, reqs):
-            check(handle.result(timeout=120), captured.run(r))
+            assert_outputs_match(handle.result(timeout=120), captured.run(r))
 
 
 def test_a_captured_model_without_origin_is_refused() -> None:

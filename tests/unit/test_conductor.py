@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from walkserve import capture
+from walkserve import capture, testing
 from walkserve.adapters.examples import EXAMPLES, build_example
 from walkserve.capture import component, ir, iterations, loop, stream, walk
 from walkserve.capture.chunk import EndOfStream, FixedChunk, SlidingWindow
@@ -67,38 +67,12 @@ def setup(name: str) -> tuple[capture.CapturedModel, ExecutablePlan, dict[str, A
 
 
 def mixed_requests(name: str, sample: dict[str, Any], n: int) -> dict[str, dict[str, Any]]:
-    """``n`` requests of different prompt lengths, token budgets, horizons and noise."""
-    g = torch.Generator().manual_seed(100 + n)
-    reqs = {}
-    for i in range(n):
-        r = dict(sample)
-        if name == "example-text":
-            r["prompt_ids"] = torch.randint(3, 96, (1, 2 + i % 5), generator=g)
-            r["max_new_tokens"] = 1 + (3 * i) % 11
-        elif name == "example-speech":
-            r["prompt_ids"] = torch.randint(0, 64, (1, 2 + i % 4), generator=g)
-            r["max_new_tokens"] = 2 + (5 * i) % 13
-        elif name == "example-cfg-image":
-            r["noise"] = torch.randn(sample["noise"].shape, generator=g)
-            r["prompt_ids"] = torch.randint(1, 64, (1, 4 + i % 3), generator=g)
-            r["image"] = torch.randn(sample["image"].shape, generator=g)
-        elif name == "example-world":
-            r["horizon"] = 1 + i % 6
-            r["frames"] = torch.randn((1, 1 + i % 3, *sample["frames"].shape[2:]), generator=g)
-        reqs[f"r{i}"] = r
-    return reqs
+    """``n`` requests of different prompt lengths, token budgets, horizons and noise, by id."""
+    return {f"r{i}": r for i, r in enumerate(testing.mixed_requests(name, sample, n, seed=100 + n))}
 
 
 def assert_matches(got: dict[str, Any], ref: dict[str, Any], bitwise: bool) -> None:
-    assert got.keys() == ref.keys()
-    for key, expected in ref.items():
-        value = got[key]
-        assert value.shape == expected.shape and value.dtype == expected.dtype, key
-        if bitwise or not expected.is_floating_point():
-            assert torch.equal(value, expected), key
-        else:
-            scale = expected.abs().max().item()
-            assert (value - expected).abs().max().item() <= 1e-5 * max(scale, 1e-30), key
+    testing.assert_outputs_match(got, ref, bitwise=bitwise)
 
 
 def joined_stream_items(

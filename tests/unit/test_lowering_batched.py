@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from walkserve import capture
 from walkserve.adapters.examples import EXAMPLES, build_example
@@ -21,6 +20,7 @@ from walkserve.lowering.batched import BatchedRunner, BatchStats, build_callable
 from walkserve.lowering.lower import batch_buckets, lower
 from walkserve.lowering.plan import ExecutablePlan, NodePlan
 from walkserve.lowering.split import split_block
+from walkserve.testing import assert_outputs_match, mixed_requests
 
 CACHE: dict[str, Any] = {}
 
@@ -30,41 +30,6 @@ def setup(name: str) -> tuple[capture.CapturedModel, dict[str, Any]]:
         model, sample = build_example(name)
         CACHE[name] = (capture.trace(model, sample), sample)
     return CACHE[name]  # type: ignore[no-any-return]
-
-
-def mixed_requests(name: str, sample: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """``n`` requests of different shapes and lengths."""
-    g = torch.Generator().manual_seed(n)
-    reqs = []
-    for i in range(n):
-        r = dict(sample)
-        if name == "example-text":
-            r["prompt_ids"] = torch.randint(2, 64, (1, 2 + i % 4), generator=g)
-            r["max_new_tokens"] = 1 + (3 * i) % 9
-        elif name == "example-speech":
-            r["prompt_ids"] = torch.randint(2, 60, (1, 2 + i % 3), generator=g)
-            r["max_new_tokens"] = 2 + i % 7
-        elif name == "example-cfg-image":
-            r["noise"] = torch.randn(sample["noise"].shape, generator=g)
-            r["prompt_ids"] = torch.randint(1, 64, (1, 4 + i % 2), generator=g)
-            r["image"] = torch.randn(sample["image"].shape, generator=g)
-        elif name == "example-world":
-            r["horizon"] = 1 + i % 6
-            r["frames"] = torch.randn((1, 1 + i % 3, *sample["frames"].shape[2:]), generator=g)
-        reqs.append(r)
-    return reqs
-
-
-def assert_matches(got: dict[str, Any], ref: dict[str, Any], bitwise: bool) -> None:
-    assert got.keys() == ref.keys()
-    for key, expected in ref.items():
-        value = got[key]
-        assert value.shape == expected.shape and value.dtype == expected.dtype, key
-        if bitwise or not expected.is_floating_point():
-            assert torch.equal(value, expected), key
-        else:
-            scale = expected.abs().max().item()
-            assert (value - expected).abs().max().item() <= 1e-5 * max(scale, 1e-30), key
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
@@ -79,7 +44,7 @@ def test_batched_plan_matches_interpreter(name: str, glue: str) -> None:
         for walk in captured.graph.entry_walks():
             got = runner.run(requests, walk)
             for g, r in zip(got, requests):
-                assert_matches(g, captured.run(r, walk), bitwise=n == 1)
+                assert_outputs_match(g, captured.run(r, walk), bitwise=n == 1)
     # Requests really shared calls (continuous batching across lengths and iterations).
     assert max(max(sizes) for sizes in stats.calls.values()) > 1
 
@@ -91,8 +56,8 @@ def test_padding_to_batch_buckets_changes_no_result() -> None:
     padded = BatchedRunner(captured, plan, build_callables(captured, plan, pad_to_buckets=True))
     requests = mixed_requests("example-world", sample, 5)  # 5 -> bucket 8: three padding rows
     for a, b, r in zip(plain.run(requests), padded.run(requests), requests):
-        assert_matches(b, a, bitwise=False)
-        assert_matches(b, captured.run(r), bitwise=False)
+        assert_outputs_match(b, a, bitwise=False)
+        assert_outputs_match(b, captured.run(r), bitwise=False)
 
 
 def test_batch_dims_found_for_kv_caches() -> None:

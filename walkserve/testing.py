@@ -1,0 +1,72 @@
+"""Helpers shared by tests and benchmarks: mixed request sets for the example models, and the
+one rule by which an executor's outputs are compared with the reference interpreter's.
+
+The rule: integer outputs (tokens, codes) are identical; float outputs satisfy
+``max|got - want| <= 1e-5 * max|want|``. Not bitwise, because a batched matmul sums in another
+order than a batch-1 matmul (a single denoiser call on four stacked requests already differs
+from four separate calls by ~7e-7) and guided Euler steps carry that along. Executors that run
+each request alone are compared bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+RELATIVE_TOLERANCE = 1e-5
+
+
+def mixed_requests(
+    name: str, sample: Mapping[str, Any], n: int, seed: int | None = None
+) -> list[dict[str, Any]]:
+    """``n`` requests for example model ``name`` with different shapes and lengths (prompt
+    lengths, token budgets, horizons, noise), derived from its sample request."""
+    g = torch.Generator().manual_seed(n if seed is None else seed)
+    out = []
+    for i in range(n):
+        r = dict(sample)
+        if name == "example-text":
+            r.update(
+                prompt_ids=torch.randint(2, 64, (1, 2 + i % 4), generator=g),
+                max_new_tokens=1 + (3 * i) % 9,
+            )
+        elif name == "example-speech":
+            r.update(
+                prompt_ids=torch.randint(2, 60, (1, 2 + i % 3), generator=g),
+                max_new_tokens=2 + i % 7,
+            )
+        elif name == "example-cfg-image":
+            r.update(
+                noise=torch.randn(sample["noise"].shape, generator=g),
+                prompt_ids=torch.randint(1, 64, (1, 4 + i % 2), generator=g),
+                image=torch.randn(sample["image"].shape, generator=g),
+            )
+        elif name == "example-world":
+            r.update(
+                horizon=1 + i % 6,
+                frames=torch.randn((1, 1 + i % 3, *sample["frames"].shape[2:]), generator=g),
+            )
+        else:
+            raise ValueError(f"no mixed requests for model {name!r}")
+        out.append(r)
+    return out
+
+
+def assert_outputs_match(
+    got: Mapping[str, Any], want: Mapping[str, Any], *, bitwise: bool = False
+) -> None:
+    """``got`` equals ``want`` by the module's rule (or bitwise)."""
+    assert got.keys() == want.keys(), f"{sorted(got)} != {sorted(want)}"
+    for key, expected in want.items():
+        value = got[key]
+        assert value.shape == expected.shape and value.dtype == expected.dtype, key
+        if bitwise or not expected.is_floating_point():
+            assert torch.equal(value, expected), f"{key} differs"
+        else:
+            scale = max(expected.abs().max().item(), 1e-30)
+            error = (value - expected).abs().max().item()
+            assert error <= RELATIVE_TOLERANCE * scale, (
+                f"{key}: max error {error:.3g} > {RELATIVE_TOLERANCE} x {scale:.3g}"
+            )
