@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test lint typecheck unit serve trace clean
+.PHONY: setup test lint typecheck unit serve demo trace clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,9 +33,13 @@ unit: setup
 test: setup lint typecheck
 	$(BIN)/pytest -q tests
 
-# Until the HTTP server exists, `serve` runs the most complete main job there is: trace every
-# built-in example model and run each of its walks through the reference interpreter.
+# The HTTP API on 127.0.0.1:8000 (OpenAI-compatible routes), serving walkserve-default.
 serve: setup
+	$(BIN)/walkserve serve
+
+# Serve every built-in model on worker processes and check each walk against the reference
+# interpreter.
+demo: setup
 	$(BIN)/walkserve demo
 
 trace: setup

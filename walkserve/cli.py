@@ -1,7 +1,6 @@
-"""``walkserve`` command line: ``trace`` (print a model's Walk Graph), ``plan`` (lower it for a
-placement) and ``demo`` (serve every built-in model on worker processes and run its walks; the
-main job until the HTTP server lands). Heavy imports happen inside the commands, so ``--help``
-is instant."""
+"""``walkserve`` command line: ``serve`` (the HTTP API), ``trace`` (print a model's Walk Graph),
+``plan`` (lower it for a placement) and ``demo`` (serve every built-in model on worker processes
+and run its walks). Heavy imports happen inside the commands, so ``--help`` is instant."""
 
 from __future__ import annotations
 
@@ -16,6 +15,28 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser(prog="walkserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    sv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible routes)")
+    sv.add_argument(
+        "--model",
+        default="walkserve-default",
+        help="built-in name, checkpoint dir, or module:factory (default: walkserve-default)",
+    )
+    sv.add_argument(
+        "--placement", metavar="FILE", help="YAML or JSON placement (default: all on rank 0)"
+    )
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on every route but /health"
+    )
+    sv.add_argument(
+        "--max-queued",
+        type=int,
+        metavar="N",
+        help="admit at most N requests at once; more get 503 with Retry-After",
+    )
+    sv.add_argument("--seed", type=int, default=0, help="weights seed of built-in models")
 
     p = sub.add_parser("trace", help="capture a model and print its Walk Graph")
     p.add_argument(
@@ -61,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             return _trace(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "serve":
+            return _serve(args)
         return _demo(args)
     except (ValueError, KeyError, OSError) as e:
         print(f"walkserve: error: {e}", file=sys.stderr)
@@ -135,14 +158,57 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+ROUTES = (
+    "GET  /health",
+    "GET  /v1/models",
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "POST /v1/audio/speech",
+    "POST /v1/images/generations",
+    "POST /v1/walks/{walk}",
+    "GET  /metrics",
+)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from walkserve.adapters.registry import capture_model
+    from walkserve.api.app import ApiConfig, create_app
+    from walkserve.api.profile import profile_for
+    from walkserve.runtime.server import serve
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    config = ApiConfig(api_key=args.api_key, max_queued=args.max_queued)
+    profile = profile_for(args.model)
+    captured = capture_model(args.model, args.seed)
+    server = serve(captured, args.placement, seed=args.seed)
+    try:
+        app = create_app(server, profile, config)
+        ranks = len(server.health())
+        print(f"walkserve: serving {args.model} on {ranks} worker(s)", flush=True)
+        print(f"walkserve: listening on http://{args.host}:{args.port}", flush=True)
+        for route in ROUTES:
+            print(f"    {route}", flush=True)
+        # Ctrl-C: uvicorn stops accepting, gives open streams 5 s, then returns here.
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+        )
+    finally:
+        server.close()  # every worker process shuts down
+        print("walkserve: stopped", flush=True)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from walkserve.adapters.examples import PLACEMENTS_DIR
     from walkserve.adapters.registry import capture_model, model_names
     from walkserve.runtime.server import serve
 
-    print("walkserve demo: the HTTP server is not built yet. This serves every built-in model on")
-    print("worker processes (two ranks where a two-rank placement ships), runs each entry walk")
-    print("on its sample request, and checks the result against the reference interpreter.\n")
+    print("walkserve demo: serves every built-in model on worker processes (two ranks where a")
+    print("two-rank placement ships), runs each entry walk on its sample request, and checks the")
+    print("result against the reference interpreter.\n")
     failures = 0
     for name in args.model or model_names():
         t0 = time.perf_counter()

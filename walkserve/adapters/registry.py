@@ -1,5 +1,6 @@
 """Model names the CLI and the server accept, resolved to ``(model, sample_inputs)``.
 
+walkserve-default                          text, speech and image walks (adapters.default)
 example-cfg-image | example-speech | example-world | example-text   built-in examples
 tiny-llama | tiny-qwen2 | tiny-qwen3      tiny random-weight Hugging Face causal LMs
 /path/to/checkpoint                       a local Hugging Face causal LM directory
@@ -16,19 +17,24 @@ from typing import Any
 import torch
 from torch import nn
 
+DEFAULT_MODEL = "walkserve-default"
 TINY_HF = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
 
 
 def model_names() -> list[str]:
     from walkserve.adapters.examples import EXAMPLES
 
-    return [*EXAMPLES, *TINY_HF]
+    return [DEFAULT_MODEL, *EXAMPLES, *TINY_HF]
 
 
 def load_model(name: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """Resolve ``name`` (see the module docstring)."""
     from walkserve.adapters.examples import EXAMPLES, build_example
 
+    if name == DEFAULT_MODEL:
+        from walkserve.adapters.default import build
+
+        return build(seed)
     if name in EXAMPLES:
         return build_example(name, seed)
     if name in TINY_HF:

@@ -1,0 +1,410 @@
+"""End to end over HTTP: ``walkserve serve`` as a subprocess on a free port, driven with the
+official ``openai`` client (and httpx for what the client does not send). Every result is
+checked against the same walk run through the reference interpreter with the same token ids
+and inputs. The last test kills a worker, so it must stay last."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from walkserve.adapters import default  # noqa: E402
+from walkserve.adapters.registry import capture_model  # noqa: E402
+from walkserve.adapters.tokenizer import ByteTokenizer  # noqa: E402
+from walkserve.api import media  # noqa: E402
+from walkserve.api.profile import plain_chat  # noqa: E402
+
+KEY = "test-key"
+MODEL = "walkserve-default"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TEXT = ByteTokenizer(default.TEXT_VOCAB)
+SPEECH = ByteTokenizer(default.SPEECH_VOCAB)
+IMAGE = ByteTokenizer(default.IMAGE_VOCAB)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "walkserve.cli", "serve", "--port", str(port)]
+    cmd += ["--api-key", KEY, "--max-queued", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"walkserve serve exited: {proc.stdout.read() if proc.stdout else ''}"
+            )
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("walkserve serve did not become healthy in 120 s")
+        time.sleep(0.2)
+    pids = [r["pid"] for r in httpx.get(f"{url}/health", timeout=5).json()["ranks"].values()]
+    yield url
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: every worker shuts down
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert "walkserve: stopped" in out, out
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids):  # every worker is gone
+        assert time.monotonic() < deadline, f"workers {pids} outlived walkserve serve"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Any:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ref() -> Any:
+    return capture_model(MODEL)
+
+
+def ref_text(ref: Any, ids: list[int], max_tokens: int) -> list[int]:
+    """The reference interpreter's tokens for a prompt, up to (without) EOS."""
+    inputs = {"prompt_ids": torch.tensor([ids]), "max_new_tokens": max_tokens}
+    tokens = ref.run(inputs, walk="prefill")["tokens"][0].tolist()
+    return tokens[: tokens.index(default.EOS_ID)] if default.EOS_ID in tokens else tokens
+
+
+def ref_pcm(ref: Any, text: str, max_tokens: int = 32) -> torch.Tensor:
+    inputs = {"prompt_ids": torch.tensor([SPEECH.encode(text)]), "max_new_tokens": max_tokens}
+    return pcm_samples(media.pcm16(ref.run(inputs, walk="speak")["waveform"]))
+
+
+def pcm_samples(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.int16).to(torch.int32)
+
+
+def assert_pcm_close(got: bytes, want: torch.Tensor) -> None:
+    samples = pcm_samples(got)
+    assert samples.shape == want.shape and samples.numel() > 0
+    assert (samples - want).abs().max().item() <= 1  # float rounding may flip one LSB
+
+
+# ---------------------------------------------------------------- text
+
+
+def test_models_lists_the_default_model(client: Any) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_matches_the_reference(client: Any, ref: Any) -> None:
+    out = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=12, extra_body={"return_token_ids": True}
+    )
+    want = ref_text(ref, TEXT.encode("Hello"), 12)
+    choice = out.choices[0]
+    assert choice.model_extra["token_ids"] == want
+    assert choice.text == TEXT.decode(want)
+    assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 12
+    ids = [5, 70, 200, 7]
+    out = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=5, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert out.choices[0].model_extra["token_ids"] == ref_text(ref, ids, 5)
+
+
+def test_completion_stream_matches_the_reference(client: Any, ref: Any) -> None:
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Stream me",
+            max_tokens=10,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
+    )
+    want = ref_text(ref, TEXT.encode("Stream me"), 10)
+    tokens = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+    assert tokens == want
+    assert "".join(c.choices[0].text for c in chunks) == TEXT.decode(want)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_matches_the_reference(client: Any, ref: Any) -> None:
+    messages = [{"role": "user", "content": "Hi there"}]
+    want = ref_text(ref, TEXT.encode(plain_chat([("user", "Hi there")])), 8)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+    assert out.choices[0].message.content == TEXT.decode(want)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == TEXT.decode(want)
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_stop_string_ends_the_completion(client: Any, ref: Any) -> None:
+    full = TEXT.decode(ref_text(ref, TEXT.encode("Hello"), 12))
+    stop = full[3:5]
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, stop=[stop])
+    assert out.choices[0].text == full[: full.find(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------- speech and image
+
+
+def test_speech_wav_matches_the_reference(client: Any, ref: Any) -> None:
+    data = client.audio.speech.create(model=MODEL, voice="alloy", input="Say this").read()
+    assert data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+    assert struct.unpack("<I", data[24:28])[0] == default.SAMPLE_RATE
+    assert_pcm_close(data[44:], ref_pcm(ref, "Say this"))
+
+
+def test_speech_stream_sends_chunks_as_produced(client: Any, ref: Any) -> None:
+    with client.audio.speech.with_streaming_response.create(
+        model=MODEL,
+        voice="alloy",
+        input="Say this",
+        response_format="pcm",
+        extra_body={"stream": True},
+    ) as response:
+        chunks = [c for c in response.iter_bytes() if c]
+    assert_pcm_close(b"".join(chunks), ref_pcm(ref, "Say this"))
+
+
+def png_pixels(data: bytes) -> torch.Tensor:
+    """RGB pixels of a PNG written with filter 0 on every row -> [H, W, 3] uint8."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, width, height = 8, b"", 0, 0
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        if kind == b"IHDR":
+            width, height = struct.unpack(">II", body[:8])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    raw = zlib.decompress(idat)
+    rows = [raw[r * (1 + 3 * width) + 1 : (r + 1) * (1 + 3 * width)] for r in range(height)]
+    return torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).view(height, width, 3)
+
+
+def test_image_matches_the_reference(client: Any, ref: Any) -> None:
+    out = client.images.generate(
+        model=MODEL, prompt="a red square", size="16x16", extra_body={"seed": 3}
+    )
+    pixels = png_pixels(base64.b64decode(out.data[0].b64_json)).to(torch.int32)
+    noise = torch.randn((1, *default.NOISE_SHAPE), generator=torch.Generator().manual_seed(3))
+    inputs = {"prompt_ids": torch.tensor([IMAGE.encode("a red square")]), "noise": noise}
+    want = media.image_to_uint8(ref.run(inputs, walk="generate")["image"][0]).to(torch.int32)
+    assert pixels.shape == (16, 16, 3)
+    assert (pixels - want).abs().max().item() <= 1
+
+
+# ---------------------------------------------------------------- any walk
+
+
+def test_walk_route_json_b64_and_sse(base_url: str, ref: Any) -> None:
+    ids = [[5, 9, 12]]
+    want = ref.run({"prompt_ids": torch.tensor(ids), "max_new_tokens": 4}, walk="speak")
+    body: dict[str, Any] = {"inputs": {"prompt_ids": ids, "max_new_tokens": 4}, "encoding": "b64"}
+    r = httpx.post(f"{base_url}/v1/walks/speak", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    codes = r.json()["outputs"]["codes"]
+    got = torch.frombuffer(bytearray(base64.b64decode(codes["b64"])), dtype=torch.int64)
+    assert got.view(codes["shape"]).tolist() == want["codes"].tolist()
+
+    prompt = torch.tensor([[9, 40, 77]])  # int64 prompt ids sent as raw bytes
+    b64 = {"b64": base64.b64encode(prompt.numpy().tobytes()).decode(), "dtype": "int64"}
+    body = {"inputs": {"prompt_ids": {**b64, "shape": [1, 3]}, "max_new_tokens": 5}}
+    r = httpx.post(f"{base_url}/v1/walks/prefill", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    want_text = ref.run({"prompt_ids": prompt, "max_new_tokens": 5}, walk="prefill")
+    assert r.json()["outputs"]["tokens"] == want_text["tokens"].tolist()
+
+    body = {"inputs": {"prompt_ids": [[5, 6, 7]], "max_new_tokens": 3}, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/walks/prefill", json=body, headers=AUTH) as s:
+        lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    want_tokens = ref.run({"prompt_ids": torch.tensor([[5, 6, 7]]), "max_new_tokens": 3})
+    assert [e["value"][0][0] for e in events[:-1]] == want_tokens["tokens"][0].tolist()
+    assert events[-1]["outputs"]["tokens"] == want_tokens["tokens"].tolist()
+
+
+# ---------------------------------------------------------------- validation
+
+
+BIG = "x" * (9 << 20)
+ERRORS = [
+    ("/v1/completions", "{bad json", "not valid JSON"),
+    ("/v1/completions", "[1, 2]", "must be a JSON object"),
+    ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "{BIG}"}}', "limit is"),
+    ("/v1/completions", {"prompt": "a"}, "model: Field required"),
+    ("/v1/completions", {"model": MODEL, "prompt": 5}, "prompt"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, "model 'gpt-4' is not served"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, "greater than"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 9999}, "too large"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a" * 300}, "the limit is 256"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt is empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 999]}, "outside [0, 259)"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "temperature": 0.7}, "greedily"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "temperature": 5}, "less than"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 2}, "n=2 is not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [""]}, "non-empty"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x"}]}, "role"),
+    ("/v1/audio/speech", {"model": MODEL, "input": "hi", "response_format": "mp3"}, "wav"),
+    ("/v1/audio/speech", {"model": MODEL, "input": "hi", "speed": 2}, "speed 2"),
+    ("/v1/audio/speech", {"model": MODEL, "input": "hi", "max_tokens": 999}, "too large"),
+    ("/v1/images/generations", {"model": MODEL, "prompt": "a", "size": "512x512"}, "16x16"),
+    ("/v1/images/generations", {"model": MODEL, "prompt": "a", "n": 2}, "n=2"),
+    ("/v1/images/generations", {"model": MODEL, "prompt": "a", "response_format": "url"}, "url"),
+    ("/v1/walks/nope", {"inputs": {}}, "unknown walk 'nope'"),
+    ("/v1/walks/speak", {"inputs": {"prompt_ids": [[1]]}}, "needs inputs ['max_new_tokens']"),
+    ("/v1/walks/speak", {"inputs": {"prompt_ids": [[1]], "max_new_tokens": "8"}}, "JSON int"),
+    ("/v1/walks/speak", {"inputs": {"prompt_ids": [1], "max_new_tokens": 8}}, "2 dimensions"),
+    (
+        "/v1/walks/generate",
+        {"inputs": {"prompt_ids": [[1]], "noise": {"b64": "!!", "dtype": "float32", "shape": [1]}}},
+        "not valid base64",
+    ),
+    (
+        "/v1/walks/generate",
+        {
+            "inputs": {
+                "prompt_ids": [[1]],
+                "noise": {"b64": "AAAA", "dtype": "float32", "shape": [2]},
+            }
+        },
+        "needs 8",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "message"), ERRORS, ids=[e[2][:24] for e in ERRORS])
+def test_bad_requests_get_400_saying_what_to_fix(
+    base_url: str, path: str, body: Any, message: str
+) -> None:
+    if isinstance(body, str):
+        r = httpx.post(f"{base_url}{path}", content=body, headers=AUTH, timeout=60)
+    else:
+        r = httpx.post(f"{base_url}{path}", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and message in error["message"], error
+
+
+def test_openai_client_sees_400(client: Any) -> None:
+    with pytest.raises(openai.BadRequestError, match="greedily"):
+        client.completions.create(model=MODEL, prompt="a", temperature=1.0)
+
+
+ROUTES = [
+    ("GET", "/v1/models"),
+    ("GET", "/metrics"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/audio/speech"),
+    ("POST", "/v1/images/generations"),
+    ("POST", "/v1/walks/speak"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), ROUTES)
+def test_every_route_but_health_needs_the_key(base_url: str, method: str, path: str) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.request(method, f"{base_url}{path}", headers=headers, json={}, timeout=30)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{base_url}/health", timeout=30).status_code == 200
+
+
+def metric(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", headers=AUTH, timeout=30).text
+    for line in text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_over_max_queued_gets_503_with_retry_after(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "busy", "max_tokens": 64}
+    results: list[httpx.Response] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        r = httpx.post(f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=120)
+        with lock:
+            results.append(r)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in results)
+    assert 200 in codes and 503 in codes, codes
+    busy = next(r for r in results if r.status_code == 503)
+    assert busy.headers["retry-after"] == "1" and "retry later" in busy.json()["error"]["message"]
+    assert metric(base_url, "walkserve_queued_requests") == 0
+
+
+def test_client_disconnect_cancels_the_request(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 256, "stream": True}
+    cancelled = metric(base_url, "walkserve_cancelled_requests_total")
+    with httpx.stream(
+        "POST", f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=60
+    ) as s:
+        lines = s.iter_lines()
+        assert next(lines).startswith("data: ")  # mid-stream: close the connection now
+    deadline = time.monotonic() + 20
+    while (
+        metric(base_url, "walkserve_running_requests") != 0
+        or metric(base_url, "walkserve_queued_requests") != 0
+    ):
+        assert time.monotonic() < deadline, "the abandoned request is still running"
+        time.sleep(0.1)
+    assert metric(base_url, "walkserve_cancelled_requests_total") == cancelled + 1
+
+
+def test_health_is_503_when_a_worker_dies(base_url: str) -> None:
+    """Must stay last: it kills the only worker."""
+    ranks = httpx.get(f"{base_url}/health", timeout=30).json()["ranks"]
+    os.kill(ranks["0"]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while (r := httpx.get(f"{base_url}/health", timeout=30)).status_code != 503:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    assert r.json()["ranks"]["0"]["status"] == "dead"

@@ -1,0 +1,113 @@
+"""Prometheus text exposition of the HTTP server's counters and the conductor's stats. Plain
+Python, no client library: a few gauges, counters and fixed-bucket histograms."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+from walkserve.runtime.conductor import ConductorStats
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.buckets, value)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.total += value
+        self.n += 1
+
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        sep = "," if labels else ""
+        out, cumulative = [], 0
+        for bound, count in zip(self.buckets, self.counts):
+            cumulative += count
+            out.append(f'{name}_bucket{{{labels}{sep}le="{bound}"}} {cumulative}')
+        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.n}')
+        suffix = f"{{{labels}}}" if labels else ""
+        out.append(f"{name}_sum{suffix} {self.total:.6f}")
+        out.append(f"{name}_count{suffix} {self.n}")
+        return out
+
+
+class Metrics:
+    """Thread-safe; observed from the event loop and from pool threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.latency: dict[str, Histogram] = {}
+        self.first_token = Histogram()
+        self.first_audio = Histogram()
+        self.requests: dict[tuple[str, int], int] = {}
+        self.rejected_full = 0
+        self.cancelled = 0
+
+    def observe_latency(self, walk: str, seconds: float) -> None:
+        with self._lock:
+            self.latency.setdefault(walk, Histogram()).observe(seconds)
+
+    def observe_first(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            (self.first_audio if kind == "audio" else self.first_token).observe(seconds)
+
+    def count(self, route: str, status: int) -> None:
+        with self._lock:
+            self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
+
+    def render(self, queued: int, max_queued: int | None, stats: ConductorStats) -> str:
+        with self._lock:
+            lines = [
+                "# HELP walkserve_queued_requests Admitted HTTP requests not yet finished.",
+                "# TYPE walkserve_queued_requests gauge",
+                f"walkserve_queued_requests {queued}",
+                "# HELP walkserve_max_queued_requests The --max-queued limit (0: none).",
+                "# TYPE walkserve_max_queued_requests gauge",
+                f"walkserve_max_queued_requests {max_queued or 0}",
+                "# HELP walkserve_running_requests Requests live in the conductor.",
+                "# TYPE walkserve_running_requests gauge",
+                f"walkserve_running_requests {stats.live_requests}",
+                "# HELP walkserve_in_flight_work_items Work items dispatched, not completed.",
+                "# TYPE walkserve_in_flight_work_items gauge",
+                f"walkserve_in_flight_work_items {stats.in_flight}",
+                "# TYPE walkserve_buffered_stream_items gauge",
+                f"walkserve_buffered_stream_items {stats.buffered_stream_items}",
+                "# HELP walkserve_speculated_steps_total Loop iterations started before the"
+                " previous stop was known.",
+                "# TYPE walkserve_speculated_steps_total counter",
+                f"walkserve_speculated_steps_total {stats.speculated_steps}",
+                "# HELP walkserve_wasted_steps_total Speculative iterations discarded.",
+                "# TYPE walkserve_wasted_steps_total counter",
+                f"walkserve_wasted_steps_total {stats.wasted_steps}",
+                "# TYPE walkserve_rejected_queue_full_total counter",
+                f"walkserve_rejected_queue_full_total {self.rejected_full}",
+                "# HELP walkserve_cancelled_requests_total Requests ended early: the client"
+                " left or a stop string matched.",
+                "# TYPE walkserve_cancelled_requests_total counter",
+                f"walkserve_cancelled_requests_total {self.cancelled}",
+                "# TYPE walkserve_http_requests_total counter",
+            ]
+            for (route, status), n in sorted(self.requests.items()):
+                lines.append(
+                    f'walkserve_http_requests_total{{route="{route}",code="{status}"}} {n}'
+                )
+            lines.append("# HELP walkserve_request_latency_seconds Request latency by entry walk.")
+            lines.append("# TYPE walkserve_request_latency_seconds histogram")
+            for walk, hist in sorted(self.latency.items()):
+                lines += hist.lines("walkserve_request_latency_seconds", f'walk="{walk}"')
+            lines.append("# TYPE walkserve_time_to_first_token_seconds histogram")
+            lines += self.first_token.lines("walkserve_time_to_first_token_seconds")
+            lines.append("# TYPE walkserve_time_to_first_audio_seconds histogram")
+            lines += self.first_audio.lines("walkserve_time_to_first_audio_seconds")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,188 @@
+"""What the OpenAI-style routes need to know about the served model: which walk does text,
+speech or image generation, which inputs it takes, its tokenizer and its limits. A model that
+offers none of these tasks is still served through ``/v1/walks/{walk}``.
+
+    profile_for("walkserve-default")   text + speech + image (adapters.default)
+    profile_for("tiny-llama")          text (toy byte tokenizer)
+    profile_for("/path/to/checkpoint") text (the checkpoint's own AutoTokenizer)
+    profile_for("example-speech")      no task: walks only
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from walkserve.adapters.tokenizer import ByteTokenizer
+
+Encode = Callable[[str], list[int]]
+Decode = Callable[[list[int]], str]
+ChatTemplate = Callable[[Sequence[tuple[str, str]]], str]
+
+
+def plain_chat(messages: Sequence[tuple[str, str]]) -> str:
+    """The toy chat template of the built-in models: ``role: content`` lines, then
+    ``assistant:``."""
+    return "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
+
+
+@dataclass(frozen=True)
+class TextTask:
+    walk: str  # the entry walk; prefill -> decode
+    prompt_input: str
+    max_tokens_input: str
+    tokens_channel: str  # the accumulated output that streams one token per item
+    first_token_output: str | None  # an output emitted before the channel (HF prefill's token)
+    eos_id: int | None
+    vocab_size: int
+    max_prompt_tokens: int
+    max_tokens_limit: int
+    default_max_tokens: int
+    encode: Encode
+    decode: Decode
+    chat_template: ChatTemplate
+
+
+@dataclass(frozen=True)
+class SpeechTask:
+    walk: str
+    prompt_input: str
+    max_tokens_input: str
+    waveform_channel: str  # [B, samples] chunks, float in [-1, 1]
+    sample_rate: int
+    vocab_size: int
+    max_prompt_tokens: int
+    max_tokens_limit: int
+    default_max_tokens: int
+    encode: Encode
+
+
+@dataclass(frozen=True)
+class ImageTask:
+    walk: str
+    prompt_input: str
+    noise_input: str
+    noise_shape: tuple[int, ...]  # per image, without the batch dimension
+    size: int  # the only accepted width and height
+    vocab_size: int
+    max_prompt_tokens: int
+    image_output: str  # [B, 3, H, W] in [-1, 1]
+    encode: Encode
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    name: str
+    text: TextTask | None = None
+    speech: SpeechTask | None = None
+    image: ImageTask | None = None
+
+
+MAX_PROMPT_TOKENS = 256
+
+
+def profile_for(name: str) -> ModelProfile:
+    """The tasks of model ``name`` (a name ``adapters.registry`` resolves)."""
+    from walkserve.adapters import default
+    from walkserve.adapters.registry import DEFAULT_MODEL, TINY_HF
+
+    if name == DEFAULT_MODEL:
+        text_tok = ByteTokenizer(default.TEXT_VOCAB)
+        speech_tok = ByteTokenizer(default.SPEECH_VOCAB)
+        image_tok = ByteTokenizer(default.IMAGE_VOCAB)
+        return ModelProfile(
+            name,
+            text=TextTask(
+                walk="prefill",
+                prompt_input="prompt_ids",
+                max_tokens_input="max_new_tokens",
+                tokens_channel="tokens",
+                first_token_output=None,
+                eos_id=default.EOS_ID,
+                vocab_size=default.TEXT_VOCAB,
+                max_prompt_tokens=MAX_PROMPT_TOKENS,
+                max_tokens_limit=256,
+                default_max_tokens=16,
+                encode=text_tok.encode,
+                decode=text_tok.decode,
+                chat_template=plain_chat,
+            ),
+            speech=SpeechTask(
+                walk="speak",
+                prompt_input="prompt_ids",
+                max_tokens_input="max_new_tokens",
+                waveform_channel="waveform",
+                sample_rate=default.SAMPLE_RATE,
+                vocab_size=default.SPEECH_VOCAB,
+                max_prompt_tokens=MAX_PROMPT_TOKENS,
+                max_tokens_limit=128,
+                default_max_tokens=32,
+                encode=speech_tok.encode,
+            ),
+            image=ImageTask(
+                walk="generate",
+                prompt_input="prompt_ids",
+                noise_input="noise",
+                noise_shape=default.NOISE_SHAPE,
+                size=default.IMAGE_SIZE,
+                vocab_size=default.IMAGE_VOCAB,
+                max_prompt_tokens=MAX_PROMPT_TOKENS,
+                image_output="image",
+                encode=image_tok.encode,
+            ),
+        )
+    if name in TINY_HF:
+        tok = ByteTokenizer(256)
+        return ModelProfile(name, text=_hf_text(256, 2, tok.encode, tok.decode, plain_chat))
+    if os.path.isdir(name):
+        return ModelProfile(name, text=_checkpoint_text(name))
+    return ModelProfile(name)
+
+
+def _hf_text(
+    vocab: int, eos: int | None, encode: Encode, decode: Decode, chat: ChatTemplate
+) -> TextTask:
+    return TextTask(
+        walk="prefill",
+        prompt_input="input_ids",
+        max_tokens_input="max_new_tokens",
+        tokens_channel="tokens",
+        first_token_output="token",
+        eos_id=eos,
+        vocab_size=vocab,
+        max_prompt_tokens=2048,
+        max_tokens_limit=1024,
+        default_max_tokens=16,
+        encode=encode,
+        decode=decode,
+        chat_template=chat,
+    )
+
+
+def _checkpoint_text(path: str) -> TextTask:
+    """A local Hugging Face checkpoint's own tokenizer and chat template."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    eos = config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+
+    def encode(text: str) -> list[int]:
+        return list(tok.encode(text))
+
+    def decode(ids: list[int]) -> str:
+        return str(tok.decode(ids, skip_special_tokens=True))
+
+    def chat(messages: Sequence[tuple[str, str]]) -> str:
+        if getattr(tok, "chat_template", None):
+            rendered = tok.apply_chat_template(
+                [{"role": r, "content": c} for r, c in messages],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            return str(rendered)
+        return plain_chat(messages)
+
+    return _hf_text(int(config.vocab_size), eos, encode, decode, chat)
