@@ -192,8 +192,15 @@ def _serve(args: argparse.Namespace) -> int:
         for route in ROUTES:
             print(f"    {route}", flush=True)
         # Ctrl-C: uvicorn stops accepting, gives open streams 5 s, then returns here.
+        # The app has no startup/shutdown hooks; without the lifespan task, Ctrl-C does not
+        # print its cancellation traceback.
         uvicorn.run(
-            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=5,
         )
     finally:
         server.close()  # every worker process shuts down
