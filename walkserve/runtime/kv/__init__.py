@@ -1,6 +1,10 @@
 """Paged KV memory: one preallocated pool of pages, block tables per (request, label), copy-on-write
 forks and prefix caching. ``pool.py`` owns the tensors and the bookkeeping, ``prefix.py`` the
-content keys of full pages and the LRU of evictable cached pages."""
+content keys of full pages and the LRU of evictable cached pages, ``attention.py`` paged attention
+over the pool. On top of them: ``scheduler.py`` (continuous batching, pure page and token
+bookkeeping), ``hf.py`` (unmodified transformers causal LMs on the pool through the
+``AttentionInterface`` registry) and ``engine.py`` (``PagedLMEngine``, the step loop). Those three
+are imported from their modules, not re-exported here."""
 
 from walkserve.runtime.kv.pool import (
     BlockTable,
