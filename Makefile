@@ -30,8 +30,10 @@ typecheck: setup
 unit: setup
 	$(BIN)/pytest -q tests/unit
 
+# Worker processes and the test process share 2 cores here: OpenMP threads that spin while
+# waiting slow everything down, so they sleep instead.
 test: setup lint typecheck
-	$(BIN)/pytest -q tests
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/pytest -q tests
 
 # The HTTP API on 127.0.0.1:8000 (OpenAI-compatible routes), serving walkserve-default.
 serve: setup
