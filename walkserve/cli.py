@@ -165,6 +165,7 @@ ROUTES = (
     "POST /v1/chat/completions",
     "POST /v1/audio/speech",
     "POST /v1/images/generations",
+    "POST /v1/images/edits",
     "POST /v1/walks/{walk}",
     "GET  /metrics",
 )
@@ -176,17 +177,24 @@ def _serve(args: argparse.Namespace) -> int:
     from walkserve.adapters.registry import capture_model
     from walkserve.api.app import ApiConfig, create_app
     from walkserve.api.profile import profile_for
+    from walkserve.progress import StartupProgress
     from walkserve.runtime.server import serve
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     config = ApiConfig(api_key=args.api_key, max_queued=args.max_queued)
-    profile = profile_for(args.model)
-    captured = capture_model(args.model, args.seed)
-    server = serve(captured, args.placement, seed=args.seed)
+    progress = StartupProgress()
+    try:
+        profile = profile_for(args.model)
+        captured = capture_model(args.model, args.seed, on_stage=progress.stage)
+        server = serve(captured, args.placement, seed=args.seed, on_stage=progress.stage)
+    except BaseException:
+        progress.abandon()
+        raise
     try:
         app = create_app(server, profile, config)
         ranks = len(server.health())
+        progress.stage("ready")
         print(f"walkserve: serving {args.model} on {ranks} worker(s)", flush=True)
         print(f"walkserve: listening on http://{args.host}:{args.port}", flush=True)
         for route in ROUTES:

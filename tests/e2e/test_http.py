@@ -232,6 +232,74 @@ def test_image_matches_the_reference(client: Any, ref: Any) -> None:
     assert (pixels - want).abs().max().item() <= 1
 
 
+def test_image_edit_matches_the_reference(client: Any, ref: Any) -> None:
+    source = torch.rand(3, 16, 16, generator=torch.Generator().manual_seed(7)) * 2 - 1
+    upload = media.png(source)
+    out = client.images.edit(
+        model=MODEL,
+        image=("in.png", upload, "image/png"),
+        prompt="make it blue",
+        size="16x16",
+        n=1,
+        response_format="b64_json",
+    )
+    pixels = png_pixels(base64.b64decode(out.data[0].b64_json)).to(torch.int32)
+    noise = torch.randn((1, *default.NOISE_SHAPE), generator=torch.Generator().manual_seed(0))
+    inputs = {
+        "prompt_ids": torch.tensor([IMAGE.encode("make it blue")]),
+        "image": media.read_png(upload)[None],  # the pixels the server saw
+        "noise": noise,
+    }
+    want = media.image_to_uint8(ref.run(inputs, walk="edit")["image"][0]).to(torch.int32)
+    assert pixels.shape == (16, 16, 3)
+    assert (pixels - want).abs().max().item() <= 1
+
+
+@pytest.mark.parametrize(
+    ("image", "size", "message"),
+    [
+        (b"GIF89a not a png", "16x16", "accepted: 8-bit RGB PNG"),
+        (media.png(torch.zeros(3, 8, 8)), "16x16", "is 8x8 pixels"),
+        (media.png(torch.zeros(3, 16, 16)), "32x32", "16x16 images only"),
+    ],
+    ids=["malformed", "wrong-image-size", "wrong-size-field"],
+)
+def test_image_edit_rejects_bad_images(
+    base_url: str, image: bytes, size: str, message: str
+) -> None:
+    r = httpx.post(
+        f"{base_url}/v1/images/edits",
+        files={"image": ("in.png", image, "image/png")},
+        data={"model": MODEL, "prompt": "a", "size": size},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"], r.text
+
+
+def test_image_edit_needs_multipart_with_an_image(base_url: str) -> None:
+    r = httpx.post(
+        f"{base_url}/v1/images/edits", json={"model": MODEL, "prompt": "a"}, headers=AUTH
+    )
+    assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"]
+    r = httpx.post(
+        f"{base_url}/v1/images/edits",
+        data={"model": MODEL, "prompt": "a"},
+        headers=AUTH,
+        files={"other": ("x.txt", b"x", "text/plain")},
+    )
+    assert r.status_code == 400 and "'image'" in r.json()["error"]["message"], r.text
+    png = media.png(torch.zeros(3, 16, 16))
+    r = httpx.post(
+        f"{base_url}/v1/images/edits",
+        data={"model": MODEL, "prompt": "a"},
+        headers=AUTH,
+        files={"image": ("in.png", png, "image/png"), "mask": ("m.png", png, "image/png")},
+    )
+    assert r.status_code == 400 and "mask is not supported" in r.json()["error"]["message"]
+
+
 # ---------------------------------------------------------------- any walk
 
 
@@ -338,6 +406,7 @@ ROUTES = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/audio/speech"),
     ("POST", "/v1/images/generations"),
+    ("POST", "/v1/images/edits"),
     ("POST", "/v1/walks/speak"),
 ]
 

@@ -118,8 +118,83 @@ def test_default_model_walks_match_eager(captured: CapturedModel) -> None:
         tokens = model.decode(eager["logits"], eager["k_cache"], eager["v_cache"], 16)["tokens"]
         speech = model.speak(sample["prompt_ids"], 16)
         image = model.generate(sample["prompt_ids"], sample["noise"])
+        edited = model.edit(sample["prompt_ids"], sample["image"], sample["noise"])
     assert torch.equal(captured.run(sample, walk="prefill")["tokens"], tokens)
     got = captured.run(sample, walk="speak")
     assert all(torch.equal(got[k], speech[k]) for k in speech)
     assert torch.equal(captured.run(sample, walk="generate")["image"], image["image"])
-    assert captured.graph.entry_walks() == ["prefill", "speak", "generate"]
+    assert torch.equal(captured.run(sample, walk="edit")["image"], edited["image"])
+    assert captured.graph.entry_walks() == ["prefill", "speak", "generate", "edit"]
+
+
+def test_read_png_reads_what_png_writes() -> None:
+    image = torch.rand(3, 5, 7, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    back = media.read_png(media.png(image))  # [3, 5, 7]
+    assert back.shape == (3, 5, 7)
+    assert torch.equal(media.image_to_uint8(back), media.image_to_uint8(image))
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b"GIF89a", "no PNG signature"),
+        (media.png(torch.zeros(3, 4, 4))[:-20], "truncated"),
+        (
+            media.PNG_SIGNATURE
+            + _png_chunk(b"IHDR", struct.pack(">IIBBBBB", 4, 4, 8, 6, 0, 0, 0))  # RGBA
+            + _png_chunk(b"IDAT", zlib.compress(b"\0" * 17 * 4))
+            + _png_chunk(b"IEND", b""),
+            "colour type 6",
+        ),
+        (
+            media.PNG_SIGNATURE
+            + _png_chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+            + _png_chunk(b"IDAT", zlib.compress(b"\x01abc"))  # filter 1 (Sub)
+            + _png_chunk(b"IEND", b""),
+            "filter other than 0",
+        ),
+    ],
+    ids=["signature", "truncated", "rgba", "filter"],
+)
+def test_read_png_rejects_other_formats(data: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why) as info:
+        media.read_png(data)
+    assert "accepted: 8-bit RGB PNG" in str(info.value)
+
+
+def test_parse_form_splits_fields_and_files() -> None:
+    import httpx
+
+    from walkserve.api.form import parse_form
+
+    request = httpx.Request(
+        "POST",
+        "http://x/",
+        files={"image": ("a.png", b"\x89PNG\r\n--\x00\xff", "image/png")},
+        data={"prompt": "héllo", "n": "1"},
+    )
+    form = parse_form(request.read(), request.headers["content-type"])
+    assert form.fields == {"prompt": "héllo", "n": "1"}
+    assert form.files["image"].data == b"\x89PNG\r\n--\x00\xff"
+    assert form.files["image"].filename == "a.png"
+    with pytest.raises(ValueError, match="multipart/form-data"):
+        parse_form(b"{}", "application/json")
+
+
+def test_image_edits_is_404_without_an_edit_walk() -> None:
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from walkserve.api.app import create_app
+    from walkserve.api.profile import ModelProfile
+
+    app = create_app(SimpleNamespace(captured=None), ModelProfile("example-speech"))  # type: ignore[arg-type]
+    r = TestClient(app).post("/v1/images/edits", files={"image": ("a.png", b"x", "image/png")})
+    assert r.status_code == 404
+    assert "has no image edit walk" in r.json()["error"]["message"]

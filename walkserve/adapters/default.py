@@ -5,6 +5,7 @@
     prefill(prompt_ids) -> decode(...)         text     a byte-vocabulary ``TextLM`` (text.py)
     speak(prompt_ids, max_new_tokens)          speech   ``SpeechModel`` (speech.py), as built
     generate(prompt_ids, noise)                image    ``CFGImageModel`` (cfg_image.py), as built
+    edit(prompt_ids, image, noise)             image    ``CFGImageModel.edit``: guided by ``image``
 
 Text: ``prefill`` runs the prompt through the LM and keeps the last position's logits as request
 state; every generated token comes out of ``decode``'s DynamicLoop, so each one is a
@@ -46,7 +47,8 @@ MAX_NEW_TOKENS = 16
 
 
 class DefaultModel(nn.Module):
-    """Text (``prefill`` -> ``decode``), speech (``speak``) and image (``generate``) walks."""
+    """Text (``prefill`` -> ``decode``), speech (``speak``) and image (``generate``, ``edit``)
+    walks."""
 
     def __init__(self, speech_model: speech.SpeechModel, image_model: cfg_image.CFGImageModel):
         super().__init__()
@@ -101,6 +103,12 @@ class DefaultModel(nn.Module):
         # prompt_ids: [B, T] int64, ids < IMAGE_VOCAB; noise: [B, C, 8, 8]
         return self.image.generate(prompt_ids, noise)  # image [B, 3, 16, 16] in [-1, 1]
 
+    @walk
+    def edit(self, prompt_ids: Tensor, image: Tensor, noise: Tensor) -> dict[str, Tensor]:
+        # prompt_ids: [B, T] int64, ids < IMAGE_VOCAB; image: [B, 3, 16, 16] in [-1, 1];
+        # noise: [B, C, 8, 8]
+        return self.image.edit(prompt_ids, image, noise)  # image [B, 3, 16, 16] in [-1, 1]
+
 
 def build(seed: int = 0) -> tuple[DefaultModel, dict[str, Any]]:
     """The model with seeded random weights (the speech and image parts exactly as their
@@ -115,4 +123,5 @@ def build(seed: int = 0) -> tuple[DefaultModel, dict[str, Any]]:
         "prompt_ids": speech_inputs["prompt_ids"],  # ids < 64: valid for every walk
         "max_new_tokens": MAX_NEW_TOKENS,
         "noise": image_inputs["noise"],
+        "image": image_inputs["image"],
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,12 +62,16 @@ def load_model(name: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     )
 
 
-def capture_model(name: str, seed: int = 0) -> Any:
+def capture_model(name: str, seed: int = 0, on_stage: Callable[[str], None] | None = None) -> Any:
     """``capture.trace`` of ``load_model(name, seed)``, remembering the name and seed so that
-    ``runtime.serve`` can have worker processes load the same weights."""
+    ``runtime.serve`` can have worker processes load the same weights. ``on_stage`` is told as
+    each step begins ("loading weights", "capturing walks")."""
     from walkserve import capture
 
+    stage = on_stage or (lambda name: None)
+    stage("loading weights")
     model, sample = load_model(name, seed)
+    stage("capturing walks")
     captured = capture.trace(model, sample)
     captured.origin = (name, seed)
     return captured

@@ -7,6 +7,7 @@ official ``openai`` client works unchanged.
     POST /v1/chat/completions      chat; SSE when stream
     POST /v1/audio/speech          text in, wav or pcm out; chunked as produced when stream
     POST /v1/images/generations    b64_json PNG
+    POST /v1/images/edits          multipart: PNG image + prompt -> b64_json PNG (edit walk)
     POST /v1/walks/{walk}          any walk, inputs and outputs as JSON; SSE when stream
     GET  /metrics                  Prometheus text
 
@@ -41,8 +42,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from walkserve.api import jsontensor, media
+from walkserve.api.form import parse_form
 from walkserve.api.metrics import Metrics
-from walkserve.api.profile import ModelProfile, TextTask
+from walkserve.api.profile import ImageTask, ModelProfile, TextTask
 from walkserve.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -198,7 +200,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         metrics.count(route, response.status_code)
         return response
 
-    async def parse(request: Request, schema: type[B]) -> B:
+    async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
             raise bad(f"the request body is {declared} bytes; the limit is {config.max_body_bytes}")
@@ -208,12 +210,19 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             if size > config.max_body_bytes:
                 raise bad(f"the request body is over the limit of {config.max_body_bytes} bytes")
             chunks.append(piece)
+        return b"".join(chunks)
+
+    async def parse(request: Request, schema: type[B]) -> B:
+        body = await read_body(request)
         try:
-            data = json.loads(b"".join(chunks))
+            data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad(f"the request body is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise bad("the request body must be a JSON object")
+        return validate(data, schema)
+
+    def validate(data: dict[str, Any], schema: type[B]) -> B:
         try:
             return schema.model_validate(data)
         except ValidationError as e:
@@ -537,13 +546,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
 
     # ------------------------------------------------------------ images
 
-    @app.post("/v1/images/generations")
-    async def images(request: Request) -> Response:
-        body = await parse(request, ImageRequest)
-        check_model(body.model)
-        task = profile.image
-        if task is None:
-            raise bad(f"model {profile.name!r} has no image generation")
+    def check_image_request(task: ImageTask, body: ImageRequest) -> list[int]:
         native = f"{task.size}x{task.size}"
         if body.size not in (None, native):
             raise bad(f"size {body.size!r} is not supported: this model makes {native} images only")
@@ -553,27 +556,77 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             raise bad("response_format 'url' is not supported: use 'b64_json'")
         ids = task.encode(body.prompt)
         check_ids(ids, task.vocab_size, task.max_prompt_tokens, "prompt")
+        return ids
+
+    async def run_image(
+        task: ImageTask, walk: str, inputs: dict[str, Any], seed: int
+    ) -> JSONResponse:
+        """Run an image walk on ``inputs`` plus seeded noise; answer with one b64 PNG."""
         ticket = admission.admit()
         t0 = time.perf_counter()
         try:
-            generator = torch.Generator().manual_seed(body.seed)
-            noise = torch.randn((1, *task.noise_shape), generator=generator)
-            inputs = {
-                task.prompt_input: torch.tensor([ids], dtype=torch.int64),
-                task.noise_input: noise,
-            }
-            handle = await submit(inputs, task.walk)
+            generator = torch.Generator().manual_seed(seed)
+            inputs[task.noise_input] = torch.randn((1, *task.noise_shape), generator=generator)
+            handle = await submit(inputs, walk)
             outputs = await finish(handle)
         finally:
             ticket.release()
         image = outputs[task.image_output][0]  # [3, H, W]
-        metrics.observe_latency(task.walk, time.perf_counter() - t0)
+        metrics.observe_latency(walk, time.perf_counter() - t0)
         return JSONResponse(
             {
                 "created": int(time.time()),
                 "data": [{"b64_json": base64.b64encode(media.png(image)).decode("ascii")}],
             }
         )
+
+    @app.post("/v1/images/generations")
+    async def images(request: Request) -> Response:
+        body = await parse(request, ImageRequest)
+        check_model(body.model)
+        task = profile.image
+        if task is None:
+            raise bad(f"model {profile.name!r} has no image generation")
+        ids = check_image_request(task, body)
+        inputs = {task.prompt_input: torch.tensor([ids], dtype=torch.int64)}
+        return await run_image(task, task.walk, inputs, body.seed)
+
+    @app.post("/v1/images/edits")
+    async def image_edits(request: Request) -> Response:
+        task = profile.image
+        if task is None or task.edit_walk is None or task.image_input is None:
+            raise ApiError(
+                404,
+                f"model {profile.name!r} has no image edit walk, so /v1/images/edits is not"
+                " served; use /v1/walks/{walk}",
+                "not_found_error",
+            )
+        try:
+            form = parse_form(await read_body(request), request.headers.get("content-type", ""))
+        except ValueError as e:
+            raise bad(str(e)) from None
+        if "mask" in form.files:
+            raise bad("mask is not supported: this model edits the whole image; leave it out")
+        upload = form.files.get("image")
+        if upload is None:
+            raise bad("send the image to edit as the multipart file field 'image' (a PNG)")
+        body = validate({k: v for k, v in form.fields.items() if k != "image"}, ImageRequest)
+        check_model(body.model)
+        ids = check_image_request(task, body)
+        try:
+            image = media.read_png(upload.data)  # [3, H, W] in [-1, 1]
+        except ValueError as e:
+            raise bad(str(e)) from None
+        if image.shape[1:] != (task.size, task.size):
+            raise bad(
+                f"the image is {image.shape[2]}x{image.shape[1]} pixels; this model edits"
+                f" {task.size}x{task.size} images only"
+            )
+        inputs = {
+            task.prompt_input: torch.tensor([ids], dtype=torch.int64),
+            task.image_input: image[None],  # [1, 3, H, W]
+        }
+        return await run_image(task, task.edit_walk, inputs, body.seed)
 
     # ------------------------------------------------------------ any walk
 

@@ -69,6 +69,8 @@ class ImageTask:
     max_prompt_tokens: int
     image_output: str  # [B, 3, H, W] in [-1, 1]
     encode: Encode
+    edit_walk: str | None = None  # (prompt, image, noise) -> image; None: no /v1/images/edits
+    image_input: str | None = None  # the edit walk's input image [B, 3, H, W] in [-1, 1]
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,8 @@ def profile_for(name: str) -> ModelProfile:
                 max_prompt_tokens=MAX_PROMPT_TOKENS,
                 image_output="image",
                 encode=image_tok.encode,
+                edit_walk="edit",
+                image_input="image",
             ),
         )
     if name in TINY_HF:

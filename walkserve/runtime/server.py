@@ -28,7 +28,7 @@ import itertools
 import os
 import queue
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -289,12 +289,14 @@ def serve(
     speculate: bool = True,
     stream_buffer_limit: int = 64,
     pool_config: PoolConfig | None = None,
+    on_stage: Callable[[str], None] | None = None,
 ) -> Server:
     """Start serving ``model``: a name ``adapters.registry`` knows (a built-in model, a local
     checkpoint directory, ``module:factory``), or a ``CapturedModel`` made by
     ``registry.capture_model`` (it remembers its name and seed). The model is lowered for
     ``placement`` (a ``Placement``, a YAML/JSON file, or None for everything on one rank) and
-    one worker process per rank is started; workers load the same weights themselves."""
+    one worker process per rank is started; workers load the same weights themselves.
+    ``on_stage`` is told as each step begins ("lowering", "starting N workers")."""
     from walkserve.adapters.registry import capture_model
     from walkserve.lowering.lower import lower
 
@@ -313,6 +315,8 @@ def serve(
         placement = Placement.default(1)
     elif not isinstance(placement, Placement):
         placement = Placement.from_file(placement)
+    stage = on_stage or (lambda name: None)
+    stage("lowering")
     plan = lower(
         captured,
         captured.sample_inputs,
@@ -322,6 +326,7 @@ def serve(
         max_batch=max_batch,
         check_capture=device != "cpu",
     )
+    stage(f"starting {placement.ranks} worker{'s' if placement.ranks != 1 else ''}")
     pool = WorkerPool(
         name, seed, captured, plan, placement.ranks, threads=threads, config=pool_config
     )
