@@ -3,8 +3,9 @@ forks and prefix caching. ``pool.py`` owns the tensors and the bookkeeping, ``pr
 content keys of full pages and the LRU of evictable cached pages, ``attention.py`` paged attention
 over the pool. On top of them: ``scheduler.py`` (continuous batching, pure page and token
 bookkeeping), ``hf.py`` (unmodified transformers causal LMs on the pool through the
-``AttentionInterface`` registry) and ``engine.py`` (``PagedLMEngine``, the step loop). Those three
-are imported from their modules, not re-exported here."""
+``AttentionInterface`` registry), ``sampling.py`` (per-request ``SamplingParams`` and the
+sampling function) and ``engine.py`` (``PagedLMEngine``, the step loop). Those four are imported
+from their modules, not re-exported here."""
 
 from walkserve.runtime.kv.pool import (
     BlockTable,

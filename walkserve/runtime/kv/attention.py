@@ -64,6 +64,9 @@ NUM_PLAN_SLOTS = 2
 
 P = TypeVar("P")
 
+SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+"""``scaled_dot_product_attention(..., enable_gqa=True)`` exists (torch >= 2.5)."""
+
 
 @dataclass(frozen=True)
 class AttentionConfig:
@@ -435,12 +438,19 @@ class TorchPagedAttention:
         v: torch.Tensor,
         mask: torch.Tensor,  # broadcastable to [N, 1, L, S], True = attend
     ) -> torch.Tensor:  # [N, H, L, D]
+        k = k.transpose(1, 2)  # [N, kv_heads, S, D], a view of the gathered copy
+        v = v.transpose(1, 2)
+        scale = self.config.softmax_scale
         group = self.config.group_size
-        k = k.transpose(1, 2).repeat_interleave(group, dim=1)  # [N, H, S, D]
-        v = v.transpose(1, 2).repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.config.softmax_scale
-        )
+        if group == 1:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        if SDPA_HAS_GQA:  # query head h reads KV head h // group inside the kernel
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        k = k.repeat_interleave(group, dim=1)  # [N, H, S, D]
+        v = v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 # --- double-buffered planning ----------------------------------------------------------------

@@ -157,6 +157,10 @@ class ContinuousScheduler:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def has_request(self, request_id: str) -> bool:
+        """True while ``request_id`` is waiting or running (not finished nor cancelled)."""
+        return request_id in self._requests
+
     def output(self, request_id: str) -> list[int]:
         return list(self._requests[request_id].output)
 
