@@ -39,6 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from walkserve.benchmarking import git_commit
+
 # Idle OpenMP threads sleep instead of spinning (set before torch loads; inherited by workers).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -255,34 +257,6 @@ def memory() -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- report
-
-
-def git_commit() -> str | None:
-    """HEAD of the checkout, read from .git (no git process)."""
-    root = Path(__file__).resolve().parents[1]
-    git = root / ".git"
-    try:
-        gitdir = git
-        if git.is_file():  # a worktree: "gitdir: <path>"
-            gitdir = (root / git.read_text().split(":", 1)[1].strip()).resolve()
-        common = gitdir
-        if (gitdir / "commondir").is_file():
-            common = (gitdir / (gitdir / "commondir").read_text().strip()).resolve()
-        head = (gitdir / "HEAD").read_text().strip()
-        if not head.startswith("ref: "):
-            return head
-        ref = head[5:]
-        for base in (gitdir, common):
-            if (base / ref).is_file():
-                return (base / ref).read_text().strip()
-        packed = common / "packed-refs"
-        if packed.is_file():
-            for line in packed.read_text().splitlines():
-                if line.endswith(" " + ref):
-                    return line.split()[0]
-    except OSError:
-        return None
-    return None
 
 
 def main() -> None:

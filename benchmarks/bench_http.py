@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from walkserve.benchmarking import git_commit
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by the server and workers
 
 import httpx
@@ -163,33 +165,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def git_commit() -> str | None:
-    """HEAD of the checkout, read from .git (no git process); None if unreadable."""
-    git = ROOT / ".git"
-    try:
-        gitdir = git
-        if git.is_file():  # a worktree: "gitdir: <path>"
-            gitdir = (ROOT / git.read_text().split(":", 1)[1].strip()).resolve()
-        common = gitdir
-        if (gitdir / "commondir").is_file():
-            common = (gitdir / (gitdir / "commondir").read_text().strip()).resolve()
-        head = (gitdir / "HEAD").read_text().strip()
-        if not head.startswith("ref: "):
-            return head
-        ref = head[5:]
-        for base in (gitdir, common):
-            if (base / ref).is_file():
-                return (base / ref).read_text().strip()
-        packed = common / "packed-refs"
-        if packed.is_file():
-            for line in packed.read_text().splitlines():
-                if line.endswith(" " + ref):
-                    return line.split()[0]
-    except OSError:
-        return None
-    return None
 
 
 # ---------------------------------------------------------------------------- report

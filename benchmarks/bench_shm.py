@@ -26,11 +26,12 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+
+from walkserve.benchmarking import git_commit
 
 # Idle OpenMP threads sleep instead of spinning: with the owner and the reader on the same
 # cores, a spinning pool in one process steals the CPU the other needs for its copy. Set
@@ -104,20 +105,6 @@ def time_transfer(pool: ShmPool, conn: Connection, nbytes: int, mode: str, reps:
         if i >= 2:
             samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
 
 
 def main() -> None:

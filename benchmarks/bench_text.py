@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from walkserve.benchmarking import git_commit
+
 # Idle OpenMP threads sleep instead of spinning (set before torch loads; inherited by the
 # per-method processes): spinning threads collapse throughput when the host is shared.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -135,32 +137,6 @@ def worker(args: argparse.Namespace) -> None:
     else:
         result = run_generate(args.model_dir, work, 8 if args.method == "static8" else 1)
     print(json.dumps(result))
-
-
-def git_commit() -> str | None:
-    """HEAD of the checkout, read from .git (no git process)."""
-    gitdir = ROOT / ".git"
-    try:
-        if gitdir.is_file():
-            gitdir = (ROOT / gitdir.read_text().split(":", 1)[1].strip()).resolve()
-        head = (gitdir / "HEAD").read_text().strip()
-        if not head.startswith("ref: "):
-            return head
-        ref = head[5:]
-        common = gitdir
-        if (gitdir / "commondir").is_file():
-            common = (gitdir / (gitdir / "commondir").read_text().strip()).resolve()
-        for base in (gitdir, common):
-            if (base / ref).is_file():
-                return (base / ref).read_text().strip()
-            packed = base / "packed-refs"
-            if packed.is_file():
-                for line in packed.read_text().splitlines():
-                    if line.endswith(" " + ref):
-                        return line.split()[0]
-    except OSError:
-        return None
-    return None
 
 
 def main() -> None:

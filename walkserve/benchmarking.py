@@ -1,0 +1,52 @@
+"""What every benchmark result records about where it ran: the machine, the versions, the
+commit. Used by the scripts in ``benchmarks/``."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit(root: Path = ROOT) -> str | None:
+    """HEAD of the checkout at ``root``, read from ``.git`` (no git process); None when
+    there is no readable checkout (an installed package, a copy)."""
+    git = root / ".git"
+    try:
+        gitdir = git
+        if git.is_file():  # a worktree: "gitdir: <path>"
+            gitdir = (root / git.read_text().split(":", 1)[1].strip()).resolve()
+        common = gitdir
+        if (gitdir / "commondir").is_file():
+            common = (gitdir / (gitdir / "commondir").read_text().strip()).resolve()
+        head = (gitdir / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head[5:]
+        for base in (gitdir, common):
+            if (base / ref).is_file():
+                return (base / ref).read_text().strip()
+        packed = common / "packed-refs"
+        if packed.is_file():
+            for line in packed.read_text().splitlines():
+                if line.endswith(" " + ref):
+                    return line.split()[0]
+    except OSError:
+        return None
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU count, load average, Python and torch versions, and the git commit."""
+    import torch
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "git_commit": git_commit(),
+    }
