@@ -387,19 +387,29 @@ def node_inputs(node: Node) -> list[str]:
         refs = [r for a in node.args for r in arg_refs(a)]
         refs += [r for a in node.kwargs.values() for r in arg_refs(a)]
         return refs
-    refs = []
-    for p in node.params:
-        role = p.role
-        if isinstance(role, Carried):
-            refs += arg_refs(role.init)
-        elif isinstance(role, Invariant):
-            refs += arg_refs(role.value)
-        elif isinstance(role.source, SelectStep):
-            refs += arg_refs(role.source.source)
-        elif isinstance(role.source, TableStep):
-            refs += [r for v in role.source.values for r in arg_refs(v)]
-        elif isinstance(role.source, ChunkStep):
-            refs.append(role.source.source)
+    return [r for p in node.params for r in role_refs(p.role)]
+
+
+def role_args(role: ParamRole) -> list[Arg]:
+    """The outer arguments a loop parameter is made from (none for affine steps and stream
+    chunks, which come from the iteration index and the streaming edge)."""
+    if isinstance(role, Carried):
+        return [role.init]
+    if isinstance(role, Invariant):
+        return [role.value]
+    if isinstance(role.source, SelectStep):
+        return [role.source.source]
+    if isinstance(role.source, TableStep):
+        return list(role.source.values)
+    return []
+
+
+def role_refs(role: ParamRole, *, streams: bool = True) -> list[str]:
+    """Outer values a loop parameter reads; with ``streams``, a stream chunk reads the
+    streamed channel."""
+    refs = [r for a in role_args(role) for r in arg_refs(a)]
+    if streams and isinstance(role, PerStep) and isinstance(role.source, ChunkStep):
+        refs.append(role.source.source)
     return refs
 
 

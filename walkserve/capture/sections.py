@@ -166,20 +166,7 @@ def plain_inputs(node: ir.Node) -> list[str]:
     (those arrive over the streaming edge)."""
     if isinstance(node, ir.Op):
         return list(dict.fromkeys(ir.node_inputs(node)))
-    return list(dict.fromkeys(r for p in node.params for r in _param_inputs(p.role)))
-
-
-def _param_inputs(role: ir.ParamRole) -> list[str]:
-    if isinstance(role, ir.Carried):
-        return ir.arg_refs(role.init)
-    if isinstance(role, ir.Invariant):
-        return ir.arg_refs(role.value)
-    src = role.source
-    if isinstance(src, ir.SelectStep):
-        return ir.arg_refs(src.source)
-    if isinstance(src, ir.TableStep):
-        return [r for v in src.values for r in ir.arg_refs(v)]
-    return []  # affine: computed from the index; chunk: over the streaming edge
+    return list(dict.fromkeys(r for p in node.params for r in ir.role_refs(p.role, streams=False)))
 
 
 def edges(walk: ir.Walk) -> list[Edge]:

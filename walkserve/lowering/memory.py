@@ -206,7 +206,7 @@ def _attribute_bytes(resolved: ResolvedPlacement, captured: CapturedModel) -> di
                 needed[rank].update(_tensor_args([*op.args, *op.kwargs.values()]))
         for loop in (n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)):
             for param in loop.params:
-                attrs = _tensor_args(_role_args(param.role))
+                attrs = _tensor_args(ir.role_args(param.role))
                 for reader in flow.readers[param.name]:
                     for rank in placed[reader].ranks:
                         needed[rank].update(attrs)
@@ -225,18 +225,6 @@ def _tensor_args(args: Iterable[ir.Arg]) -> set[ir.ModelAttr | ir.TensorConst]:
         elif isinstance(arg, ir.SliceArg):
             found |= _tensor_args([arg.start, arg.stop, arg.step])
     return found
-
-
-def _role_args(role: ir.ParamRole) -> list[ir.Arg]:
-    if isinstance(role, ir.Carried):
-        return [role.init]
-    if isinstance(role, ir.Invariant):
-        return [role.value]
-    if isinstance(role.source, ir.SelectStep):
-        return [role.source.source]
-    if isinstance(role.source, ir.TableStep):
-        return list(role.source.values)
-    return []
 
 
 def _arg_bytes(arg: ir.ModelAttr | ir.TensorConst, captured: CapturedModel) -> int:

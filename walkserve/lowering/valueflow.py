@@ -47,7 +47,7 @@ class ValueFlow:
 
     def _add_loop(self, loop: ir.LoopNode) -> None:
         for param in loop.params:
-            sources = _role_refs(param.role)
+            sources = ir.role_refs(param.role)
             if isinstance(param.role, ir.Carried):
                 sources.append(loop.outputs[param.role.output])
             for value in sources:
@@ -111,19 +111,3 @@ def _search(start: list[str], step: Callable[[str], tuple[list[str], list[str]]]
                 seen.add(value)
                 todo.append(value)
     return hits
-
-
-def _role_refs(role: ir.ParamRole) -> list[str]:
-    """Outer values a loop parameter is made from (a stream chunk: the streamed channel)."""
-    if isinstance(role, ir.Carried):
-        return ir.arg_refs(role.init)
-    if isinstance(role, ir.Invariant):
-        return ir.arg_refs(role.value)
-    source = role.source
-    if isinstance(source, ir.SelectStep):
-        return ir.arg_refs(source.source)
-    if isinstance(source, ir.TableStep):
-        return [r for v in source.values for r in ir.arg_refs(v)]
-    if isinstance(source, ir.ChunkStep):
-        return [source.source]
-    return []
