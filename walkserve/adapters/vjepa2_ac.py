@@ -68,7 +68,6 @@ class PredictorConfig:
     mlp_ratio: int = 4
     action_dim: int = 7
     state_dim: int = 7
-    max_blocks: int = 256
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -177,7 +176,8 @@ def block_causal_mask(past: int, new: int, block_size: int, device: Any) -> Tens
 
 
 class PredictorLayer(nn.Module):
-    """Pre-norm transformer layer: RoPE attention over cached + new keys, then a GELU MLP."""
+    """Pre-norm transformer layer: RoPE attention over cached + new keys, then a GELU MLP.
+    Keys are stored rotated (at their absolute positions), so the cache never changes."""
 
     def __init__(self, cfg: PredictorConfig) -> None:
         super().__init__()
@@ -190,19 +190,19 @@ class PredictorLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
 
     def forward(
-        self, x: Tensor, past_k: Tensor, past_v: Tensor, angles: Tensor, mask: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        # x: [B, S, D]; past_k, past_v: [B, H, T, hd]; angles: [S, hd/2]; mask: [S, T + S]
+        self, x: Tensor, cache_k: Tensor, cache_v: Tensor, angles: Tensor, mask: Tensor
+    ) -> Tensor:
+        # x: [B, S, D]; cache_k, cache_v: [B, H, T + S, hd] with the T cached keys filled in:
+        # the S new keys and values are written into the last S positions, then attended.
         b, s, d = x.shape
         qkv = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, S, hd]
-        q, k = rotate(q, angles), rotate(k, angles)
-        k = torch.cat([past_k, k], dim=2)  # [B, H, T + S, hd]
-        v = torch.cat([past_v, v], dim=2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, S, hd]
+        q = rotate(q, angles)
+        cache_k[:, :, -s:] = rotate(k, angles)
+        cache_v[:, :, -s:] = v
+        y = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask)  # [B, H, S, hd]
         x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
-        x = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-        return x, k, v
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 
 @component(engine="kv_cache")
@@ -247,13 +247,15 @@ class ACPredictor(nn.Module):
         ).reshape(b, f * cfg.block_size, cfg.dim)  # [B, S, D], S = F * (N + 2)
         angles = rope_angles(cfg, past // cfg.block_size, f, x.device)  # [S, hd/2]
         mask = block_causal_mask(past, x.shape[1], cfg.block_size, x.device)  # [S, T + S]
-        keys, values = [], []
+        # One copy of the past per step (not a concatenation per layer and a stack after).
+        new_k = past_k.new_empty((cfg.layers, b, cfg.heads, past + x.shape[1], cfg.head_dim))
+        new_v = torch.empty_like(new_k)
+        new_k[:, :, :, :past] = past_k
+        new_v[:, :, :, :past] = past_v
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, past_k[i], past_v[i], angles, mask)
-            keys.append(k)
-            values.append(v)
+            x = layer(x, new_k[i], new_v[i], angles, mask)
         h = self.out_norm(x).view(b, f, cfg.block_size, cfg.dim)[:, :, 2:]  # [B, F, N, D]
-        return self.frame_out(h), torch.stack(keys), torch.stack(values)
+        return self.frame_out(h), new_k, new_v
 
     def empty_cache(self, like: Tensor) -> tuple[Tensor, Tensor]:
         """Two empty [layers, B, heads, 0, hd] caches for a batch of ``like.shape[0]``."""
@@ -460,6 +462,16 @@ def tiny() -> tuple[VJEPA2AC, dict[str, Any]]:
     return model, sample_inputs(model)
 
 
+def medium() -> tuple[VJEPA2AC, dict[str, Any]]:
+    """Zero-argument factory of the benchmark's CPU-friendly but non-trivial config: 32x32
+    frames in 64 tokens of 128 (a 2-layer encoder), a 4.8M-parameter predictor (dim 256, 6
+    layers, 8 heads), 66 tokens per block."""
+    enc = tiny_encoder_config(crop_size=32, patch_size=4, hidden=128)
+    pcfg = PredictorConfig(embed_dim=128, grid=encoder_grid(enc), dim=256, layers=6, heads=8)
+    model = build(enc, pcfg)
+    return model, sample_inputs(model)
+
+
 def save_checkpoint(model: VJEPA2AC, path: str) -> None:
     """Write ``path``: the encoder as a Hugging Face ``VJEPA2Model`` directory (config.json,
     model.safetensors), the predictor as ``predictor.safetensors`` + ``predictor_config.json``."""
@@ -510,6 +522,7 @@ __all__ = [
     "load_checkpoint",
     "sample_inputs",
     "save_checkpoint",
+    "medium",
     "tiny",
     "tiny_encoder_config",
 ]
