@@ -133,7 +133,7 @@ def line(r: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 rep, no eager")
-    parser.add_argument("--reps", type=int, default=2, help="served requests per horizon/walk")
+    parser.add_argument("--reps", type=int, default=3, help="served requests per horizon/walk")
     parser.add_argument("--eager-reps", type=int, default=1, help="0 skips the eager rows")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/world_vjepa2.json")
     args = parser.parse_args()
