@@ -25,7 +25,7 @@ from walkserve.api import jsontensor
 from walkserve.api.app import ApiConfig, create_app
 from walkserve.api.profile import ModelProfile
 from walkserve.capture.model import CapturedModel
-from walkserve.runtime.server import Server, serve
+from walkserve.runtime.server import RequestFailed, Server, serve
 from walkserve.testing import assert_outputs_match
 
 NAME = "walkserve.adapters.vjepa2_ac:tiny"
@@ -62,6 +62,14 @@ def test_concurrent_rollouts_of_mixed_horizons(server: Server, captured: Capture
     assert max(server.batch_sizes) > 1, server.batch_sizes  # rollouts shared predictor calls
     stats = server.stats()
     assert stats.live_requests == 0 and stats.live_values == 0
+
+
+def test_too_few_actions_fail_the_request_only(server: Server, captured: CapturedModel) -> None:
+    r = requests()[0]
+    short = {**r, "horizon": r["actions"].shape[1] + 1}  # one action short
+    with pytest.raises(RequestFailed, match="out of range"):
+        server.run(short, "rollout", timeout=120)
+    assert_outputs_match(server.run(r, "rollout", timeout=120), captured.run(r, walk="rollout"))
 
 
 def _free_port() -> int:
