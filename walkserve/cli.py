@@ -37,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
         help="admit at most N requests at once; more get 503 with Retry-After",
     )
     sv.add_argument("--seed", type=int, default=0, help="weights seed of built-in models")
+    sv.add_argument(
+        "--kv-pool-tokens",
+        type=int,
+        metavar="N",
+        help="paged KV pool of each text model, in tokens (default: the model's, e.g. 16384)",
+    )
+    sv.add_argument("--kv-page-size", type=int, metavar="N", help="tokens per KV page (16)")
 
     p = sub.add_parser("trace", help="capture a model and print its Walk Graph")
     p.add_argument(
@@ -179,6 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
     from walkserve.api.profile import profile_for
     from walkserve.progress import StartupProgress
     from walkserve.runtime.server import serve
+    from walkserve.runtime.workers import PoolConfig
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
@@ -187,7 +195,10 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         profile = profile_for(args.model)
         captured = capture_model(args.model, args.seed, on_stage=progress.stage)
-        server = serve(captured, args.placement, seed=args.seed, on_stage=progress.stage)
+        pool = PoolConfig(kv_pool_tokens=args.kv_pool_tokens, kv_page_size=args.kv_page_size)
+        server = serve(
+            captured, args.placement, seed=args.seed, pool_config=pool, on_stage=progress.stage
+        )
     except BaseException:
         progress.abandon()
         raise

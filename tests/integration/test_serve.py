@@ -130,18 +130,21 @@ def test_killed_worker_fails_its_requests_and_others_go_on() -> None:
 
 def test_hugging_face_lm_served_from_a_captured_model() -> None:
     pytest.importorskip("transformers")
+    from walkserve.adapters.hf_causal_lm import sample_request
     from walkserve.adapters.registry import capture_model
 
     captured = capture_model("tiny-llama")
     g = torch.Generator().manual_seed(3)
     reqs = [
         {
+            **sample_request([], 1 + 3 * i),
             "input_ids": torch.randint(3, 256, (1, 2 + 3 * i), generator=g),
-            "max_new_tokens": 1 + 3 * i,
+            "temperature": 0.0 if i % 2 else 0.8,
+            "seed": i,
         }
         for i in range(4)
     ]
-    # The DynamicCache never leaves the worker (an ObjectRef travels instead); decode is
+    # The paged KV cache never leaves the worker (an ObjectRef travels instead); decode is
     # skipped by the model's own transition when max_new_tokens is 1.
     with serve(captured) as server:
         handles = [server.submit(r) for r in reqs]

@@ -54,7 +54,9 @@ def test_trace_local_hf_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path:
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     code, out, _ = run(capsys, "trace", "--model", str(tmp_path))
     assert code == 0
-    assert "walk prefill(input_ids)" in out and "walk decode(" in out
+    assert (
+        "walk prefill(input_ids, temperature, top_p, top_k, seed)" in out and "walk decode(" in out
+    )
 
 
 def test_unknown_model_and_walk(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from walkserve import capture  # noqa: E402
-from walkserve.adapters.hf_causal_lm import CausalLMWalks, load_causal_lm  # noqa: E402
+from walkserve.adapters.hf_causal_lm import (  # noqa: E402
+    CausalLMWalks,
+    load_causal_lm,
+    sample_request,
+)
 from walkserve.capture import ir  # noqa: E402
 
 EOS = 5
@@ -40,7 +44,7 @@ def tiny(arch: str) -> torch.nn.Module:
 
 
 def generated(captured: capture.CapturedModel, ids: torch.Tensor, n: int) -> list[int]:
-    out = captured.run({"input_ids": ids, "max_new_tokens": n})
+    out = captured.run({**sample_request([], n), "input_ids": ids})
     tokens = [out["token"]] + ([out["tokens"]] if "tokens" in out else [])
     return torch.cat(tokens, dim=1)[0].tolist()
 
@@ -55,10 +59,8 @@ def reference(lm: torch.nn.Module, ids: torch.Tensor, n: int) -> list[int]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_prefill_and_decode_walks_match_generate(arch: str) -> None:
-    lm = tiny(arch)
-    captured = capture.trace(
-        CausalLMWalks(lm, EOS), {"input_ids": torch.tensor([[1, 7, 9]]), "max_new_tokens": 4}
-    )
+    lm = tiny(arch)  # upstream, with transformers' own attention
+    captured = capture.trace(CausalLMWalks(tiny(arch), EOS), sample_request([1, 7, 9], 4))
     assert list(captured.walks) == ["prefill", "decode"]
     decode = captured.walk("decode")
     (loop,) = decode.body.nodes
@@ -77,11 +79,12 @@ def test_eos_stops_in_prefill_and_in_decode() -> None:
     lm = tiny("llama")
     ids = torch.tensor([[3, 17, 42, 8]])
     free = reference(lm, ids, 10)
+    served = tiny("llama")
     # Make the 1st and then the 4th greedy token the EOS: generation must stop right there.
     for stop_at in (0, 3):
         eos = free[stop_at]
         lm.generation_config.eos_token_id = eos
-        captured = capture.trace(CausalLMWalks(lm, eos), {"input_ids": ids, "max_new_tokens": 4})
+        captured = capture.trace(CausalLMWalks(served, eos), sample_request([3, 17, 42, 8], 4))
         expected = reference(lm, ids, 10)
         assert expected == free[: stop_at + 1]
         assert generated(captured, ids, 10) == expected

@@ -1,42 +1,44 @@
 """walkserve-default: the built-in model the HTTP server serves when none is named. One
-``nn.Module`` offering text, speech and image walks, composed from the example components:
+``nn.Module`` offering text, speech and image walks:
 
     walk                                       task     built from
-    prefill(prompt_ids) -> decode(...)         text     a byte-vocabulary ``TextLM`` (text.py)
+    prefill(input_ids, sampling) -> decode     text     a tiny transformers ``LlamaForCausalLM``
+                                                        over the paged KV pool (``TextWalks``)
     speak(prompt_ids, max_new_tokens)          speech   ``SpeechModel`` (speech.py), as built
     generate(prompt_ids, noise)                image    ``CFGImageModel`` (cfg_image.py), as built
     edit(prompt_ids, image, noise)             image    ``CFGImageModel.edit``: guided by ``image``
 
-Text: ``prefill`` runs the prompt through the LM and keeps the last position's logits as request
-state; every generated token comes out of ``decode``'s DynamicLoop, so each one is a
-``StreamItem`` of channel ``tokens`` (the first included):
+Text is what any served Hugging Face causal LM does (``adapters.hf_causal_lm``): the upstream
+Llama runs unmodified inside a ``PagedLM``; ``prefill`` returns the first token, ``decode``'s
+DynamicLoop the rest, greedy or sampled (temperature, top-p, top-k, seed):
 
-    prefill   p0 p1 ... p{P-1}  -> logits of position P-1           (state: logits, k/v cache)
-    decode    step i: t_i = argmax(logits); logits = LM(t_i)        tokens = [t0, t1, ...]
-              stops after the step that emits EOS or after max_new_tokens steps
+    prefill   p0 p1 ... p{P-1}  -> t0                               (state: paged KV, count)
+    decode    step i: t_{i+1} = sample(LM(t_i))                    tokens = [t1, t2, ...]
+              stops after the step that emits EOS or makes max_new_tokens tokens in all
 
 Vocabularies differ per task (``TEXT_VOCAB`` covers every byte after the special ids; speech and
 image prompts use their example's 64-id vocabulary): ``adapters.tokenizer.ByteTokenizer`` maps
-text to each. The weights are random (seeded), so outputs are deterministic noise.
-"""
+text to each. The weights are random (seeded), so outputs are deterministic noise."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from walkserve.adapters.examples import cfg_image, speech
-from walkserve.adapters.examples.blocks import StackConfig, empty_kv, init_weights, seeded
-from walkserve.adapters.examples.text import INIT_STD, TextLM
-from walkserve.capture.api import iterations, loop, walk
+from walkserve.adapters.examples.blocks import seeded
+from walkserve.adapters.hf_causal_lm import TextWalks, sample_request
+from walkserve.capture.api import walk
+from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig
 
 NAME = "walkserve-default"
 SPECIAL_IDS = 3  # 0 pad, 1 bos, 2 eos
 EOS_ID = 2
 TEXT_VOCAB = SPECIAL_IDS + 256  # every byte has its own id
-TEXT_CONFIG = StackConfig(dim=48, layers=2, heads=4)
+TEXT_CONTEXT = 1024  # positions of the text model
+TEXT_KV_TOKENS = 8192  # paged KV pool of the text model, in tokens
+INIT_STD = 0.15
 SPEECH_VOCAB = speech.THINKER_VOCAB
 IMAGE_VOCAB = cfg_image.VOCAB
 IMAGE_SIZE = cfg_image.IMAGE_SIZE
@@ -46,48 +48,21 @@ SAMPLE_RATE = 16000  # nominal: the waveform is random-weight noise at any rate
 MAX_NEW_TOKENS = 16
 
 
-class DefaultModel(nn.Module):
-    """Text (``prefill`` -> ``decode``), speech (``speak``) and image (``generate``, ``edit``)
-    walks."""
+class DefaultModel(TextWalks, nn.Module):
+    """Text (``prefill`` -> ``decode``, from ``TextWalks``), speech (``speak``) and image
+    (``generate``, ``edit``) walks."""
 
-    def __init__(self, speech_model: speech.SpeechModel, image_model: cfg_image.CFGImageModel):
+    def __init__(
+        self,
+        text_lm: nn.Module,
+        speech_model: speech.SpeechModel,
+        image_model: cfg_image.CFGImageModel,
+    ) -> None:
         super().__init__()
-        self.text_cfg = TEXT_CONFIG
-        self.eos_id = EOS_ID
-        self.lm = TextLM(TEXT_VOCAB, TEXT_CONFIG)
+        self.lm = PagedLM(text_lm, PagedLMConfig(pool_tokens=TEXT_KV_TOKENS))
+        self.eos = EOS_ID
         self.speech = speech_model
         self.image = image_model
-
-    # ---------------------------------------------------------------- text
-
-    @walk(next="decode", state=("logits", "k_cache", "v_cache"))
-    def prefill(self, prompt_ids: Tensor) -> dict[str, Tensor]:
-        # prompt_ids: [B, P] int64, ids < TEXT_VOCAB
-        k_cache, v_cache = empty_kv(self.text_cfg, prompt_ids)  # [layers, B, H, 0, hd]
-        logits, k_cache, v_cache = self.lm(prompt_ids, k_cache, v_cache)  # [B, P, V]
-        return {"logits": logits[:, -1], "k_cache": k_cache, "v_cache": v_cache}  # [B, V]
-
-    @walk
-    def decode(
-        self, logits: Tensor, k_cache: Tensor, v_cache: Tensor, max_new_tokens: int
-    ) -> dict[str, Tensor]:
-        tokens: list[Tensor] = []
-        for _ in iterations(max_new_tokens):
-            k_cache, v_cache, logits, token, done = self.decode_step(k_cache, v_cache, logits)
-            tokens.append(token)
-            if done:
-                break
-        return {"tokens": torch.cat(tokens, dim=1)}  # [B, n], n <= max_new_tokens
-
-    @loop(max_iters="max_new_tokens")
-    def decode_step(
-        self, k_cache: Tensor, v_cache: Tensor, logits: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        # logits: [B, V] of the previous position
-        token = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
-        step_logits, k_cache, v_cache = self.lm(token, k_cache, v_cache)  # [B, 1, V]
-        done = (token == self.eos_id).all()  # 0-d bool
-        return k_cache, v_cache, step_logits[:, -1], token, done
 
     # ---------------------------------------------------------------- speech
 
@@ -110,18 +85,39 @@ class DefaultModel(nn.Module):
         return self.image.edit(prompt_ids, image, noise)  # image [B, 3, 16, 16] in [-1, 1]
 
 
+def text_lm(seed: int = 0) -> nn.Module:
+    """The text model: a tiny random-weight transformers ``LlamaForCausalLM`` (grouped-query
+    attention) over the byte vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=TEXT_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=TEXT_CONTEXT,
+        initializer_range=INIT_STD,  # varied greedy output from random weights
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+    )
+    with seeded(seed):
+        return LlamaForCausalLM(config).eval()
+
+
 def build(seed: int = 0) -> tuple[DefaultModel, dict[str, Any]]:
     """The model with seeded random weights (the speech and image parts exactly as their
     examples build them with ``seed``), and the inputs of a sample request for every walk."""
     speech_model, speech_inputs = speech.build(seed)
     image_model, image_inputs = cfg_image.build(seed)
-    with seeded(seed):
-        model = DefaultModel(speech_model, image_model)
-        init_weights(model.lm, INIT_STD)
+    model = DefaultModel(text_lm(seed), speech_model, image_model)
     model.eval().requires_grad_(False)
+    prompt_ids = speech_inputs["prompt_ids"]  # ids < 64: valid for every walk
     return model, {
-        "prompt_ids": speech_inputs["prompt_ids"],  # ids < 64: valid for every walk
-        "max_new_tokens": MAX_NEW_TOKENS,
+        **sample_request(prompt_ids[0].tolist(), MAX_NEW_TOKENS),
+        "prompt_ids": prompt_ids,
         "noise": image_inputs["noise"],
         "image": image_inputs["image"],
     }

@@ -1,15 +1,22 @@
 """Hugging Face causal LMs (Llama, Qwen2, Qwen3, ...) as two walks: ``prefill`` and ``decode``.
 
-The upstream model is used unmodified, as one ``kv_cache`` component; its ``DynamicCache``
-travels as request state from prefill to decode. Greedy decoding here is what
-``generate(do_sample=False)`` does: prefill picks the first new token; decode feeds the last
-token back until EOS or ``max_new_tokens`` new tokens in all. The walk transition skips decode
-when prefill already finished the request.
+The upstream model runs unmodified inside ``runtime.kv.paged_lm.PagedLM`` (one ``kv_cache``
+component): its attention goes through transformers' attention-function registry to the paged
+KV pool, and the worker that hosts it packs every ready request's prefill or decode step into
+one forward. The cache value (``PagedKV``) travels as request state from prefill to decode.
+
+    prefill(input_ids, temperature, top_p, top_k, seed)            -> token, cache, count
+    decode(token, cache, count, max_new_tokens, temperature, ...)  -> tokens (one per step)
+
+Prefill picks the first new token; decode feeds the last token back until EOS or
+``max_new_tokens`` new tokens in all; the walk transition skips decode when prefill already
+finished the request. ``temperature == 0`` is what ``generate(do_sample=False)`` does, token for
+token; otherwise tokens are drawn with top-p / top-k from a generator seeded by
+``(seed, row, step)`` (``PagedLM``'s docstring).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,41 +24,40 @@ import torch
 from torch import nn
 
 from walkserve.capture import iterations, loop, register_component, walk
+from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig
+
+register_component(PagedLM, engine="kv_cache")
+
+#: The sampling inputs of the text walks, with the values that mean "greedy".
+GREEDY_INPUTS: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
 
 
-class CausalLMWalks(nn.Module):
-    """Walks around ``lm`` (any transformers ``*ForCausalLM``)."""
+class TextWalks:
+    """``prefill`` / ``decode`` walks over ``self.lm`` (a ``PagedLM``) stopping at ``self.eos``:
+    mixed into a model class (``CausalLMWalks``, the built-in default model)."""
 
-    def __init__(self, lm: nn.Module, eos_token_id: int) -> None:
-        super().__init__()
-        register_component(type(lm), engine="kv_cache")
-        self.lm = lm
-        self.eos = eos_token_id
-        # transformers >= 5.2x names the cache argument and output field "cache".
-        self.kv = (
-            "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
-        )
+    lm: PagedLM
+    eos: int
 
     @walk(next="decode", state=("cache", "count"))
-    def prefill(self, input_ids):  # input_ids: [B, T]
-        out = self.lm(input_ids=input_ids, use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)  # [B, 1]
-        return {"token": token, "cache": getattr(out, self.kv), "count": torch.ones_like(token)}
+    def prefill(self, input_ids, temperature, top_p, top_k, seed):  # input_ids: [B, T]
+        token, cache = self.lm(input_ids, None, 0, temperature, top_p, top_k, seed)  # [B, 1]
+        return {"token": token, "cache": cache, "count": torch.ones_like(token)}
 
     @walk
-    def decode(self, token, cache, count, max_new_tokens):
+    def decode(self, token, cache, count, max_new_tokens, temperature, top_p, top_k, seed):
         tokens = []
         for _ in iterations(max_new_tokens):
-            token, cache, count = self.step(token, cache, count)
+            token, cache, count = self.step(token, cache, count, temperature, top_p, top_k, seed)
             tokens.append(token)
             if ((token == self.eos) | (count >= max_new_tokens)).all():
                 break
         return {"tokens": torch.cat(tokens, dim=1)}  # [B, new tokens after the first]
 
     @loop
-    def step(self, token, cache, count):
-        out = self.lm(input_ids=token, use_cache=True, **{self.kv: cache})
-        return out.logits[:, -1:].argmax(-1), getattr(out, self.kv), count + 1
+    def step(self, token, cache, count, temperature, top_p, top_k, seed):
+        token, cache = self.lm(token, cache, count, temperature, top_p, top_k, seed)
+        return token, cache, count + 1
 
     def next_walk(
         self, request: Mapping[str, Any], walk: str, outputs: Mapping[str, Any]
@@ -62,16 +68,36 @@ class CausalLMWalks(nn.Module):
         return None
 
 
+class CausalLMWalks(TextWalks, nn.Module):
+    """Walks around ``lm`` (any transformers ``*ForCausalLM`` whose attention goes through the
+    attention-function registry)."""
+
+    def __init__(self, lm: nn.Module, eos_token_id: int, kv: PagedLMConfig | None = None) -> None:
+        super().__init__()
+        self.lm = PagedLM(lm, kv)
+        self.eos = eos_token_id
+
+
+def sample_request(input_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+    """A greedy request for the text walks (also the sample inputs of capture)."""
+    return {
+        "input_ids": torch.tensor([input_ids]),
+        "max_new_tokens": max_new_tokens,
+        **GREEDY_INPUTS,
+    }
+
+
 def load_causal_lm(path: str) -> tuple[CausalLMWalks, dict[str, Any]]:
     """A local checkpoint directory (``from_pretrained`` on a path, safetensors) as walks, with
     sample inputs for capture."""
     from transformers import AutoModelForCausalLM
 
-    lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    from walkserve.runtime.kv.hf import register
+
+    lm = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, attn_implementation=register()
+    )
     lm.eval()
     eos = lm.config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
-    return CausalLMWalks(lm, int(eos if eos is not None else 0)), {
-        "input_ids": torch.tensor([[1, 2, 3]]),
-        "max_new_tokens": 4,
-    }
+    return CausalLMWalks(lm, int(eos if eos is not None else 0)), sample_request([1, 2, 3], 4)

@@ -81,7 +81,7 @@ def tiny_hf_lm(arch: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """A tiny random-weight HF causal LM (grouped-query attention) wrapped in walks."""
     import transformers
 
-    from walkserve.adapters.hf_causal_lm import CausalLMWalks
+    from walkserve.adapters.hf_causal_lm import CausalLMWalks, sample_request
 
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -103,4 +103,4 @@ def tiny_hf_lm(arch: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
         pad_token_id=0,
     )
     lm = model_cls(config).eval()
-    return CausalLMWalks(lm, 2), {"input_ids": torch.tensor([[1, 17, 42, 99]]), "max_new_tokens": 8}
+    return CausalLMWalks(lm, 2), sample_request([1, 17, 42, 99], 8)

@@ -14,6 +14,13 @@ per request; padded rows are dropped. Requests never share a call they could not
 eager execution, so batching changes no request's result beyond floating-point reassociation in
 batched kernels.
 
+A component that batches better than by concatenation (a KV-cache LM packing prompts and decode
+steps of any lengths into one forward: ``runtime.kv.paged_lm.PagedLM``) defines
+``forward_batch(batch) -> outputs`` with this same convention; it then gets every call of the
+batch at once, ungrouped and unpadded. It may answer ``DEFER`` for a call it cannot run now
+(no KV memory for it yet): the runtime sends that call again later, unchanged. A batch must
+run at least one of its calls (or raise), so deferring never stalls the server.
+
 ``BatchedRunner`` runs a walk for many requests at once from the plan: every plan node is one
 dispatch over the requests present; loops run in lockstep, a request leaves its loop when its
 own bound or stop says so (requests join and leave at iteration boundaries).
@@ -36,6 +43,23 @@ from walkserve.capture.model import CapturedModel
 from walkserve.lowering.plan import BlockPlan, ExecutablePlan, LoopPlan, NodePlan
 
 Call = tuple[list[Any], dict[str, Any]]
+
+
+class Deferred:
+    """The type of ``DEFER``: "not now, send this call again"."""
+
+    _instance: Deferred | None = None
+
+    def __new__(cls) -> Deferred:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "DEFER"
+
+
+DEFER = Deferred()
 
 
 @dataclass
@@ -74,6 +98,11 @@ class BatchedComponent:
         )
 
     def __call__(self, batch: Sequence[Call]) -> list[Any]:
+        forward_batch = getattr(self.fn, "forward_batch", None)
+        if forward_batch is not None:
+            if self.stats is not None:
+                self.stats.add(self.name, len(batch))
+            return list(forward_batch(batch))
         results: list[Any] = [None] * len(batch)
         for group in self._groups(batch):
             calls = [batch[i] for i in group]
@@ -280,6 +309,11 @@ class BatchedRunner:
             for env in envs
         ]
         outs = self.callables[f"{self.walk.name}:{node.name}"](batch)
+        if any(out is DEFER for out in outs):  # lockstep: nothing can wait for a later round
+            raise RuntimeError(
+                f"component {node.name} deferred calls for lack of memory; BatchedRunner runs "
+                "requests in lockstep: run fewer at once, or serve them (the runtime retries)"
+            )
         for env, out in zip(envs, outs):
             env[op.name] = out
             self.glue(node.ops[1:], env)

@@ -160,6 +160,7 @@ class ConductorStats:
     buffered_stream_items: int
     live_values: int
     live_values_by_request: Mapping[str, int]
+    deferred_items: int = 0  # items a runner sent back to be run later (``defer``)
 
 
 # ------------------------------------------------------------------------------ static specs
@@ -516,6 +517,7 @@ class _Pending:
     node: str
     ops: tuple[str, ...]
     internal: dict[str, int]  # reads of values produced inside the item
+    item: WorkItem  # as issued: ``defer`` issues it again
 
 
 class _RequestFailed(Exception):
@@ -558,6 +560,7 @@ class Conductor:
         self._requests: dict[str, _Request] = {}
         self._items: dict[int, _Pending] = {}
         self._queue: list[WorkItem] = []
+        self.deferred_items = 0
         self._events: list[Event] = []
         self._ids = itertools.count()
         self._next_id = 0
@@ -620,6 +623,14 @@ class Conductor:
                 frame.env[op] = value[op]
         self._advance(p.request)
 
+    def defer(self, item_id: int) -> None:
+        """The runner could not run the item now (its component had no memory for it): it is
+        ready again, unchanged, in the next ``ready()``. Released items: no-op."""
+        p = self._items.get(item_id)
+        if p is not None:
+            self._queue.append(p.item)
+            self.deferred_items += 1
+
     def fail(self, item_id: int, error: str) -> None:
         """The item's node raised: its request fails (after the fact, if the item belongs to
         a speculative iteration that turns out to run); other requests are untouched."""
@@ -652,6 +663,7 @@ class Conductor:
             ),
             live_values=sum(by_request.values()),
             live_values_by_request=by_request,
+            deferred_items=self.deferred_items,
         )
 
     # ------------------------------------------------------------------ requests and walks
@@ -832,7 +844,7 @@ class Conductor:
             env=env,
         )
         self._next_id = item.id + 1
-        self._items[item.id] = _Pending(req, f, node.name, item.ops, internal)
+        self._items[item.id] = _Pending(req, f, node.name, item.ops, internal, item)
         f.inflight.add(item.id)
         f.dispatched += 1
         self._queue.append(item)

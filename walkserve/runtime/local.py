@@ -28,7 +28,7 @@ import torch
 from walkserve.capture import ir
 from walkserve.capture.interpret import Interpreter
 from walkserve.capture.model import CapturedModel
-from walkserve.lowering.batched import BatchStats, build_callables
+from walkserve.lowering.batched import DEFER, BatchStats, build_callables
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.runtime.conductor import (
     Conductor,
@@ -47,6 +47,7 @@ class ItemResult:
     item: int
     values: dict[str, Any] | None = None
     error: str | None = None
+    deferred: bool = False  # the component could not run it now: issue it again
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ class LocalExecutor:
         for r in results:
             if r.error is not None:
                 conductor.fail(r.item, r.error)
+            elif r.deferred:
+                conductor.defer(r.item)
             else:
                 conductor.complete(r.item, r.values)
 
@@ -136,6 +139,8 @@ class LocalExecutor:
 
     def _finish(self, item: WorkItem, out: Any) -> ItemResult:
         """Run the item's glue (fused after the component, or the whole glue item)."""
+        if out is DEFER:
+            return ItemResult(item.id, deferred=True)
         env = dict(item.env)
         values: dict[str, Any] = {}
         names = item.ops

@@ -137,11 +137,25 @@ class Shutdown(_Msg, frozen=True):
     """Stop: drop in-flight work, release everything, exit."""
 
 
+class KVStats(msgspec.Struct, frozen=True):
+    """One paged KV pool of a worker (a ``PagedLM`` component), as of the sender's last look."""
+
+    component: str
+    pages_in_use: NonNegInt
+    pages_cached: NonNegInt
+    num_pages: NonNegInt
+    live_sequences: NonNegInt
+    evictions: NonNegInt
+    prefix_hits: NonNegInt
+
+
 class Heartbeat(_Msg, frozen=True):
-    """Liveness. ``t`` is the sender's ``time.monotonic()`` (comparable on one host)."""
+    """Liveness. ``t`` is the sender's ``time.monotonic()`` (comparable on one host); ``kv``:
+    the worker's paged KV pools (empty when it hosts none)."""
 
     rank: NonNegInt
     t: float
+    kv: list[KVStats] = []
 
 
 class RunNode(_Msg, frozen=True):
@@ -227,11 +241,13 @@ class RunBatch(_Msg, frozen=True):
 
 
 class BatchDone(_Msg, frozen=True):
-    """Batch ``batch`` ran on ``rank``; one ``ItemOutput`` per item, in the batch's order."""
+    """Batch ``batch`` ran on ``rank``; one ``ItemOutput`` per item that ran, in the batch's
+    order; ``deferred``: the items its component could not run now (send them again later)."""
 
     batch: NonNegInt
     rank: NonNegInt
     outputs: list[ItemOutput]
+    deferred: list[NonNegInt] = []
 
 
 class BatchFailed(_Msg, frozen=True):

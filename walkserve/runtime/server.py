@@ -24,11 +24,13 @@ rank; requests that need only other ranks go on (there is no restart yet).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +51,8 @@ from walkserve.runtime.conductor import (
     StreamItem,
     WorkItem,
 )
+from walkserve.runtime.kv.paged_lm import PagedLM
+from walkserve.runtime.messages import KVStats
 from walkserve.runtime.workers import BatchResult, PoolConfig, RankHealth, WorkerPool
 
 _STOP = object()
@@ -61,7 +65,9 @@ class RequestFailed(RuntimeError):
 @dataclass
 class RequestHandle:
     """One submitted request. ``result()`` blocks for the client outputs; ``stream()``
-    yields ``StreamItem`` events as the request's loops commit iterations."""
+    yields ``StreamItem`` events as the request's loops commit iterations. ``aresult()`` and
+    ``astream()`` are the same for asyncio code: they wait on the caller's event loop (woken
+    from the conductor thread), holding no thread while they wait."""
 
     request_id: str
     _server: Server = field(repr=False)
@@ -69,6 +75,10 @@ class RequestHandle:
     _outputs: dict[str, Any] = field(default_factory=dict, repr=False)
     _error: str | None = field(default=None, repr=False)
     _items: queue.Queue[Any] = field(default_factory=queue.Queue, repr=False)
+    _waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(
+        default_factory=list, repr=False
+    )
+    _waiters_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         if not self._done.wait(timeout):
@@ -85,17 +95,58 @@ class RequestHandle:
                 return
             yield item
 
+    async def aresult(self) -> dict[str, Any]:
+        async with self._wake() as wake:
+            while not self._done.is_set():
+                wake.clear()
+                if not self._done.is_set():  # set after the clear: the wake is not lost
+                    await wake.wait()
+        return self.result(0)
+
+    async def astream(self) -> AsyncIterator[StreamItem]:
+        async with self._wake() as wake:
+            while True:
+                try:
+                    item = self._items.get_nowait()
+                except queue.Empty:
+                    wake.clear()
+                    if self._items.empty():  # an item put after the clear sets the wake
+                        await wake.wait()
+                    continue
+                if item is _STOP:
+                    return
+                yield item
+
     def cancel(self) -> None:
         self._server.cancel(self.request_id)
 
     def done(self) -> bool:
         return self._done.is_set()
 
+    @contextlib.asynccontextmanager
+    async def _wake(self) -> AsyncIterator[asyncio.Event]:
+        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        with self._waiters_lock:
+            self._waiters.append(waiter)
+        try:
+            yield waiter[1]
+        finally:
+            with self._waiters_lock:
+                self._waiters.remove(waiter)
+
+    def _notify(self) -> None:
+        with self._waiters_lock:
+            waiters = list(self._waiters)
+        for loop, wake in waiters:
+            with contextlib.suppress(RuntimeError):  # that event loop is closed
+                loop.call_soon_threadsafe(wake.set)
+
     def _event(self, event: Event) -> None:
         if isinstance(event, Output):
             self._outputs[event.name] = event.value
         elif isinstance(event, StreamItem):
             self._items.put(event)
+            self._notify()
         elif isinstance(event, Finished):
             self._finish(None)
         elif isinstance(event, Failed):
@@ -107,6 +158,7 @@ class RequestHandle:
         self._error = error
         self._done.set()
         self._items.put(_STOP)
+        self._notify()
 
 
 class Server:
@@ -148,23 +200,35 @@ class Server:
     def submit(
         self, inputs: Mapping[str, Any], walk: str | None = None, request_id: str | None = None
     ) -> RequestHandle:
+        return self.submit_future(inputs, walk, request_id).result()  # a bad request raises
+
+    async def submit_async(
+        self, inputs: Mapping[str, Any], walk: str | None = None, request_id: str | None = None
+    ) -> RequestHandle:
+        """``submit`` for asyncio code: waits for admission without holding a thread."""
+        return await asyncio.wrap_future(self.submit_future(inputs, walk, request_id))
+
+    def submit_future(
+        self, inputs: Mapping[str, Any], walk: str | None = None, request_id: str | None = None
+    ) -> Future[RequestHandle]:
+        """Queue ``inputs`` for admission by the conductor thread; the future holds the handle,
+        or the error that says why the request was refused."""
         if self._closed:
             raise RuntimeError("the server is closed")
         rid = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(rid, self)
-        done: Future[None] = Future()
+        done: Future[RequestHandle] = Future()
 
         def admit() -> None:
             try:
                 self.conductor.submit(rid, inputs, walk)
                 self._handles[rid] = handle
-                done.set_result(None)
+                done.set_result(handle)
             except Exception as e:
                 done.set_exception(e)
 
         self._inbox.put(admit)
-        done.result()  # a bad request raises here, in the caller
-        return handle
+        return done
 
     def run(
         self, inputs: Mapping[str, Any], walk: str | None = None, timeout: float | None = None
@@ -174,6 +238,7 @@ class Server:
     def cancel(self, request_id: str) -> None:
         def drop() -> None:
             self.conductor.cancel(request_id)
+            self.pool.release_request(request_id)
             handle = self._handles.pop(request_id, None)
             if handle is not None:
                 handle._finish("cancelled")
@@ -182,6 +247,10 @@ class Server:
 
     def health(self) -> dict[int, RankHealth]:
         return self.pool.health()
+
+    def kv_stats(self) -> dict[int, list[KVStats]]:
+        """Paged KV pools per rank, as of each worker's last heartbeat."""
+        return self.pool.kv_stats()
 
     def stats(self) -> ConductorStats:
         result: Future[ConductorStats] = Future()
@@ -262,12 +331,17 @@ class Server:
             for item in group:
                 self.conductor.fail(item.id, str(error))
         else:
-            outputs = future.result().outputs
+            result = future.result()
             for item in group:
-                self.conductor.complete(item.id, outputs[item.id])
+                if item.id in result.deferred:
+                    self.conductor.defer(item.id)
+                else:
+                    self.conductor.complete(item.id, result.outputs[item.id])
 
     def _route(self, events: list[Event]) -> None:
         for event in events:
+            if isinstance(event, (Finished, Failed)):
+                self.pool.release_request(event.request)
             handle = self._handles.get(event.request)
             if handle is None:
                 continue
@@ -326,6 +400,9 @@ def serve(
         max_batch=max_batch,
         check_capture=device != "cpu",
     )
+    for module in captured.model.modules():  # lowering ran the model: drop its KV pools here
+        if isinstance(module, PagedLM):
+            module.release_kv()
     stage(f"starting {placement.ranks} worker{'s' if placement.ranks != 1 else ''}")
     pool = WorkerPool(
         name, seed, captured, plan, placement.ranks, threads=threads, config=pool_config

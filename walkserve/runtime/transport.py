@@ -103,18 +103,32 @@ class ObjectStore:
     ``put`` keeps an object for a request and returns its ``ObjectRef``; ``get`` resolves a
     reference only for the request that made it and only on this rank; ``drop`` forgets all
     objects of a request (on ``Cancel``: the request finished, failed or was aborted).
-    Thread-safe: the receive thread resolves while the run thread stores."""
 
-    def __init__(self, rank: int, max_per_request: int = 4096) -> None:
+    The same object put again for a request (a KV cache a decode loop returns at every step)
+    keeps its reference. A dropped request stays dropped: an object a late step makes for it
+    (a speculative step still running when the request ended) is not kept, so nothing
+    outlives its request. Thread-safe: the receive thread resolves while the run thread
+    stores."""
+
+    def __init__(self, rank: int, max_per_request: int = 4096, remember_dropped: int = 65536):
         self.rank = rank
         self.max_per_request = max_per_request
         self._objects: dict[str, dict[str, Any]] = {}
+        self._keys_of: dict[str, dict[int, str]] = {}  # request -> id(object) -> key
+        self._dropped: dict[str, None] = {}  # insertion-ordered, bounded
+        self._remember_dropped = remember_dropped
         self._keys = itertools.count()
         self._lock = threading.Lock()
 
     def put(self, request_id: str, obj: Any) -> ObjectRef:
         with self._lock:
+            if request_id in self._dropped:
+                return ObjectRef(self.rank, f"o{next(self._keys)}")  # resolves to nothing
             objects = self._objects.setdefault(request_id, {})
+            keys = self._keys_of.setdefault(request_id, {})
+            key = keys.get(id(obj))
+            if key is not None:
+                return ObjectRef(self.rank, key)
             if len(objects) >= self.max_per_request:
                 raise TransportError(
                     f"request {request_id} holds {len(objects)} objects on rank {self.rank}; "
@@ -122,6 +136,7 @@ class ObjectStore:
                 )
             key = f"o{next(self._keys)}"
             objects[key] = obj
+            keys[id(obj)] = key
         return ObjectRef(self.rank, key)
 
     def get(self, request_id: str, ref: ObjectRef) -> Any:
@@ -141,6 +156,10 @@ class ObjectStore:
     def drop(self, request_id: str) -> int:
         """Forget every object of ``request_id``; returns how many there were."""
         with self._lock:
+            self._dropped[request_id] = None
+            if len(self._dropped) > self._remember_dropped:
+                del self._dropped[next(iter(self._dropped))]
+            self._keys_of.pop(request_id, None)
             return len(self._objects.pop(request_id, {}))
 
     def __len__(self) -> int:

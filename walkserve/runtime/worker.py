@@ -76,9 +76,11 @@ if TYPE_CHECKING:
     from walkserve.capture.model import CapturedModel
     from walkserve.lowering.batched import BatchedComponent
     from walkserve.lowering.plan import ExecutablePlan, NodePlan
+    from walkserve.runtime.kv.paged_lm import PagedLM
     from walkserve.runtime.messages import (
         BatchDone,
         BatchFailed,
+        KVStats,
         Message,
         RunBatch,
         WorkerSetup,
@@ -121,6 +123,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shm_max_slot_bytes: int = 256 * MiB
     shm_slots_per_class: int = 8
     forbid_pickle: bool = False
+    kv_pool_tokens: int | None = None  # PagedLM pools: capacity in tokens (None: the model's)
+    kv_page_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -202,6 +206,9 @@ def node_io(walk: ir.Walk, node: NodePlan, readers: dict[str, set[str]] | None =
     return NodeIO(tuple(inputs), tuple(outputs))
 
 
+_DEFERRED = "\0deferred"  # env key: the component deferred this item (no IR name has a NUL)
+
+
 class NodeRunError(RuntimeError):
     """A node raised. ``item``: the index of the item it raised for, or None when the
     batched call itself raised (it failed for every item)."""
@@ -281,9 +288,10 @@ class NodeExecutor:
         envs: Sequence[dict[str, Any]],
         ops: Sequence[str] | None = None,
         outputs: Sequence[str] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[dict[str, Any] | None]:
         """Run ``node`` (or its ``ops``) for every item; ``envs`` (each holding at least the
-        inputs) receive the values of the ops. Raises ``NodeRunError``."""
+        inputs) receive the values of the ops. None for an item the component deferred (it
+        could not run it now: send it again later). Raises ``NodeRunError``."""
         import torch
 
         entry = self._node(walk, node)
@@ -297,7 +305,10 @@ class NodeExecutor:
                 for i, env in enumerate(envs):
                     self._glue(run, env, i)
         try:
-            return [{name: env[name] for name in outputs} for env in envs]
+            return [
+                None if env.get(_DEFERRED) else {name: env[name] for name in outputs}
+                for env in envs
+            ]
         except KeyError as e:
             raise NodeRunError(f"{walk}:{node} makes no value {e}", None) from None
 
@@ -336,7 +347,12 @@ class NodeExecutor:
         except Exception as e:
             where = f" ({op.source})" if op.source else ""
             raise NodeRunError(f"node {op.name} ({op.target}){where} failed: {e}", None) from e
+        from walkserve.lowering.batched import DEFER
+
         for i, (env, out) in enumerate(zip(envs, outs)):
+            if out is DEFER:
+                env[_DEFERRED] = True
+                continue
             env[op.name] = out
             self._glue(ops[1:], env, i)
 
@@ -346,6 +362,28 @@ class NodeExecutor:
                 env[op.name] = self.interp.op(op, env)
             except Exception as e:
                 raise NodeRunError(str(e), index) from e
+
+
+def configure_kv(
+    model: Any, pool_tokens: int | None, page_size: int | None
+) -> list[tuple[str, PagedLM]]:
+    """Size the paged KV pools of ``model``'s ``PagedLM`` components (before any allocates);
+    returns them by name."""
+    from dataclasses import replace
+
+    from walkserve.runtime.kv.paged_lm import PagedLM
+
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, PagedLM):
+            config = module.config_kv
+            if pool_tokens is not None:
+                config = replace(config, pool_tokens=pool_tokens)
+            if page_size is not None:
+                config = replace(config, page_size=page_size)
+            module.config_kv = config
+            found.append((name, module))
+    return found
 
 
 # ----------------------------------------------------------------------------- process
@@ -405,6 +443,8 @@ class Worker:
         self.reader: ShmReader
         self.objects: ObjectStore
         self.transport: ShmTransport
+        self._kv: list[tuple[str, PagedLM]] = []
+        self._kv_last: dict[str, KVStats] = {}
 
     def run(self) -> int:
         import zmq
@@ -500,6 +540,7 @@ class Worker:
         if setup.rank != self.rank:
             raise ValueError(f"setup is for rank {setup.rank}")
         model, _ = load_model(setup.model, setup.seed)
+        self._kv = configure_kv(model, self.config.kv_pool_tokens, self.config.kv_page_size)
         captured = CapturedModel(from_json(setup.ir), model)
         self.executor = NodeExecutor(captured, ExecutablePlan.from_json(setup.plan), self.rank)
         min_slot = 64 * KiB
@@ -535,6 +576,9 @@ class Worker:
                     self._send(self._run(job))
                 finally:
                     self._finished()
+                    # Idle, the loop must not keep the batch's values (a request's KV cache
+                    # is freed when the request's last reference goes).
+                    del job
         finally:
             self._stopping.set()
             io.join()
@@ -550,9 +594,12 @@ class Worker:
         except Exception as e:  # a bug of ours, not the model's: still only this batch
             log.exception("rank %d: batch %d", self.rank, job.batch)
             return self._failed(job, None, f"{type(e).__name__}: {e}")
-        outputs, written = [], []
+        outputs, written, deferred = [], [], []
         try:
             for (item, request_id), values in zip(job.items, results):
+                if values is None:
+                    deferred.append(item)
+                    continue
                 encoded = {}
                 for name, value in values.items():
                     encoded[name] = payload = self.transport.send(value, request_id)
@@ -561,7 +608,7 @@ class Worker:
         except Exception as e:
             self.transport.release(written)
             return self._failed(job, None, f"outputs could not be sent: {type(e).__name__}: {e}")
-        return BatchDone(job.batch, self.rank, outputs)
+        return BatchDone(job.batch, self.rank, outputs, deferred)
 
     def _failed(self, job: _Job, index: int | None, error: str) -> BatchFailed:
         from walkserve.runtime.messages import BatchFailed, ItemError
@@ -623,13 +670,31 @@ class Worker:
                         handler(msg)
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._send(Heartbeat(self.rank, now))
+                    self._send(Heartbeat(self.rank, now, self._kv_stats()))
                     next_beat = now + beat
                     if os.getppid() != self._ppid:
                         log.error("rank %d: the conductor process is gone; exiting", self.rank)
                         break
         finally:
             self._stop()
+
+    def _kv_stats(self) -> list[KVStats]:
+        """The paged pools this worker allocated (a busy pool keeps its last figures)."""
+        from walkserve.runtime.messages import KVStats
+
+        for name, module in self._kv:
+            stats = module.kv_stats(wait=False)
+            if stats is not None:
+                self._kv_last[name] = KVStats(
+                    name,
+                    stats.pages_in_use,
+                    stats.pages_cached,
+                    stats.num_pages,
+                    stats.live_sequences,
+                    stats.evictions,
+                    stats.prefix_hits,
+                )
+        return list(self._kv_last.values())
 
     def _stop(self) -> None:
         self._stopping.set()

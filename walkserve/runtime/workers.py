@@ -62,10 +62,12 @@ from walkserve.runtime.messages import (
     BatchDone,
     BatchFailed,
     BatchItem,
+    Cancel,
     Fatal,
     Heartbeat,
     Hello,
     Join,
+    KVStats,
     Message,
     MessageError,
     RunBatch,
@@ -143,8 +145,16 @@ class PoolConfig:
     inline_max_bytes: int = INLINE_MAX_BYTES
     shm: ShmPoolConfig = field(default_factory=ShmPoolConfig)
     forbid_pickle: bool = False
+    kv_pool_tokens: int | None = None  # paged KV pools (PagedLM): tokens each (None: default)
+    kv_page_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_page_size is not None and self.kv_page_size < 1:
+            raise ValueError(f"kv_page_size must be >= 1, got {self.kv_page_size}")
+        if self.kv_pool_tokens is not None and self.kv_pool_tokens < (self.kv_page_size or 1):
+            raise ValueError(
+                f"kv_pool_tokens must hold at least one page, got {self.kv_pool_tokens}"
+            )
         for name in ("start_timeout_s", "stop_timeout_s", "heartbeat_s", "unresponsive_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -165,6 +175,7 @@ class BatchResult:
     walk: str
     node: str
     outputs: dict[int, dict[str, Any]]
+    deferred: frozenset[int] = frozenset()  # items to send again later (no memory for them)
 
 
 @dataclass(frozen=True)
@@ -200,6 +211,7 @@ class _Rank:
     error: str | None = None
     last_seen: float | None = None
     spec: ShmPoolSpec | None = None
+    kv: list[KVStats] = field(default_factory=list)  # from its last heartbeat
     settled: threading.Event = field(default_factory=threading.Event)  # ready, or never will be
 
 
@@ -281,6 +293,8 @@ class WorkerPool:
             setup_timeout_s=self.config.start_timeout_s,
             inline_max_bytes=self.config.inline_max_bytes,
             forbid_pickle=self.config.forbid_pickle,
+            kv_pool_tokens=self.config.kv_pool_tokens,
+            kv_page_size=self.config.kv_page_size,
         )
         self._wake_rx = self._ctx.socket(zmq.PULL)  # close() stops the io thread through it
         self._wake_rx.bind("inproc://wake")
@@ -309,7 +323,7 @@ class WorkerPool:
             Join: self._on_join,
             AttachPools: self._on_attach,
             Hello: self._on_hello,
-            Heartbeat: lambda state, msg: None,  # every message refreshes last_seen
+            Heartbeat: self._on_heartbeat,  # every message refreshes last_seen
             BatchDone: self._on_done,
             BatchFailed: self._on_failed,
             Ack: self._on_ack,
@@ -418,6 +432,16 @@ class WorkerPool:
                 error = WorkerDied(f"worker rank {rank} is unreachable: {e}", rank)
                 _fail(pending.future, error)
         return future
+
+    def release_request(self, request_id: str) -> None:
+        """Tell every live worker that ``request_id`` is over (finished, failed or cancelled):
+        each drops the objects it keeps for it (a KV cache), which frees their memory."""
+        data = encode(Cancel(request_id))
+        with self._lock:
+            live = [s for s in self._ranks.values() if s.status not in ("dead", "closed")]
+        for state in live:
+            with contextlib.suppress(zmq.ZMQError):  # a dead worker holds nothing any more
+                self._send(state, data)
 
     def _send(self, state: _Rank, data: bytes) -> None:
         with self._send_lock:
@@ -572,6 +596,14 @@ class WorkerPool:
         setup = WorkerSetup(model, seed, ir, plan, state.rank, self._shm.spec)
         self._send_setup(state, encode(setup))
 
+    def _on_heartbeat(self, state: _Rank, msg: Heartbeat) -> None:
+        state.kv = list(msg.kv)
+
+    def kv_stats(self) -> dict[int, list[KVStats]]:
+        """Every rank's paged KV pools, as of its last heartbeat (``heartbeat_s`` old at most)."""
+        with self._lock:
+            return {rank: list(s.kv) for rank, s in sorted(self._ranks.items())}
+
     def _on_attach(self, state: _Rank, msg: AttachPools) -> None:
         if len(msg.pools) != 1 or state.spec is not None:
             log.warning("rank %d: unexpected AttachPools", state.rank)
@@ -623,13 +655,14 @@ class WorkerPool:
             if handles:  # copied out (or unreadable): the worker may reuse the slots
                 with contextlib.suppress(zmq.ZMQError):
                     self._send(state, encode(Ack(handles)))
-        if sorted(outputs) != sorted(pending.items):
-            error = (
-                f"rank {state.rank} answered items {sorted(outputs)}, sent {sorted(pending.items)}"
-            )
+        answered = sorted([*outputs, *msg.deferred])
+        if answered != sorted(pending.items):
+            error = f"rank {state.rank} answered items {answered}, sent {sorted(pending.items)}"
             _fail(pending.future, WorkerError(error, state.rank))
             return
-        pending.future.set_result(BatchResult(pending.rank, pending.walk, pending.node, outputs))
+        pending.future.set_result(
+            BatchResult(pending.rank, pending.walk, pending.node, outputs, frozenset(msg.deferred))
+        )
 
     def _on_failed(self, state: _Rank, msg: BatchFailed) -> None:
         pending = self._take(msg.batch, state.rank)

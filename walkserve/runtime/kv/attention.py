@@ -444,6 +444,14 @@ class TorchPagedAttention:
         group = self.config.group_size
         if group == 1:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        n, heads, length, dim = q.shape
+        if length == 1:
+            # Decode: the `group` query heads of a KV head become `group` query rows of it (a
+            # view, no K/V copies; head h reads KV head h // group, as transformers' repeat_kv
+            # orders them). Much faster on CPU than enable_gqa with a mask.
+            qg = q.reshape(n, heads // group, group, dim)  # [N, kv_heads, group, D]
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+            return out.reshape(n, heads, 1, dim)
         if SDPA_HAS_GQA:  # query head h reads KV head h // group inside the kernel
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=True

@@ -1,0 +1,457 @@
+"""``PagedLM``: an unmodified Hugging Face causal LM as a ``kv_cache`` component whose cache is
+the paged pool, so that the runtime's own workers batch many requests' steps into one forward.
+
+Owns, per component instance (that is, per worker process that hosts it): one ``KVPool``
+(allocated on the first forward, never in a process that only captures), the runner that runs
+packed forwards over it (``hf.PagedCausalLMRunner``), the sequences of every live cache value,
+and recompute-preemption when the pool is full. What crosses its boundary:
+
+- in: a call ``lm(input_ids [B, T], cache, step, temperature, top_p, top_k, seed)`` per request,
+  ``cache`` None for a new request (prefill) or the ``PagedKV`` an earlier call returned;
+- out: ``(token [B, 1] int64, cache)``: the token sampled after each row's last input token,
+  and the same ``PagedKV`` (it is updated in place, as transformers' ``DynamicCache`` is).
+
+The walks carry the ``PagedKV`` as request state (an object: it never leaves the worker; the
+runtime's ``ObjectRef``). It holds no tensors, only sequence ids; its pages are freed when the
+last reference to it goes (the request finished, failed or was cancelled), from whichever
+thread drops it: a release that finds the pool busy is queued and done at the next forward.
+
+Batching: the runtime calls ``forward_batch`` with every ready call of this node (prefills of
+new requests and decode steps of running ones, any lengths). All rows go in one packed forward
+(``hf.py``: one row of tokens, explicit positions, logits of each row's last token only)::
+
+    calls     A: prefill [1, 5]   B: decode [1, 1]   C: decode [1, 1]
+    packed    [a0 a1 a2 a3 a4 | b | c]              -> logits [3, vocab] -> 3 tokens
+
+Pool full: a call the pool has no room for now is answered ``DEFER`` (the runtime sends it
+again with a later batch), as a continuous-batching scheduler keeps requests waiting: running
+requests grow first (evicting the sequences of requests not in the batch, least recently used
+first, then preempting the youngest running request, which is recomputed from its tokens when
+admitted again); new requests are admitted only with room to spare (``_schedule``). Prefix
+caching: a new sequence reuses the cached full pages of an identical token prefix
+(``pool.allocate_with_prefix``).
+
+Sampling: temperature 0 is greedy (argmax; ``generate(do_sample=False)``). Otherwise the draw of
+row ``r`` at step ``step`` uses a generator seeded from ``(seed, r, step)``, so a request's
+tokens depend on its inputs only, not on its batch, its timing, or an eviction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import itertools
+import threading
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from walkserve.lowering.batched import DEFER, Deferred
+from walkserve.runtime.kv.hf import (
+    PagedCausalLMRunner,
+    SeqChunk,
+    pool_for,
+    register,
+)
+from walkserve.runtime.kv.pool import KVPool, PoolExhausted, SeqId
+from walkserve.runtime.kv.sampling import SamplingParams, sample_row
+
+__all__ = ["PagedKV", "PagedLM", "PagedLMConfig", "PagedLMStats", "step_seed"]
+
+Call = tuple[Sequence[Any], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PagedLMConfig:
+    """``pool_tokens``: KV capacity of the pool in tokens (rounded up to whole pages);
+    ``page_size``: tokens per page."""
+
+    pool_tokens: int = 16384
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.pool_tokens < self.page_size:
+            raise ValueError(
+                f"pool_tokens must hold at least one page ({self.page_size}), got "
+                f"{self.pool_tokens}"
+            )
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.pool_tokens // self.page_size)
+
+
+@dataclass(frozen=True)
+class PagedLMStats:
+    pages_in_use: int
+    pages_cached: int
+    num_pages: int
+    live_sequences: int
+    evictions: int  # sequences evicted to make room (recomputed when used again)
+    prefix_hits: int
+    forwards: int
+    tokens_forwarded: int
+
+
+@dataclass
+class _Row:
+    """One sequence: a batch row of one request's cache."""
+
+    seq: SeqId
+    tokens: list[int] = field(default_factory=list)  # every token fed so far
+    computed: int = 0  # leading tokens whose K/V are in the pool
+    resident: bool = False  # holds pages
+    last_used: int = 0
+    admitted: int = 0  # clock when it last got pages
+    arrived: int = 0  # clock when its request first came
+
+
+@dataclass
+class _Unit:
+    """One call of a batch: its rows run together or not at all."""
+
+    index: int  # in the batch
+    args: dict[str, Any]
+    cache: PagedKV
+    rows: list[_Row]
+    want: list[list[int]]  # per row: every token once this call ran
+
+    @property
+    def resident(self) -> bool:
+        return all(r.resident for r in self.rows)
+
+    @property
+    def admitted(self) -> int:
+        return max(r.admitted for r in self.rows)
+
+    @property
+    def arrived(self) -> int:
+        return min(r.arrived for r in self.rows)
+
+
+class _State:
+    """The pool and the live sequences of one ``PagedLM`` in one process."""
+
+    def __init__(self, model: nn.Module, config: PagedLMConfig) -> None:
+        self.pool: KVPool = pool_for(model, config.num_pages, config.page_size)
+        self.runner = PagedCausalLMRunner(model, self.pool)
+        self.rows: dict[SeqId, _Row] = {}
+        self.lock = threading.Lock()
+        self.pending: deque[list[SeqId]] = deque()  # releases that found the lock taken
+        self.clock = itertools.count(1)
+        self.evictions = 0
+        self.forwards = 0
+        self.tokens = 0
+
+    def release(self, seqs: list[SeqId]) -> None:
+        """Free ``seqs`` (a dropped ``PagedKV``): now if the pool is idle, else at the next
+        forward. Never blocks: a finalizer may run on any thread."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._free(seqs)
+                self.drain()
+            finally:
+                self.lock.release()
+        else:
+            self.pending.append(seqs)
+
+    def drain(self) -> None:  # lock held
+        while self.pending:
+            self._free(self.pending.popleft())
+
+    def _free(self, seqs: list[SeqId]) -> None:  # lock held
+        for seq in seqs:
+            row = self.rows.pop(seq, None)
+            if row is not None and row.resident:
+                self.pool.free(seq)
+
+
+class PagedKV:
+    """A request's K/V in a ``PagedLM``'s pool (one sequence per batch row). Opaque to walks:
+    pass it back to the same component. Its pages are freed when it is garbage collected."""
+
+    _ids = itertools.count()
+
+    def __init__(self, state: _State, rows: int) -> None:
+        request = f"kv{next(PagedKV._ids)}"
+        seqs = [SeqId(request, str(r)) for r in range(rows)]
+        self._state = weakref.ref(state)
+        self.seqs = seqs
+        arrived = next(state.clock)
+        for seq in seqs:
+            state.rows[seq] = _Row(seq, arrived=arrived)
+        weakref.finalize(self, state.release, seqs)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __repr__(self) -> str:
+        return f"PagedKV({self.seqs[0].request_id}, rows={len(self.seqs)})"
+
+
+def step_seed(seed: int, row: int, step: int) -> int:
+    """The generator seed of one draw: a hash of ``(seed, row, step)``, 63 bits."""
+    digest = hashlib.blake2b(f"{seed}:{row}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class PagedLM(nn.Module):
+    """``lm`` (any transformers ``*ForCausalLM`` using the attention-function registry) over a
+    paged pool; see the module docstring for the calling convention."""
+
+    def __init__(self, lm: nn.Module, config: PagedLMConfig | None = None) -> None:
+        super().__init__()
+        impl = register()
+        if getattr(lm.config, "_attn_implementation", None) != impl:
+            lm.set_attn_implementation(impl)  # type: ignore[operator]
+        self.lm = lm
+        self.config_kv = config or PagedLMConfig()
+        self._state: _State | None = None
+        self._namespace = f"{type(lm).__name__}:{id(self)}"
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T] int64
+        cache: PagedKV | None = None,
+        step: int | torch.Tensor = 0,  # int, or [B, 1]: tokens generated before this call
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> tuple[torch.Tensor, PagedKV]:  # token [B, 1] int64
+        out = self.forward_batch([((input_ids, cache, step, temperature, top_p, top_k, seed), {})])
+        assert not isinstance(out[0], Deferred)  # a lone call runs (or raises)
+        return out[0]
+
+    # ---------------------------------------------------------------- batch
+
+    def forward_batch(self, calls: Sequence[Call]) -> list[tuple[torch.Tensor, PagedKV] | Deferred]:
+        """Every call of one ready batch that the pool has room for, in one packed forward;
+        ``DEFER`` for the others (see ``_schedule``)."""
+        state = self._ensure_state()
+        signature = inspect.signature(self.forward)
+        with state.lock, torch.no_grad():
+            state.drain()
+            units = []
+            for index, (args, kwargs) in enumerate(calls):
+                bound = signature.bind(*args, **kwargs).arguments
+                cache = self._cache(state, bound)
+                rows = [state.rows[seq] for seq in cache.seqs]
+                ids = bound["input_ids"]
+                want = [r.tokens + [int(t) for t in ids[i].tolist()] for i, r in enumerate(rows)]
+                units.append(_Unit(index, bound, cache, rows, want))
+            chosen = self._schedule(state, units)
+            logits = self._forward(state, [(r, w) for u in chosen for r, w in zip(u.rows, u.want)])
+            out: list[tuple[torch.Tensor, PagedKV] | Deferred] = [DEFER] * len(units)
+            for u in chosen:
+                tokens = [_sample(logits[id(r)], u.args, i) for i, r in enumerate(u.rows)]
+                out[u.index] = (torch.tensor(tokens, dtype=torch.int64).unsqueeze(1), u.cache)
+            return out
+
+    def _cache(self, state: _State, args: dict[str, Any]) -> PagedKV:
+        ids, cache = args["input_ids"], args.get("cache")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be [batch, tokens >= 1], got {_shape(ids)}")
+        if cache is None:
+            return PagedKV(state, ids.shape[0])
+        if not isinstance(cache, PagedKV) or cache._state() is not state:
+            raise ValueError(f"cache must be a PagedKV made by this component, got {cache!r}")
+        if len(cache) != ids.shape[0]:
+            raise ValueError(f"cache has {len(cache)} rows, input_ids {ids.shape[0]}")
+        if any(seq not in state.rows for seq in cache.seqs):
+            raise ValueError(f"{cache!r} was released")
+        return cache
+
+    def _schedule(self, state: _State, units: list[_Unit]) -> list[_Unit]:
+        """Reserve pages for the units that run now, as a continuous-batching scheduler does:
+
+        1. *running* units (every row holds pages), oldest admission first, grow by their new
+           tokens; when the pool is full, sequences of requests not in this batch are evicted
+           first (least recently used), then the youngest running unit of the batch is
+           preempted (its pages freed; it is deferred and recomputed when admitted again);
+        2. *waiting* units (new requests, or evicted ones), first come first served, are
+           admitted only with a free page to spare per running row (so that the next decode
+           step does not preempt at once), and not at all in a step that had to preempt.
+
+        At least one unit runs: if none could, the oldest is admitted into a pool emptied of
+        everything else, or the call fails because it is larger than the whole pool.
+        """
+        in_batch = {id(r) for u in units for r in u.rows}
+        running = sorted((u for u in units if u.resident), key=lambda u: u.admitted)
+        waiting = sorted((u for u in units if not u.resident), key=lambda u: u.arrived)
+        chosen: list[_Unit] = []
+        deferred: list[_Unit] = []
+        while running:
+            unit = running.pop(0)
+            while not self._grow(state, unit):
+                if self._evict_idle(state, in_batch):
+                    continue
+                victim = running.pop() if running else unit
+                self._preempt(state, victim)
+                deferred.append(victim)
+                if victim is unit:
+                    break
+            else:
+                chosen.append(unit)
+        spare = sum(len(u.rows) for u in chosen)
+        for unit in waiting:
+            if deferred:
+                deferred.append(unit)
+                continue
+            need = sum(state.pool.pages_for(len(w)) for w in unit.want) + spare
+            while state.pool.pages_available < need and self._evict_idle(state, in_batch):
+                pass
+            if state.pool.pages_available >= need and self._admit(state, unit):
+                chosen.append(unit)
+                spare += len(unit.rows)
+            else:
+                deferred.append(unit)
+        if not chosen:
+            oldest = min(deferred, key=lambda u: u.arrived)
+            while self._evict_idle(state, in_batch):
+                pass
+            if not self._admit(state, oldest):
+                tokens = max(len(w) for w in oldest.want)
+                raise ValueError(
+                    f"a sequence of {tokens} tokens needs {state.pool.pages_for(tokens)} KV "
+                    f"pages; the pool has {state.pool.num_pages}: serve with a bigger pool_tokens"
+                )
+            chosen.append(oldest)
+        return chosen
+
+    def _grow(self, state: _State, unit: _Unit) -> bool:
+        """Room for a running unit's new tokens (all rows or none grow)."""
+        pool = state.pool
+        grow = [len(w) - pool.num_tokens(r.seq) for r, w in zip(unit.rows, unit.want)]
+        pages = sum(
+            pool.pages_for(len(w)) - pool.pages_for(pool.num_tokens(r.seq)) + 1  # + a CoW copy
+            for r, w in zip(unit.rows, unit.want)
+        )
+        if pages > pool.pages_available:
+            return False
+        try:
+            for r, n in zip(unit.rows, grow):
+                if n > 0:
+                    pool.append(r.seq, n)
+        except PoolExhausted:
+            return False
+        return True
+
+    def _admit(self, state: _State, unit: _Unit) -> bool:
+        """Pages for a waiting unit's rows, reusing cached prefix pages; all rows or none."""
+        done: list[_Row] = []
+        try:
+            for r, w in zip(unit.rows, unit.want):
+                r.computed = state.pool.allocate_with_prefix(
+                    r.seq,
+                    w,
+                    namespace=self._namespace,
+                    max_cached_tokens=len(w) - 1,  # the last token's logits are needed
+                )
+                r.resident, r.admitted = True, next(state.clock)
+                done.append(r)
+        except PoolExhausted:
+            for r in done:
+                self._evict(state, r)
+            return False
+        return True
+
+    def _evict_idle(self, state: _State, in_batch: set[int]) -> bool:
+        """Free the least recently used resident sequence of a request not in this batch."""
+        idle = [r for r in state.rows.values() if r.resident and id(r) not in in_batch]
+        if not idle:
+            return False
+        self._evict(state, min(idle, key=lambda r: r.last_used))
+        return True
+
+    def _preempt(self, state: _State, unit: _Unit) -> None:
+        for r in unit.rows:
+            if r.resident:
+                self._evict(state, r)
+
+    def _evict(self, state: _State, row: _Row) -> None:
+        state.pool.free(row.seq)
+        row.resident, row.computed = False, 0
+        state.evictions += 1
+
+    def _forward(
+        self, state: _State, rows: list[tuple[_Row, list[int]]]
+    ) -> dict[int, torch.Tensor]:
+        """One packed forward: every row's tokens not yet in the pool; logits by ``id(row)``."""
+        pool = state.pool
+        for r, want in rows:
+            r.tokens = want
+        chunks = [
+            SeqChunk(tuple(r.tokens[r.computed :]), r.computed, pool.block_table(r.seq).pages)
+            for r, _ in rows
+        ]
+        logits = state.runner.forward(chunks)  # [rows, vocab]
+        now = next(state.clock)
+        for r, _ in rows:
+            state.tokens += len(r.tokens) - r.computed
+            r.computed, r.last_used = len(r.tokens), now
+            pool.mark_computed(r.seq, r.computed)
+        state.forwards += 1
+        return {id(r): logits[i] for i, (r, _) in enumerate(rows)}
+
+    # ---------------------------------------------------------------- state
+
+    def _ensure_state(self) -> _State:
+        if self._state is None:
+            self._state = _State(self.lm, self.config_kv)
+        return self._state
+
+    def release_kv(self) -> None:
+        """Drop the pool (a process that only captured or checked the model); live caches of
+        this component become unusable."""
+        self._state = None
+
+    def kv_stats(self, wait: bool = True) -> PagedLMStats | None:
+        """The pool's figures; None before the first forward allocated it, or when ``wait`` is
+        False and a forward holds the pool."""
+        state = self._state
+        if state is None or not state.lock.acquire(blocking=wait):
+            return None
+        try:
+            state.drain()
+            pool = state.pool.stats()
+            return PagedLMStats(
+                pages_in_use=pool.pages_in_use,
+                pages_cached=pool.pages_cached,
+                num_pages=state.pool.num_pages,
+                live_sequences=len(state.rows),
+                evictions=state.evictions,
+                prefix_hits=pool.prefix_hits,
+                forwards=state.forwards,
+                tokens_forwarded=state.tokens,
+            )
+        finally:
+            state.lock.release()
+
+
+def _sample(logits: torch.Tensor, args: dict[str, Any], row: int) -> int:
+    temperature = float(args.get("temperature", 0.0))
+    if temperature == 0.0:
+        return int(logits.argmax())
+    step = args.get("step", 0)
+    n = int(step[row].reshape(-1)[0]) if isinstance(step, torch.Tensor) else int(step)
+    seed = int(args.get("seed", 0))
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=float(args.get("top_p", 1.0)),
+        top_k=int(args.get("top_k", 0)),
+        seed=seed,
+    )
+    generator = torch.Generator(device=logits.device).manual_seed(step_seed(seed, row, n))
+    return sample_row(logits, params, generator, [])
+
+
+def _shape(x: Any) -> str:
+    return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
