@@ -26,6 +26,7 @@ import torch
 openai = pytest.importorskip("openai")
 
 from walkserve.adapters import default  # noqa: E402
+from walkserve.adapters.hf_causal_lm import sample_request  # noqa: E402
 from walkserve.adapters.registry import capture_model  # noqa: E402
 from walkserve.adapters.tokenizer import ByteTokenizer  # noqa: E402
 from walkserve.api import media  # noqa: E402
@@ -52,7 +53,7 @@ def base_url() -> Iterator[str]:
     cmd += ["--api-key", KEY, "--max-queued", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None:
             raise RuntimeError(
@@ -65,7 +66,7 @@ def base_url() -> Iterator[str]:
             pass
         if time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError("walkserve serve did not become healthy in 120 s")
+            raise RuntimeError("walkserve serve did not become healthy in 300 s")
         time.sleep(0.2)
     pids = [r["pid"] for r in httpx.get(f"{url}/health", timeout=5).json()["ranks"].values()]
     yield url
@@ -92,10 +93,10 @@ def ref() -> Any:
     return capture_model(MODEL)
 
 
-def ref_text(ref: Any, ids: list[int], max_tokens: int) -> list[int]:
+def ref_text(ref: Any, ids: list[int], max_tokens: int, **sampling: Any) -> list[int]:
     """The reference interpreter's tokens for a prompt, up to (without) EOS."""
-    inputs = {"prompt_ids": torch.tensor([ids]), "max_new_tokens": max_tokens}
-    tokens = ref.run(inputs, walk="prefill")["tokens"][0].tolist()
+    out = ref.run({**sample_request(ids, max_tokens), **sampling}, walk="prefill")
+    tokens = [int(out["token"])] + (out["tokens"][0].tolist() if "tokens" in out else [])
     return tokens[: tokens.index(default.EOS_ID)] if default.EOS_ID in tokens else tokens
 
 
@@ -171,6 +172,49 @@ def test_chat_matches_the_reference(client: Any, ref: Any) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == TEXT.decode(want)
     assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_sampled_choices_match_the_reference(client: Any, ref: Any) -> None:
+    """n choices, choice i drawn with seed + i, each equal to the reference interpreter's walk
+    with the same sampling inputs; streamed choices interleave but each keeps its order."""
+    ids = TEXT.encode("Sample")
+    sampling = {"temperature": 0.9, "top_p": 0.95, "top_k": 40}
+    want = [ref_text(ref, ids, 10, **sampling, seed=7 + i) for i in range(3)]
+    assert len({tuple(w) for w in want}) > 1  # the seeds matter
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Sample",
+        max_tokens=10,
+        n=3,
+        seed=7,
+        temperature=0.9,
+        top_p=0.95,
+        extra_body={"top_k": 40, "return_token_ids": True},
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in out.choices] == want
+    assert out.usage.completion_tokens == sum(
+        min(10, len(w) + (len(w) < 10)) for w in want
+    )  # EOS counts as generated
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Sample"}],
+            max_tokens=6,
+            n=2,
+            seed=3,
+            temperature=0.9,
+            stream=True,
+        )
+    )
+    prompt = TEXT.encode(plain_chat([("user", "Sample")]))
+    for i in range(2):
+        text = "".join(
+            c.choices[0].delta.content or ""
+            for c in chunks
+            if c.choices and c.choices[0].index == i
+        )
+        assert text == TEXT.decode(ref_text(ref, prompt, 6, temperature=0.9, seed=3 + i))
 
 
 def test_stop_string_ends_the_completion(client: Any, ref: Any) -> None:
@@ -315,18 +359,20 @@ def test_walk_route_json_b64_and_sse(base_url: str, ref: Any) -> None:
 
     prompt = torch.tensor([[9, 40, 77]])  # int64 prompt ids sent as raw bytes
     b64 = {"b64": base64.b64encode(prompt.numpy().tobytes()).decode(), "dtype": "int64"}
-    body = {"inputs": {"prompt_ids": {**b64, "shape": [1, 3]}, "max_new_tokens": 5}}
-    r = httpx.post(f"{base_url}/v1/walks/prefill", json=body, headers=AUTH, timeout=60)
+    sampling = {"temperature": 0.8, "top_p": 0.9, "top_k": 0, "seed": 4}
+    inputs = {"input_ids": {**b64, "shape": [1, 3]}, "max_new_tokens": 5, **sampling}
+    r = httpx.post(f"{base_url}/v1/walks/prefill", json={"inputs": inputs}, headers=AUTH)
     assert r.status_code == 200, r.text
-    want_text = ref.run({"prompt_ids": prompt, "max_new_tokens": 5}, walk="prefill")
+    want_text = ref.run({"input_ids": prompt, "max_new_tokens": 5, **sampling}, walk="prefill")
     assert r.json()["outputs"]["tokens"] == want_text["tokens"].tolist()
 
-    body = {"inputs": {"prompt_ids": [[5, 6, 7]], "max_new_tokens": 3}, "stream": True}
+    inputs = {**sample_request([5, 6, 7], 3), "input_ids": [[5, 6, 7]]}
+    body = {"inputs": inputs, "stream": True}
     with httpx.stream("POST", f"{base_url}/v1/walks/prefill", json=body, headers=AUTH) as s:
         lines = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-    want_tokens = ref.run({"prompt_ids": torch.tensor([[5, 6, 7]]), "max_new_tokens": 3})
+    want_tokens = ref.run(sample_request([5, 6, 7], 3))
     assert [e["value"][0][0] for e in events[:-1]] == want_tokens["tokens"][0].tolist()
     assert events[-1]["outputs"]["tokens"] == want_tokens["tokens"].tolist()
 
@@ -347,9 +393,11 @@ ERRORS = [
     ("/v1/completions", {"model": MODEL, "prompt": "a" * 300}, "the limit is 256"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt is empty"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 999]}, "outside [0, 259)"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "temperature": 0.7}, "greedily"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "temperature": 5}, "less than"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 2}, "n=2 is not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "top_p": 0}, "greater than"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "top_k": -1}, "greater than or equal"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "seed": -1}, "greater than or equal"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 17}, "n=17 is too large"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [""]}, "non-empty"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x"}]}, "role"),
@@ -395,8 +443,8 @@ def test_bad_requests_get_400_saying_what_to_fix(
 
 
 def test_openai_client_sees_400(client: Any) -> None:
-    with pytest.raises(openai.BadRequestError, match="greedily"):
-        client.completions.create(model=MODEL, prompt="a", temperature=1.0)
+    with pytest.raises(openai.BadRequestError, match="too large"):
+        client.completions.create(model=MODEL, prompt="a", n=99)
 
 
 ROUTES = [
@@ -464,6 +512,35 @@ def test_client_disconnect_cancels_the_request(base_url: str) -> None:
         or metric(base_url, "walkserve_queued_requests") != 0
     ):
         assert time.monotonic() < deadline, "the abandoned request is still running"
+        time.sleep(0.1)
+    assert metric(base_url, "walkserve_cancelled_requests_total") == cancelled + 1
+
+
+def test_a_client_leaving_a_non_streamed_request_cancels_it(base_url: str, ref: Any) -> None:
+    """The request must still be running when the client leaves: a prompt whose greedy
+    decode makes no EOS in the first 768 tokens (checked on the reference)."""
+    prompt = next(
+        p
+        for p in ("long", "longer", "longest", "lengthy")
+        if len(ref_text(ref, TEXT.encode(p), 768)) == 768
+    )
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 768}).encode()
+    cancelled = metric(base_url, "walkserve_cancelled_requests_total")
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(0.5)  # the request is running; leave without reading the answer
+    deadline = time.monotonic() + 20
+    while (
+        metric(base_url, "walkserve_running_requests") != 0
+        or metric(base_url, "walkserve_queued_requests") != 0
+        or metric(base_url, 'walkserve_kv_pages_in_use{rank="0",component="lm"}') != 0
+    ):
+        assert time.monotonic() < deadline, "the abandoned request still holds its state"
         time.sleep(0.1)
     assert metric(base_url, "walkserve_cancelled_requests_total") == cancelled + 1
 

@@ -65,12 +65,12 @@ def test_json_tensors(captured: CapturedModel) -> None:
     ids = torch.tensor([[4, 5]])
     b64 = {"b64": base64.b64encode(ids.numpy().tobytes()).decode(), "dtype": "int64"}
     got = jsontensor.decode_inputs(
-        captured, "prefill", {"prompt_ids": {**b64, "shape": [1, 2]}, "max_new_tokens": 3}
+        captured, "speak", {"prompt_ids": {**b64, "shape": [1, 2]}, "max_new_tokens": 3}
     )
     prompt_ids = got["prompt_ids"]
     assert isinstance(prompt_ids, torch.Tensor) and torch.equal(prompt_ids, ids)
     assert got["max_new_tokens"] == 3
-    assert jsontensor.required_inputs(captured, "prefill").keys() == {
+    assert jsontensor.required_inputs(captured, "speak").keys() == {
         "prompt_ids",
         "max_new_tokens",
     }
@@ -85,7 +85,7 @@ def test_json_tensors(captured: CapturedModel) -> None:
     ]
     for raw, message in cases:
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            jsontensor.decode_inputs(captured, "prefill", raw)
+            jsontensor.decode_inputs(captured, "speak", raw)
     out = jsontensor.to_json(torch.tensor([1.5, 2.0]), "b64")
     assert out["dtype"] == "float32" and out["shape"] == [2]
     assert jsontensor.to_json(torch.tensor([[1, 2]]), "list") == [[1, 2]]
@@ -113,13 +113,20 @@ def test_text_assembler_stops_and_holds_back() -> None:
 
 def test_default_model_walks_match_eager(captured: CapturedModel) -> None:
     model, sample = default.build(0)
+    upstream = default.text_lm(0)  # the same weights, with transformers' own attention
+    ids = sample["input_ids"]
     with torch.no_grad():
-        eager = model.prefill(sample["prompt_ids"])
-        tokens = model.decode(eager["logits"], eager["k_cache"], eager["v_cache"], 16)["tokens"]
+        want = upstream.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=sample["max_new_tokens"],
+        )[0, ids.shape[1] :]
         speech = model.speak(sample["prompt_ids"], 16)
         image = model.generate(sample["prompt_ids"], sample["noise"])
         edited = model.edit(sample["prompt_ids"], sample["image"], sample["noise"])
-    assert torch.equal(captured.run(sample, walk="prefill")["tokens"], tokens)
+    text = captured.run(sample, walk="prefill")
+    assert torch.cat([text["token"], text["tokens"]], 1)[0].tolist() == want.tolist()
     got = captured.run(sample, walk="speak")
     assert all(torch.equal(got[k], speech[k]) for k in speech)
     assert torch.equal(captured.run(sample, walk="generate")["image"], image["image"])

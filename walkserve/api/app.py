@@ -16,9 +16,13 @@ A request's path through here::
     body   = parse(request, Schema)          size limit, JSON, types and ranges -> 400
     inputs = task-specific checks            model, limits, tokenization        -> 400
     ticket = admit()                         --max-queued, atomic on the loop   -> 503
-    handle = server.submit(inputs, walk)     in a pool thread, never on the loop
-    items  = handle.stream() / result()      in pool threads; SSE chunks as they arrive
+    handle = await server.submit_async(...)  admission by the conductor thread, awaited
+    items  = handle.astream() / aresult()    awaited on the loop (woken by the conductor
+                                             thread; no pool thread per request)
     ticket.release(); handle.cancel()        when the response ends or the client leaves
+
+``n > 1`` text choices are ``n`` requests (choice i seeded ``seed + i``), their SSE chunks
+merged as they come.
 
 What crosses the boundary: the ``Server`` (runtime) and a ``ModelProfile`` (which walk does
 which task); nothing here names a model.
@@ -26,9 +30,11 @@ which task); nothing here names a model.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hmac
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,6 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from walkserve.api import jsontensor, media
 from walkserve.api.form import parse_form
@@ -52,11 +59,13 @@ from walkserve.api.schemas import (
     SpeechRequest,
     WalkRequest,
 )
-from walkserve.api.textgen import TextAssembler, all_tokens, chunk, delta, text_response
+from walkserve.api.textgen import TextAssembler, all_tokens, chunk, delta, text_response, usage
 from walkserve.runtime.conductor import StreamItem
 from walkserve.runtime.server import RequestFailed, RequestHandle, Server
 
 B = TypeVar("B", bound=BaseModel)
+T = TypeVar("T")
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is there
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,13 @@ class ApiError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+class ClientGone(ApiError):
+    """The client disconnected before its (non-streamed) answer was ready."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client disconnected", "client_closed_request")
 
 
 def bad(message: str) -> ApiError:
@@ -141,11 +157,90 @@ class _ClosingStream(StreamingResponse):
             self._on_close()
 
 
+class _AuthAndCount:
+    """ASGI middleware: with an API key, every route but ``/health`` needs ``Authorization:
+    Bearer KEY`` (401 otherwise); every response is counted by route and status. Plain ASGI
+    (not Starlette's ``BaseHTTPMiddleware``), so that the routes see the client's disconnect
+    and no extra task runs per request."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics) -> None:
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if self.expected is not None and path != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                self.metrics.count(path, 401)
+                response = JSONResponse(
+                    error_body(
+                        "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                        "authentication_error",
+                    ),
+                    401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        route = "/v1/walks" if path.startswith("/v1/walks/") else path
+        counted = False
+
+        async def counting_send(message: Message) -> None:
+            nonlocal counted
+            if message["type"] == "http.response.start" and not counted:
+                counted = True
+                self.metrics.count(route, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
 def sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+MAX_CHOICES = 16  # n of a completion request
+
+
+async def merge(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The chunks of every stream as they come, each stream's own order kept (the choices of
+    an ``n > 1`` completion). The first error ends the merge and is raised."""
+    if len(streams) == 1:
+        async for data in streams[0]:
+            yield data
+        return
+    queue: asyncio.Queue[tuple[bytes | None, BaseException | None]] = asyncio.Queue(
+        4 * len(streams)
+    )
+
+    async def pump(stream: AsyncIterator[bytes]) -> None:
+        try:
+            async for data in stream:
+                await queue.put((data, None))
+            await queue.put((None, None))
+        except Exception as e:
+            await queue.put((None, e))
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                left -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None = None) -> FastAPI:
@@ -178,27 +273,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             error_body(f"{request.method} is not allowed on {request.url.path}"), 405
         )
 
-    @app.middleware("http")
-    async def _auth_and_count(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if config.api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {config.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                metrics.count(request.url.path, 401)
-                return JSONResponse(
-                    error_body(
-                        "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                        "authentication_error",
-                    ),
-                    401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-        response = await call_next(request)
-        route = request.url.path if not request.url.path.startswith("/v1/walks/") else "/v1/walks"
-        metrics.count(route, response.status_code)
-        return response
+    app.add_middleware(_AuthAndCount, api_key=config.api_key, metrics=metrics)
 
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -236,7 +311,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         if name is not None and name != profile.name:
             raise bad(f"model {name!r} is not served here; this server serves {profile.name!r}")
 
-    def check_greedy(temperature: float | None, top_p: float | None, n: int) -> None:
+    def check_greedy(temperature: float | None, top_p: float | None, top_k: int | None) -> None:
         if temperature not in (None, 0.0):
             raise bad(
                 f"temperature {temperature} is not supported: this model decodes greedily only;"
@@ -244,8 +319,8 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             )
         if top_p not in (None, 1.0):
             raise bad(f"top_p {top_p} is not supported: greedy decoding only; leave it out")
-        if n != 1:
-            raise bad(f"n={n} is not supported: send n=1 (one choice per request)")
+        if top_k not in (None, 0):
+            raise bad(f"top_k {top_k} is not supported: greedy decoding only; leave it out")
 
     def check_ids(ids: list[int], vocab: int, limit: int, what: str) -> None:
         if not ids:
@@ -264,28 +339,39 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
 
     async def submit(inputs: dict[str, Any], walk: str) -> RequestHandle:
         try:
-            return await run_in_threadpool(server.submit, inputs, walk)
+            return await server.submit_async(inputs, walk)
         except (ValueError, KeyError, TypeError) as e:
             raise bad(f"the model rejected the request: {e}") from None
         except RuntimeError as e:
             raise ApiError(503, str(e), "server_error") from None
 
-    async def stream_items(handle: RequestHandle) -> AsyncIterator[StreamItem]:
-        items = handle.stream()
-        while True:
-            item = await run_in_threadpool(next, items, None)
-            if item is None:
-                return
-            yield item
+    def stream_items(handle: RequestHandle) -> AsyncIterator[StreamItem]:
+        return handle.astream()
 
-    def drain(handle: RequestHandle, on_item: Callable[[StreamItem], None]) -> dict[str, Any]:
-        for item in handle.stream():
+    async def drain(handle: RequestHandle, on_item: Callable[[StreamItem], None]) -> dict[str, Any]:
+        """Every stream item to ``on_item``, then the outputs (raises ``RequestFailed``)."""
+        async for item in handle.astream():
             on_item(item)
-        return handle.result()
+        return await handle.aresult()
+
+    async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+        """``work``'s result, unless the client disconnects first: then ``ClientGone`` (the
+        caller's cleanup cancels the request and frees its state at once, instead of running
+        it to the end for nobody)."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise ClientGone()  # the caller's cleanup cancels (and counts) it
+        finally:
+            task.cancel()
 
     async def finish(handle: RequestHandle) -> dict[str, Any]:
         try:
-            return await run_in_threadpool(handle.result)
+            return await handle.aresult()
         except RequestFailed as e:
             raise ApiError(500, f"the request failed: {e}", "server_error") from None
 
@@ -348,7 +434,8 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
         stats = await run_in_threadpool(server.stats)
-        text = metrics.render(admission.active, config.max_queued, stats)
+        kv = await run_in_threadpool(server.kv_stats)
+        text = metrics.render(admission.active, config.max_queued, stats, kv)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------ text
@@ -363,24 +450,51 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         body = await parse(request, CompletionRequest)
         check_model(body.model)
         task = text_task()
-        check_greedy(body.temperature, body.top_p, body.n)
+        choices = sampling_inputs(task, body)
         ids = task.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         check_ids(ids, task.vocab_size, task.max_prompt_tokens, "prompt")
-        return await run_text(task, ids, body, chat=False)
+        return await run_text(request, task, ids, body, choices, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, ChatCompletionRequest)
         check_model(body.model)
         task = text_task()
-        check_greedy(body.temperature, body.top_p, body.n)
+        choices = sampling_inputs(task, body)
         prompt = task.chat_template([(m.role, m.content) for m in body.messages])
         ids = task.encode(prompt)
         check_ids(ids, task.vocab_size, task.max_prompt_tokens, "prompt (after the chat template)")
-        return await run_text(task, ids, body, chat=True)
+        return await run_text(request, task, ids, body, choices, chat=True)
+
+    def sampling_inputs(
+        task: TextTask, body: CompletionRequest | ChatCompletionRequest
+    ) -> list[dict[str, Any]]:
+        """The sampling inputs of each of the ``n`` choices (none for a greedy-only model).
+        Leaving temperature out means greedy; choice ``i`` draws with seed ``seed + i`` (a
+        random seed when none is given)."""
+        if body.n > MAX_CHOICES:
+            raise bad(f"n={body.n} is too large: at most {MAX_CHOICES} choices per request")
+        if not task.sampling:
+            check_greedy(body.temperature, body.top_p, body.top_k)
+            return [{} for _ in range(body.n)]
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        return [
+            {
+                "temperature": body.temperature or 0.0,
+                "top_p": 1.0 if body.top_p is None else body.top_p,
+                "top_k": body.top_k or 0,
+                "seed": (seed + i) % 2**63,
+            }
+            for i in range(body.n)
+        ]
 
     async def run_text(
-        task: TextTask, ids: list[int], body: CompletionRequest | ChatCompletionRequest, chat: bool
+        request: Request,
+        task: TextTask,
+        ids: list[int],
+        body: CompletionRequest | ChatCompletionRequest,
+        choices: list[dict[str, Any]],
+        chat: bool,
     ) -> Response:
         limit = body.max_tokens
         if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
@@ -391,52 +505,59 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             raise bad("stop must be up to 4 non-empty strings")
         ticket = admission.admit()
         t0 = time.perf_counter()
+        handles: list[RequestHandle] = []
         try:
-            inputs = {
-                task.prompt_input: torch.tensor([ids], dtype=torch.int64),
-                task.max_tokens_input: max_tokens,
-            }
-            handle = await submit(inputs, task.walk)
+            prompt = torch.tensor([ids], dtype=torch.int64)
+            for sampling in choices:
+                inputs = {task.prompt_input: prompt, task.max_tokens_input: max_tokens, **sampling}
+                handles.append(await submit(inputs, task.walk))
         except BaseException:
+            for handle in handles:
+                cancel(handle)
             ticket.release()
             raise
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        text = TextAssembler(task, stops, max_tokens)
+        texts = [TextAssembler(task, stops, max_tokens) for _ in handles]
         if not body.stream:
             try:
                 on_item = first_observer("token", task.tokens_channel, t0)
                 try:
-                    outputs = await run_in_threadpool(drain, handle, on_item)
+                    drains = asyncio.gather(*(drain(handle, on_item) for handle in handles))
+                    results = await unless_gone(request, drains)
                 except RequestFailed as e:
                     raise ApiError(500, f"the request failed: {e}", "server_error") from None
-                for token in all_tokens(task, outputs):
-                    if text.feed(token):
-                        break
-                text.finish()
+                for text, outputs in zip(texts, results):
+                    for token in all_tokens(task, outputs):
+                        if text.feed(token):
+                            break
+                    text.finish()
                 metrics.observe_latency(task.walk, time.perf_counter() - t0)
                 return JSONResponse(
                     text_response(
-                        rid, profile.name, chat, text, ids, body.return_token_ids, created
+                        rid, profile.name, chat, texts, ids, body.return_token_ids, created
                     )
                 )
             finally:
-                handle.cancel()
+                for handle in handles:
+                    cancel(handle)
                 ticket.release()
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
+        first_token = first_observer("token", task.tokens_channel, t0)
 
-        async def events() -> AsyncIterator[bytes]:
-            first = True
+        async def choice_events(index: int) -> AsyncIterator[bytes]:
+            """One choice's SSE chunks, its finish chunk last; an error chunk if it failed."""
+            handle, text = handles[index], texts[index]
             if chat:
-                yield sse(chunk(rid, profile.name, True, {"role": "assistant", "content": ""}))
+                yield sse(
+                    chunk(rid, profile.name, True, {"role": "assistant", "content": ""}, index)
+                )
             first_name = task.first_token_output
             pending_first = first_name is not None
             async for item in stream_items(handle):
                 if item.channel != task.tokens_channel:
                     continue
-                if first:
-                    metrics.observe_first("token", time.perf_counter() - t0)
-                    first = False
+                first_token(item)
                 tokens = [int(t) for t in item.value.reshape(-1).tolist()]
                 if first_name is not None and pending_first:
                     # HF: prefill's token is an output routed before decode's first item.
@@ -444,38 +565,45 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
                     pending_first = False
                 for token in tokens:
                     stopped = text.feed(token)
-                    yield sse(delta(rid, profile.name, chat, text.take(), [token], body))
+                    yield sse(
+                        delta(rid, profile.name, chat, text.take(), [token], body, None, index)
+                    )
                     if stopped:
                         break
                 if text.finish_reason is not None:
                     break
             if text.finish_reason is None:  # the stream ended: did the request succeed?
-                try:
-                    outputs = await finish(handle)
-                except ApiError as e:
-                    yield sse(error_body(e.message, e.kind))
-                    yield SSE_DONE
-                    return
+                outputs = await finish(handle)
                 if pending_first:  # HF: prefill finished the request, decode never ran
                     for token in all_tokens(task, outputs):
                         if text.feed(token):
                             break
             text.finish()
             tail = text.take()
-            yield sse(delta(rid, profile.name, chat, tail, [], body, text.finish_reason))
+            yield sse(delta(rid, profile.name, chat, tail, [], body, text.finish_reason, index))
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for data in merge([choice_events(i) for i in range(len(handles))]):
+                    yield data
+            except ApiError as e:
+                yield sse(error_body(e.message, e.kind))
+                yield SSE_DONE
+                return
             if include_usage:
                 yield sse(
                     {
                         **chunk(rid, profile.name, chat, None),
                         "choices": [],
-                        "usage": text.usage(ids),
+                        "usage": usage(ids, texts),
                     }
                 )
             metrics.observe_latency(task.walk, time.perf_counter() - t0)
             yield SSE_DONE
 
         def close() -> None:
-            cancel(handle)
+            for handle in handles:
+                cancel(handle)
             ticket.release()
 
         return _ClosingStream(events(), close, "text/event-stream")
@@ -513,7 +641,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             try:
                 on_item = first_observer("audio", task.waveform_channel, t0)
                 try:
-                    outputs = await run_in_threadpool(drain, handle, on_item)
+                    outputs = await unless_gone(request, drain(handle, on_item))
                 except RequestFailed as e:
                     raise ApiError(500, f"the request failed: {e}", "server_error") from None
                 waveform = outputs[task.waveform_channel]
@@ -559,17 +687,20 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         return ids
 
     async def run_image(
-        task: ImageTask, walk: str, inputs: dict[str, Any], seed: int
+        request: Request, task: ImageTask, walk: str, inputs: dict[str, Any], seed: int
     ) -> JSONResponse:
         """Run an image walk on ``inputs`` plus seeded noise; answer with one b64 PNG."""
         ticket = admission.admit()
         t0 = time.perf_counter()
+        handle: RequestHandle | None = None
         try:
             generator = torch.Generator().manual_seed(seed)
             inputs[task.noise_input] = torch.randn((1, *task.noise_shape), generator=generator)
             handle = await submit(inputs, walk)
-            outputs = await finish(handle)
+            outputs = await unless_gone(request, finish(handle))
         finally:
+            if handle is not None:
+                cancel(handle)
             ticket.release()
         image = outputs[task.image_output][0]  # [3, H, W]
         metrics.observe_latency(walk, time.perf_counter() - t0)
@@ -589,7 +720,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             raise bad(f"model {profile.name!r} has no image generation")
         ids = check_image_request(task, body)
         inputs = {task.prompt_input: torch.tensor([ids], dtype=torch.int64)}
-        return await run_image(task, task.walk, inputs, body.seed)
+        return await run_image(request, task, task.walk, inputs, body.seed)
 
     @app.post("/v1/images/edits")
     async def image_edits(request: Request) -> Response:
@@ -626,7 +757,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             task.prompt_input: torch.tensor([ids], dtype=torch.int64),
             task.image_input: image[None],  # [1, 3, H, W]
         }
-        return await run_image(task, task.edit_walk, inputs, body.seed)
+        return await run_image(request, task, task.edit_walk, inputs, body.seed)
 
     # ------------------------------------------------------------ any walk
 
@@ -649,9 +780,9 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             raise
         if not body.stream:
             try:
-                outputs = await finish(handle)
+                outputs = await unless_gone(request, finish(handle))
             finally:
-                handle.cancel()
+                cancel(handle)
                 ticket.release()
             metrics.observe_latency(walk, time.perf_counter() - t0)
             return JSONResponse(

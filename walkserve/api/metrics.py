@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from walkserve.runtime.conductor import ConductorStats
+from walkserve.runtime.messages import KVStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -66,7 +68,13 @@ class Metrics:
         with self._lock:
             self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
 
-    def render(self, queued: int, max_queued: int | None, stats: ConductorStats) -> str:
+    def render(
+        self,
+        queued: int,
+        max_queued: int | None,
+        stats: ConductorStats,
+        kv: Mapping[int, Sequence[KVStats]] | None = None,
+    ) -> str:
         with self._lock:
             lines = [
                 "# HELP walkserve_queued_requests Admitted HTTP requests not yet finished.",
@@ -98,6 +106,7 @@ class Metrics:
                 f"walkserve_cancelled_requests_total {self.cancelled}",
                 "# TYPE walkserve_http_requests_total counter",
             ]
+            lines += _kv_lines(kv or {})
             for (route, status), n in sorted(self.requests.items()):
                 lines.append(
                     f'walkserve_http_requests_total{{route="{route}",code="{status}"}} {n}'
@@ -111,3 +120,27 @@ class Metrics:
             lines.append("# TYPE walkserve_time_to_first_audio_seconds histogram")
             lines += self.first_audio.lines("walkserve_time_to_first_audio_seconds")
         return "\n".join(lines) + "\n"
+
+
+def _kv_lines(kv: Mapping[int, Sequence[KVStats]]) -> list[str]:
+    """Paged KV pools per rank and component (as of each worker's last heartbeat)."""
+    series = [
+        ("kv_pages_in_use", "gauge", "KV pages held by live requests.", "pages_in_use"),
+        ("kv_pages_cached", "gauge", "Free KV pages kept for prefix reuse.", "pages_cached"),
+        ("kv_pages", "gauge", "KV pages in the pool.", "num_pages"),
+        ("kv_evictions_total", "counter", "Sequences evicted and recomputed.", "evictions"),
+        (
+            "kv_prefix_hits_total",
+            "counter",
+            "Full pages reused from the prefix cache.",
+            "prefix_hits",
+        ),
+    ]
+    lines: list[str] = []
+    for name, kind, doc, field_name in series:
+        lines += [f"# HELP walkserve_{name} {doc}", f"# TYPE walkserve_{name} {kind}"]
+        for rank, pools in sorted(kv.items()):
+            for pool in pools:
+                labels = f'rank="{rank}",component="{pool.component}"'
+                lines.append(f"walkserve_{name}{{{labels}}} {getattr(pool, field_name)}")
+    return lines

@@ -42,6 +42,7 @@ class TextTask:
     encode: Encode
     decode: Decode
     chat_template: ChatTemplate
+    sampling: bool = False  # the walks take temperature, top_p, top_k and seed inputs
 
 
 @dataclass(frozen=True)
@@ -97,18 +98,19 @@ def profile_for(name: str) -> ModelProfile:
             name,
             text=TextTask(
                 walk="prefill",
-                prompt_input="prompt_ids",
+                prompt_input="input_ids",
                 max_tokens_input="max_new_tokens",
                 tokens_channel="tokens",
-                first_token_output=None,
+                first_token_output="token",
                 eos_id=default.EOS_ID,
                 vocab_size=default.TEXT_VOCAB,
                 max_prompt_tokens=MAX_PROMPT_TOKENS,
-                max_tokens_limit=256,
+                max_tokens_limit=default.TEXT_CONTEXT - MAX_PROMPT_TOKENS,
                 default_max_tokens=16,
                 encode=text_tok.encode,
                 decode=text_tok.decode,
                 chat_template=plain_chat,
+                sampling=True,
             ),
             speech=SpeechTask(
                 walk="speak",
@@ -161,6 +163,7 @@ def _hf_text(
         encode=encode,
         decode=decode,
         chat_template=chat,
+        sampling=True,
     )
 
 

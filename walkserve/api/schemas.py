@@ -20,7 +20,8 @@ class CompletionRequest(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=0)  # not OpenAI's; vLLM's extension
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
@@ -40,7 +41,8 @@ class ChatCompletionRequest(_Body):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=0)  # not OpenAI's; vLLM's extension
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False

@@ -76,13 +76,15 @@ def all_tokens(task: TextTask, outputs: dict[str, Any]) -> Iterator[int]:
         yield from (int(t) for t in outputs[task.tokens_channel].reshape(-1).tolist())
 
 
-def chunk(rid: str, model: str, chat: bool, delta: dict[str, Any] | None) -> dict[str, Any]:
+def chunk(
+    rid: str, model: str, chat: bool, delta: dict[str, Any] | None, index: int = 0
+) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": None}] if delta else [],
+        "choices": [{"index": index, "delta": delta, "finish_reason": None}] if delta else [],
     }
 
 
@@ -94,8 +96,9 @@ def delta(
     token_ids: list[int],
     body: CompletionRequest | ChatCompletionRequest,
     finish_reason: str | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
     if chat:
         choice["delta"] = {"content": text}
     else:
@@ -112,30 +115,43 @@ def delta(
     }
 
 
+def usage(prompt: list[int], texts: list[TextAssembler]) -> dict[str, int]:
+    """Prompt tokens counted once, completion tokens of every choice."""
+    completion = sum(t.generated for t in texts)
+    return {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": completion,
+        "total_tokens": len(prompt) + completion,
+    }
+
+
 def text_response(
     rid: str,
     model: str,
     chat: bool,
-    text: TextAssembler,
+    texts: list[TextAssembler],
     prompt: list[int],
     return_token_ids: bool,
     created: int,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": text.finish_reason}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text.text}
-    else:
-        choice["text"] = text.text
-        choice["logprobs"] = None
-    if return_token_ids:
-        choice["token_ids"] = list(text.tokens)
+    choices = []
+    for index, text in enumerate(texts):
+        choice: dict[str, Any] = {"index": index, "finish_reason": text.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text.text}
+        else:
+            choice["text"] = text.text
+            choice["logprobs"] = None
+        if return_token_ids:
+            choice["token_ids"] = list(text.tokens)
+        choices.append(choice)
     body: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
+        "created": created,
         "model": model,
-        "choices": [choice],
-        "usage": text.usage(prompt),
+        "choices": choices,
+        "usage": usage(prompt, texts),
     }
     if return_token_ids:
         body["prompt_token_ids"] = list(prompt)
