@@ -503,9 +503,11 @@ async def run(
     timeout: float = 300.0,
     api_key: str | None = None,
     progress: bool = True,
+    schedule: Sequence[float] | None = None,
 ) -> tuple[list[Record], float]:
     """Send ``requests`` (warm-up ones first, one at a time, not recorded); return the records
-    of the rest and the wall time they took."""
+    of the rest and the wall time they took. ``schedule``: explicit open-loop send times (s from
+    the start), one per measured request, instead of drawing them from ``arrivals``."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -524,7 +526,7 @@ async def run(
             if bar is not None:
                 bar.update(records[i].ok)
 
-        if arrivals.rate is None:
+        if arrivals.rate is None and schedule is None:
             assert arrivals.concurrency is not None
             queue = iter(range(len(measured)))
 
@@ -534,7 +536,15 @@ async def run(
 
             await asyncio.gather(*(client_loop() for _ in range(arrivals.concurrency)))
         else:
-            times = arrival_times(len(measured), arrivals.rate, arrivals.burstiness, seed)
+            if schedule is not None:
+                if len(schedule) != len(measured):
+                    raise ValueError(
+                        f"the schedule has {len(schedule)} times for {len(measured)} requests"
+                    )
+                times = list(schedule)
+            else:
+                assert arrivals.rate is not None
+                times = arrival_times(len(measured), arrivals.rate, arrivals.burstiness, seed)
             cap = asyncio.Semaphore(arrivals.concurrency or len(measured) or 1)
 
             async def scheduled(i: int) -> None:
