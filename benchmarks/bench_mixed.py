@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
     parser.add_argument("--burstiness", type=float, default=1.0)
-    parser.add_argument("--mix", default="text=2,speech=1,image=1")
+    parser.add_argument("--mix", default="text=1,speech=1,image=1")
     parser.add_argument("--slo", default="ttft=1,tpot=0.25,image=5,viability=1")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--seed", type=int, default=0)

@@ -136,7 +136,19 @@ def _dispatch(data: dict[str, Any], src: str) -> list[Row]:
             f" {i['executor_component']['p50_us']:.1f} us (component) vs"
             f" {i['bare_call']['p50_us']:.2f} us bare; cross-process"
             f" {x['pool_contiguous']['p50_us']:.0f} us",
-        )
+        ),
+        *(
+            [
+                (
+                    "idle worker memory (same script)",
+                    machine(data),
+                    f"{data['memory']['worker_rss_idle_mb']:.0f} MB RSS with a model loaded"
+                    f" (bare `import torch`: {data['memory']['python_import_torch_rss_mb']:.0f} MB)",
+                )
+            ]
+            if "memory" in data
+            else []
+        ),
     ]
 
 

@@ -2,7 +2,8 @@
 [--full] [--budget SECONDS] [--readme README.md] [--only a,b]`` (``make bench``).
 
 Discovers ``benchmarks/bench_*.py`` (adapter benchmarks added later are picked up by name),
-runs each in its own subprocess with ``--quick`` (or ``--full``), the text suite and the mixed
+runs each in its own subprocess with ``--quick`` (or ``--full``; a script without that option
+runs its default), the text suite and the mixed
 workload first, within a total time budget (default 600 s quick, none full): a script that
 would start after the budget is spent is skipped and reported, one that overruns the time left
 is stopped. A script that fails does not stop the others. Afterwards: a PNG per result
@@ -50,6 +51,8 @@ def run_script(
 ) -> tuple[str, float]:
     """Run one script; return its status ('ok', 'failed (rc N)', 'timed out') and seconds."""
     t0 = time.perf_counter()
+    if f'"{flag}"' not in script.read_text():  # the script has no such option: its default run
+        flag = ""
     cmd = [sys.executable, str(script), *([flag] if flag else [])]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=limit, text=True, capture_output=True)
