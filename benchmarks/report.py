@@ -66,6 +66,7 @@ def _text(data: dict[str, Any], src: str) -> list[Row]:
     for key, label in (
         ("walkserve_http_vs", "walkserve HTTP vs"),
         ("time_overhead_vs_bare", "time overhead vs bare loop"),
+        ("time_overhead_vs_paged_forward", "time overhead vs its own forwards"),
         ("fraction_of_roofline", "fraction of roofline"),
     ):
         if data.get(key):

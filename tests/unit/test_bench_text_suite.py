@@ -76,3 +76,27 @@ def test_bare_loop_matches_hf_generate(tmp_path: Path) -> None:
             )
         assert got == seq[0, len(prompt) :].tolist()
     assert bare["decode_steps"] == max(n for _, n in work) - 1
+
+
+def test_compare_on_fabricated_results() -> None:
+    results = {
+        "http": {"seconds": 10.0, "tokens_per_s": 100.0},
+        "paged": {"seconds": 8.0, "tokens_per_s": 125.0},
+        "paged_forward_only": {"seconds": 5.0, "tokens_per_s": 200.0},
+        "bare": {"seconds": 4.0, "tokens_per_s": 250.0},
+        "hf_cb": {"error": "failed"},
+    }
+    got = suite.compare(results, {"tokens_per_s": 1000.0})
+    assert got["walkserve_http_vs"] == pytest.approx(
+        {"paged": 0.8, "paged_forward_only": 0.5, "bare": 0.4}
+    )
+    assert got["paged_vs"]["http"] == pytest.approx(1.25)
+    # overhead = time / baseline time - 1: http 10 s vs bare 4 s -> 1.5
+    assert got["time_overhead_vs_bare"]["http"] == pytest.approx(1.5)
+    assert got["time_overhead_vs_bare"]["bare"] == 0.0
+    assert got["time_overhead_vs_paged_forward"] == pytest.approx({"http": 1.0, "paged": 0.6})
+    assert got["fraction_of_roofline"]["bare"] == pytest.approx(0.25)
+    assert "hf_cb" not in got["fraction_of_roofline"]
+    assert suite.compare({"bare": {"tokens_per_s": 1.0}}, {"error": "x"}) == {
+        "time_overhead_vs_bare": {"bare": 0.0}
+    }
