@@ -376,7 +376,7 @@ async def _send(client: Any, p: Planned, rec: Record, timeout: float) -> None:
                 await _read_events(response, p, rec, now)
             rec.end = now()
             rec.ok = rec.error is None
-    except (httpx.HTTPError, ValueError, json.JSONDecodeError) as e:
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
         rec.error = f"{type(e).__name__}: {e}"[:300]
         rec.end = now()
 
