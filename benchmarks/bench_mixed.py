@@ -54,7 +54,10 @@ def start_server(model: str) -> tuple[subprocess.Popen[str], str, Any]:
         port = int(s.getsockname()[1])
     cmd = [sys.executable, "-m", "walkserve.cli", "serve", "--model", model, "--port", str(port)]
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the server)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    # the checkout's walkserve, also when it is not installed
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     import httpx
 
