@@ -1,6 +1,8 @@
 """``walkserve`` command line: ``serve`` (the HTTP API), ``trace`` (print a model's Walk Graph),
-``plan`` (lower it for a placement) and ``demo`` (serve every built-in model on worker processes
-and run its walks). Heavy imports happen inside the commands, so ``--help`` is instant."""
+``plan`` (lower it for a placement), ``demo`` (serve every built-in model on worker processes
+and run its walks) and ``bench`` (drive a running server with the load generator in
+``benchmarks/loadgen.py``; needs a source checkout). Heavy imports happen inside the commands, so
+``--help`` is instant."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from typing import Any
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # every option belongs to the load generator
+        return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="walkserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -83,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     d.add_argument("--model", action="append", help="only these models (repeatable)")
 
+    sub.add_parser(
+        "bench",
+        help="load-test a running server over HTTP (walkserve bench --help for the options)",
+    )
+
     args = parser.parse_args(argv)
     try:
         if args.command == "trace":
@@ -95,6 +105,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, OSError) as e:
         print(f"walkserve: error: {e}", file=sys.stderr)
         return 2
+
+
+def _bench(argv: list[str]) -> int:
+    """Forward to ``benchmarks.loadgen.main``: the load generator lives next to the benchmark
+    scripts in the source checkout, not in the installed package."""
+    import importlib.util
+
+    if importlib.util.find_spec("benchmarks.loadgen") is None:
+        from walkserve.benchmarking import ROOT
+
+        if not (ROOT / "benchmarks" / "loadgen.py").is_file():
+            print(
+                "walkserve: error: walkserve bench needs a source checkout (benchmarks/loadgen.py"
+                " next to walkserve/); run it from the repository",
+                file=sys.stderr,
+            )
+            return 2
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.loadgen import main as loadgen_main
+
+    return loadgen_main(argv)
 
 
 def _capture(name: str) -> Any:

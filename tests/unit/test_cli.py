@@ -104,3 +104,16 @@ def test_plan_json_and_bad_placement(capsys: pytest.CaptureFixture[str], tmp_pat
     bad.write_text("ranks: 1\nnodes:\n  no_such_component: [0]\n")
     code, _, err = run(capsys, "plan", "--model", "example-text", "--placement", str(bad))
     assert code == 2 and "no_such_component" in err
+
+
+def test_bench_forwards_to_the_load_generator(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "--concurrency" in out and "--burstiness" in out and "--slo" in out
+    # options are checked before anything is sent (no server runs here)
+    code, _, err = run(capsys, "bench", "--model", "m", "--rate", "0")
+    assert code == 2 and "--rate must be > 0" in err
+    code, _, err = run(capsys, "bench", "--model", "m", "--slo", "latency=1")
+    assert code == 2 and "ttft" in err
