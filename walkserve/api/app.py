@@ -567,11 +567,16 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         try:
             generator = torch.Generator().manual_seed(seed)
             inputs[task.noise_input] = torch.randn((1, *task.noise_shape), generator=generator)
+            if task.extra_inputs is not None:
+                inputs.update(task.extra_inputs())
             handle = await submit(inputs, walk)
             outputs = await finish(handle)
         finally:
             ticket.release()
         image = outputs[task.image_output][0]  # [3, H, W]
+        low, high = task.image_range
+        if (low, high) != (-1.0, 1.0):  # media.png takes [-1, 1]
+            image = (image - low) * (2.0 / (high - low)) - 1.0
         metrics.observe_latency(walk, time.perf_counter() - t0)
         return JSONResponse(
             {
