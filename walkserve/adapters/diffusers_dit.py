@@ -297,7 +297,7 @@ class TinyConfig:
 
 
 TINY = TinyConfig()
-BENCH = TinyConfig(text_dim=64, heads=8, head_dim=16, layers=4, latent_size=32)
+BENCH = TinyConfig(text_dim=64, heads=8, head_dim=16, layers=4, latent_size=16)
 
 
 def byte_level_tokenizer(max_length: int) -> Any:
