@@ -1,11 +1,12 @@
 """The SD3 walks served on real worker processes: ``serve("walkserve.adapters.diffusers_dit:tiny")``
-on one rank and with the two guidance branches on two ranks; 4 concurrent requests with
-different prompts, seeds, step counts and guidance scales.
+on one rank and with the two guidance branches on two ranks; 4 concurrent ``generate`` requests
+with different prompts, seeds, step counts and guidance scales, and 2 ``edit`` requests
+(img2img) in flight with them.
 
 Served outputs are compared with the reference interpreter by
 ``walkserve.testing.assert_outputs_match`` (floats within 1e-5 of max|reference|: requests at
 different steps share batched transformer calls; that module says why), and with diffusers'
-``StableDiffusion3Pipeline`` within ``TOLERANCE`` (justified in tests/unit/test_diffusers_dit.py:
+``StableDiffusion3Pipeline`` (``StableDiffusion3Img2ImgPipeline`` for edits) within ``TOLERANCE`` (justified in tests/unit/test_diffusers_dit.py:
 the pipeline runs the two branches as one batch of 2). ``/v1/images/generations`` is driven
 through the app on the one-rank server."""
 
@@ -37,6 +38,7 @@ REQUESTS = [  # prompt, seed, steps, guidance scale
     ("", 3, 3, 7.5),
     ("green circle", 4, 1, 2.0),
 ]
+EDITS = [("make it blue", 5, 4, 0.6), ("sharper", 6, 3, 1.0)]  # prompt, seed, steps, strength
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,15 @@ def reference() -> tuple[D.SD3Walks, capture.CapturedModel, list[dict[str, Any]]
     reqs = [
         D.request_inputs(walks, p, seed=s, steps=n, guidance_scale=g) for p, s, n, g in REQUESTS
     ]
-    return walks, captured, reqs
+    edits = [
+        D.edit_inputs(walks, p, edit_image(seed), seed=seed, steps=n, strength=st)
+        for p, seed, n, st in EDITS
+    ]
+    return walks, captured, reqs, edits
+
+
+def edit_image(seed: int) -> torch.Tensor:
+    return torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(seed))  # [0, 1]
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +67,20 @@ def one_rank(reference: Any) -> Iterator[Server]:
 
 
 def check_concurrent(server: Server, reference: Any) -> None:
-    walks, captured, reqs = reference
+    walks, captured, reqs, edits = reference
     handles = [server.submit(r, "generate") for r in reqs]  # all in flight at once
+    edit_handles = [server.submit(r, "edit") for r in edits]
     for handle, r, (prompt, seed, steps, g) in zip(handles, reqs, REQUESTS, strict=True):
         got = handle.result(timeout=120)
         assert_outputs_match(got, captured.run(r, walk="generate"))
         want = D.pipeline_image(walks, r, prompt, seed=seed, steps=steps, guidance_scale=g)
+        assert (got["image"] - want).abs().max().item() <= TOLERANCE
+    for handle, r, (prompt, seed, steps, strength) in zip(edit_handles, edits, EDITS, strict=True):
+        got = handle.result(timeout=120)
+        assert_outputs_match(got, captured.run(r, walk="edit"))
+        want = D.pipeline_edit_image(
+            walks, prompt, edit_image(seed), seed=seed, steps=steps, strength=strength
+        )
         assert (got["image"] - want).abs().max().item() <= TOLERANCE
     stats = server.stats()
     assert stats.live_requests == 0 and stats.live_values == 0
@@ -80,7 +98,7 @@ def test_guidance_branches_on_two_ranks(reference: Any) -> None:
 
 
 def test_images_generations_route(one_rank: Server, reference: Any) -> None:
-    walks, _, _ = reference
+    walks = reference[0]
     client = TestClient(create_app(one_rank, profile_for(NAME)))
     body = {"model": NAME, "prompt": "a cat", "size": "32x32", "seed": 9}
     r = client.post("/v1/images/generations", json=body)

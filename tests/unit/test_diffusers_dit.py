@@ -58,6 +58,33 @@ def test_walk_image_equals_the_pipeline(
     assert torch.equal(got, walks.generate(**inputs)["image"])
 
 
+EDIT_CASES = [  # seed, steps, strength, guidance scale
+    (0, 4, 0.6, 5.0),
+    (3, 5, 1.0, 7.0),
+    (2, 3, 0.3, 3.0),  # one step left
+]
+
+
+@pytest.mark.parametrize(("seed", "steps", "strength", "guidance"), EDIT_CASES)
+def test_edit_walk_equals_the_img2img_pipeline(
+    tiny: Any, seed: int, steps: int, strength: float, guidance: float
+) -> None:
+    """``edit`` against ``StableDiffusion3Img2ImgPipeline`` on the same parts (same tolerance
+    and reason as above)."""
+    walks, _, captured = tiny
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(seed))  # [0, 1]
+    kw = dict(seed=seed, steps=steps, strength=strength, guidance_scale=guidance)
+    inputs = D.edit_inputs(walks, "make it blue", image, **kw)
+    got = captured.run(inputs, walk="edit")["image"]
+    want = D.pipeline_edit_image(walks, "make it blue", image, **kw)
+    error = (got - want).abs().max().item()
+    assert error <= TOLERANCE, error
+    assert torch.equal(got, walks.edit(**inputs)["image"])
+    other = captured.run({**inputs, "image": inputs["image"].flip(-1)}, walk="edit")["image"]
+    if strength < 1.0:  # at strength 1 the input image only enters through weak latents
+        assert (other - want).abs().max().item() > 100 * TOLERANCE
+
+
 def test_the_tolerance_separates_right_from_wrong(tiny: Any) -> None:
     walks, _, captured = tiny
     base = D.request_inputs(walks, "a red square", seed=0, steps=2)
@@ -113,6 +140,12 @@ def test_request_inputs_match_the_pipeline_and_refuse_bad_values(tiny: Any) -> N
         D.request_inputs(walks, "hi", size=17)
     with pytest.raises(ValueError, match="steps must be >= 1"):
         D.request_inputs(walks, "hi", steps=0)
+    image = torch.rand(1, 3, 32, 32)
+    assert D.edit_inputs(walks, "hi", image, steps=2, strength=0.2)["num_steps"] == 1
+    with pytest.raises(ValueError, match="strength must be in"):
+        D.edit_inputs(walks, "hi", image, strength=1.5)
+    with pytest.raises(ValueError, match=r"image must be \[1, 3, H, W\]"):
+        D.edit_inputs(walks, "hi", image[0])
 
 
 def test_refuses_a_t5_encoder_and_a_stochastic_scheduler() -> None:

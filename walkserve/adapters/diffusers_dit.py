@@ -71,6 +71,20 @@ class VaeDecoder(nn.Module):
         return self.vae.decode(latents, return_dict=False)[0]  # type: ignore[operator,no-any-return]
 
 
+@component(engine="stateless")
+class VaeEncoder(nn.Module):
+    """image [B, 3, H, W] in [-1, 1] -> (mean, std) [B, C, h, w] of the upstream VAE's latent
+    distribution (its ``latent_dist``)."""
+
+    def __init__(self, vae: nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, image: Tensor) -> tuple[Tensor, Tensor]:
+        dist = self.vae.encode(image).latent_dist  # type: ignore[operator]
+        return dist.mean, dist.std
+
+
 @dataclass(frozen=True)
 class SD3Shapes:
     """What the walks need to know about the pipeline's configuration."""
@@ -109,6 +123,7 @@ class SD3Walks(nn.Module):
         self.text_encoder_2 = ClipTextEncoder(pipe.text_encoder_2)
         self.transformer = pipe.transformer
         self.vae_decoder = VaeDecoder(pipe.vae)
+        self.vae_encoder = VaeEncoder(pipe.vae)
         self.shapes = SD3Shapes(
             ids_len=int(pipe.tokenizer_max_length),
             t5_len=t5_len,
@@ -144,7 +159,48 @@ class SD3Walks(nn.Module):
         # timesteps: [B, N]; guidance_scale: [B]
         ctx, pooled = self.encode(prompt_ids)
         neg_ctx, neg_pooled = self.encode(negative_ids)
-        z = latents
+        return self.sample(
+            latents, sigmas, timesteps, guidance_scale, num_steps, ctx, pooled, neg_ctx, neg_pooled
+        )
+
+    @walk
+    def edit(
+        self,
+        prompt_ids: Tensor,
+        negative_ids: Tensor,
+        image: Tensor,
+        noise: Tensor,
+        sigmas: Tensor,
+        timesteps: Tensor,
+        guidance_scale: Tensor,
+        num_steps: int,
+    ) -> dict[str, Tensor]:
+        # image: [B, 3, H, W] in [-1, 1]; noise: [B, 2, C, h, w] (the posterior draw, then the
+        # initial noise: the two draws StableDiffusion3Img2ImgPipeline makes from its generator);
+        # sigmas: [B, N+1] and timesteps [B, N] from the first step strength lets run
+        ctx, pooled = self.encode(prompt_ids)
+        neg_ctx, neg_pooled = self.encode(negative_ids)
+        mean, std = self.vae_encoder(image)  # [B, C, h, w] each
+        x0 = (mean + std * noise[:, 0] - self.shapes.shift_factor) * self.shapes.scaling_factor
+        s0 = sigmas[:, 0][:, None, None, None]  # [B, 1, 1, 1]
+        z = s0 * noise[:, 1] + (1.0 - s0) * x0  # the scheduler's scale_noise
+        return self.sample(
+            z, sigmas, timesteps, guidance_scale, num_steps, ctx, pooled, neg_ctx, neg_pooled
+        )
+
+    def sample(
+        self,
+        z: Tensor,
+        sigmas: Tensor,
+        timesteps: Tensor,
+        guidance_scale: Tensor,
+        num_steps: int,
+        ctx: Tensor,
+        pooled: Tensor,
+        neg_ctx: Tensor,
+        neg_pooled: Tensor,
+    ) -> dict[str, Tensor]:
+        """The denoising loop from latents ``z`` [B, C, h, w], then the VAE decode."""
         for k in iterations(num_steps):
             z = self.denoise_step(
                 z,
@@ -265,6 +321,46 @@ def request_inputs(
         "timesteps": timesteps[None],  # [1, N]
         "guidance_scale": torch.tensor([guidance_scale]),  # [1]
         "num_steps": steps,
+    }
+
+
+def edit_inputs(
+    walks: SD3Walks,
+    prompt: str,
+    image: Tensor,
+    *,
+    negative_prompt: str = "",
+    seed: int = 0,
+    steps: int = 4,
+    strength: float = 0.6,
+    guidance_scale: float = 5.0,
+) -> dict[str, Any]:
+    """The ``edit`` walk's inputs for ``image`` [1, 3, H, W] in [0, 1], made the way
+    ``StableDiffusion3Img2ImgPipeline`` makes them (``strength`` skips the first steps of the
+    schedule; its generator draws the VAE posterior sample, then the initial noise)."""
+    if guidance_scale <= 1.0:
+        raise ValueError(f"guidance_scale must be > 1, got {guidance_scale}")
+    if not 0.0 < strength <= 1.0:
+        raise ValueError(f"strength must be in (0, 1], got {strength}")
+    multiple = walks.host.size_multiple
+    if image.dim() != 4 or image.shape[:2] != (1, 3) or image.shape[2] % multiple:
+        raise ValueError(
+            f"image must be [1, 3, H, W] with H, W multiples of {multiple}, got {list(image.shape)}"
+        )
+    sigmas, timesteps = schedule(walks, steps)
+    start = int(max(steps - min(steps * strength, steps), 0))  # < steps as strength > 0
+    scale = int(walks.host.pipe.vae_scale_factor)
+    latent_shape = (walks.host.latent_channels, image.shape[2] // scale, image.shape[3] // scale)
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "prompt_ids": torch.tensor([prompt_ids(walks, prompt)]),  # [1, 2L]
+        "negative_ids": torch.tensor([prompt_ids(walks, negative_prompt)]),  # [1, 2L]
+        "image": 2.0 * image - 1.0,  # [1, 3, H, W] in [-1, 1], the pipeline's normalization
+        "noise": torch.randn((1, 2, *latent_shape), generator=generator),  # [1, 2, C, h, w]
+        "sigmas": sigmas[None, start:],  # [1, N - start + 1]
+        "timesteps": timesteps[None, start:],  # [1, N - start]
+        "guidance_scale": torch.tensor([guidance_scale]),  # [1]
+        "num_steps": steps - start,
     }
 
 
@@ -398,7 +494,11 @@ def tiny_pipeline(cfg: TinyConfig = TINY) -> Any:
 
 def walks_for(pipe: Any, t5_len: int) -> tuple[SD3Walks, dict[str, Any]]:
     walks = SD3Walks(pipe, t5_len=t5_len).eval().requires_grad_(False)
-    return walks, request_inputs(walks, "a red square", seed=0, steps=2)
+    size = native_size(walks)
+    image = torch.linspace(0, 1, 3 * size * size).reshape(1, 3, size, size)  # [1, 3, H, W]
+    edit = edit_inputs(walks, "a red square", image, steps=4, strength=0.5)
+    sample = request_inputs(walks, "a red square", seed=0, steps=2)
+    return walks, {**sample, "image": edit["image"], "noise": edit["noise"]}
 
 
 def tiny() -> tuple[SD3Walks, dict[str, Any]]:
@@ -442,6 +542,29 @@ def pipeline_image(walks: SD3Walks, inputs: dict[str, Any], prompt: str, **kw: A
     return out.images  # type: ignore[no-any-return]
 
 
+def pipeline_edit_image(walks: SD3Walks, prompt: str, image: Tensor, **kw: Any) -> Tensor:
+    """``StableDiffusion3Img2ImgPipeline`` (on the same parts) for ``image`` [1, 3, H, W] in
+    [0, 1]; ``kw``: negative_prompt, seed, steps, strength, guidance_scale."""
+    from diffusers import StableDiffusion3Img2ImgPipeline
+
+    pipe: Any = StableDiffusion3Img2ImgPipeline(**walks.host.pipe.components)
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(
+        prompt,
+        image=image,
+        negative_prompt=kw.get("negative_prompt", ""),
+        num_inference_steps=kw.get("steps", 4),
+        strength=kw.get("strength", 0.6),
+        guidance_scale=kw.get("guidance_scale", 5.0),
+        height=image.shape[2],
+        width=image.shape[3],
+        generator=torch.Generator().manual_seed(kw.get("seed", 0)),
+        output_type="pt",
+        max_sequence_length=walks.shapes.t5_len,
+    )
+    return out.images  # type: ignore[no-any-return]
+
+
 def api_profile(name: str) -> Any:
     """The HTTP routes' view of ``tiny``/``bench``: ``/v1/images/generations`` runs ``generate``
     with the default negative prompt, 4 steps and guidance 5 (see ``api.profile``)."""
@@ -456,7 +579,7 @@ def api_profile(name: str) -> Any:
         return ModelProfile(name)
     walks, sample = builders[factory]()
     fixed = {k: v for k, v in request_inputs(walks, "", steps=4).items()}
-    for key in ("prompt_ids", "latents"):
+    for key in ("prompt_ids", "latents"):  # the route makes these (edit: not served by the route)
         fixed.pop(key)
     return ModelProfile(
         name,
