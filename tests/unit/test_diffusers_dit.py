@@ -185,3 +185,6 @@ def test_api_profile_describes_the_image_route() -> None:
     assert extra["num_steps"] == 4 and extra["guidance_scale"].tolist() == [5.0]
     assert len(task.encode("hi")) == task.max_prompt_tokens == 32
     assert profile_for("walkserve.adapters.diffusers_dit:nope").image is None
+    # A module:factory model whose module has no api_profile keeps the walks-only profile.
+    plain = profile_for("walkserve.adapters.examples.cfg_image:build")
+    assert (plain.text, plain.speech, plain.image) == (None, None, None)
