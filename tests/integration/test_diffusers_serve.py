@@ -8,7 +8,7 @@ Served outputs are compared with the reference interpreter by
 different steps share batched transformer calls; that module says why), and with diffusers'
 ``StableDiffusion3Pipeline`` (``StableDiffusion3Img2ImgPipeline`` for edits) within ``TOLERANCE`` (justified in tests/unit/test_diffusers_dit.py:
 the pipeline runs the two branches as one batch of 2). ``/v1/images/generations`` is driven
-through the app on the one-rank server."""
+and ``/v1/images/edits`` through the app on the one-rank server."""
 
 from __future__ import annotations
 
@@ -115,3 +115,21 @@ def test_images_generations_route(one_rank: Server, reference: Any) -> None:
     r = client.post("/v1/images/generations", json={**body, "size": "64x64"})
     assert r.status_code == 400 and "32x32" in r.json()["error"]["message"]
     assert torch.equal(got, media.image_to_uint8(media.read_png(png)))
+
+
+def test_images_edits_route(one_rank: Server, reference: Any) -> None:
+    walks = reference[0]
+    client = TestClient(create_app(one_rank, profile_for(NAME)))
+    png = media.png(edit_image(8)[0] * 2 - 1)  # 32x32 RGB
+    image01 = (media.read_png(png)[None] + 1) / 2  # [1, 3, 32, 32]: what the server reads
+    fields = {"model": NAME, "prompt": "make it blue", "size": "32x32", "seed": "4"}
+    r = client.post("/v1/images/edits", data=fields, files={"image": ("in.png", png, "image/png")})
+    assert r.status_code == 200, r.text
+    got = media.image_to_uint8(media.read_png(base64.b64decode(r.json()["data"][0]["b64_json"])))
+    # The route's defaults: negative prompt "", 4 steps, strength 0.6, guidance 5.
+    want = D.pipeline_edit_image(
+        walks, "make it blue", image01, seed=4, steps=4, strength=0.6, guidance_scale=5.0
+    )[0]
+    expected = media.image_to_uint8(want * 2 - 1)  # [H, W, 3]
+    assert (got.int() - expected.int()).abs().max().item() <= 1
+    assert (got != expected).float().mean().item() < 0.01

@@ -181,8 +181,13 @@ def test_api_profile_describes_the_image_route() -> None:
     assert task is not None and task.walk == "generate" and task.size == 32
     assert task.noise_input == "latents" and task.noise_shape == (4, 16, 16)
     assert task.image_range == (0.0, 1.0) and task.extra_inputs is not None
-    extra = task.extra_inputs()
+    extra = task.extra_inputs("generate")
     assert extra["num_steps"] == 4 and extra["guidance_scale"].tolist() == [5.0]
+    assert "latents" not in extra and "prompt_ids" not in extra
+    assert task.edit_walk == "edit" and task.image_input == "image"
+    assert task.edit_noise_input == "noise" and task.edit_noise_shape == (2, 4, 16, 16)
+    extra = task.extra_inputs("edit")
+    assert extra["num_steps"] == 3 and extra["sigmas"].shape == (1, 4)  # strength 0.6 of 4
     assert len(task.encode("hi")) == task.max_prompt_tokens == 32
     assert profile_for("walkserve.adapters.diffusers_dit:nope").image is None
     # A module:factory model whose module has no api_profile keeps the walks-only profile.

@@ -565,9 +565,16 @@ def pipeline_edit_image(walks: SD3Walks, prompt: str, image: Tensor, **kw: Any) 
     return out.images  # type: ignore[no-any-return]
 
 
+API_STEPS = 4  # the HTTP routes' fixed settings
+API_GUIDANCE = 5.0
+API_STRENGTH = 0.6
+
+
 def api_profile(name: str) -> Any:
-    """The HTTP routes' view of ``tiny``/``bench``: ``/v1/images/generations`` runs ``generate``
-    with the default negative prompt, 4 steps and guidance 5 (see ``api.profile``)."""
+    """The HTTP routes' view of ``tiny``/``bench``: ``/v1/images/generations`` runs
+    ``generate`` and ``/v1/images/edits`` runs ``edit`` with an empty negative prompt,
+    ``API_STEPS`` steps, guidance ``API_GUIDANCE`` (edits: strength ``API_STRENGTH``); the
+    seeded noise is drawn by the app as the pipelines draw it (see ``api.profile``)."""
     from walkserve.api.profile import ImageTask, ModelProfile
 
     factory = name.partition(":")[2]
@@ -578,9 +585,21 @@ def api_profile(name: str) -> Any:
     if factory not in builders:
         return ModelProfile(name)
     walks, sample = builders[factory]()
-    fixed = {k: v for k, v in request_inputs(walks, "", steps=4).items()}
-    for key in ("prompt_ids", "latents"):  # the route makes these (edit: not served by the route)
-        fixed.pop(key)
+    size = native_size(walks)
+    gen = request_inputs(walks, "", steps=API_STEPS, guidance_scale=API_GUIDANCE)
+    edit = edit_inputs(
+        walks,
+        "",
+        torch.zeros(1, 3, size, size),
+        steps=API_STEPS,
+        strength=API_STRENGTH,
+        guidance_scale=API_GUIDANCE,
+    )
+    # The app supplies the prompt ids, the image and the seeded noise; the rest is fixed.
+    fixed = {
+        "generate": {k: v for k, v in gen.items() if k not in ("prompt_ids", "latents")},
+        "edit": {k: v for k, v in edit.items() if k not in ("prompt_ids", "image", "noise")},
+    }
     return ModelProfile(
         name,
         image=ImageTask(
@@ -588,12 +607,16 @@ def api_profile(name: str) -> Any:
             prompt_input="prompt_ids",
             noise_input="latents",
             noise_shape=tuple(sample["latents"].shape[1:]),
-            size=native_size(walks),
+            size=size,
             vocab_size=int(walks.host.pipe.text_encoder.config.vocab_size),
             max_prompt_tokens=2 * walks.shapes.ids_len,
             image_output="image",
             encode=lambda text: prompt_ids(walks, text),
-            extra_inputs=lambda: dict(fixed),
+            edit_walk="edit",
+            image_input="image",
+            extra_inputs=lambda walk: dict(fixed[walk]),
             image_range=(0.0, 1.0),
+            edit_noise_input="noise",
+            edit_noise_shape=tuple(sample["noise"].shape[1:]),
         ),
     )

@@ -566,9 +566,12 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         t0 = time.perf_counter()
         try:
             generator = torch.Generator().manual_seed(seed)
-            inputs[task.noise_input] = torch.randn((1, *task.noise_shape), generator=generator)
+            edit = walk == task.edit_walk
+            noise_input = (edit and task.edit_noise_input) or task.noise_input
+            noise_shape = (edit and task.edit_noise_shape) or task.noise_shape
+            inputs[noise_input] = torch.randn((1, *noise_shape), generator=generator)
             if task.extra_inputs is not None:
-                inputs.update(task.extra_inputs())
+                inputs.update(task.extra_inputs(walk))
             handle = await submit(inputs, walk)
             outputs = await finish(handle)
         finally:

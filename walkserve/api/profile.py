@@ -74,9 +74,12 @@ class ImageTask:
     encode: Encode
     edit_walk: str | None = None  # (prompt, image, noise) -> image; None: no /v1/images/edits
     image_input: str | None = None  # the edit walk's input image [B, 3, H, W] in [-1, 1]
-    # Further walk inputs every request gets (a negative prompt, a schedule), made per request.
-    extra_inputs: Callable[[], dict[str, Any]] | None = None
+    # walk name -> further inputs every request of that walk gets (a negative prompt, a
+    # schedule), made per request.
+    extra_inputs: Callable[[str], dict[str, Any]] | None = None
     image_range: tuple[float, float] = (-1.0, 1.0)  # the value range of image_output
+    edit_noise_input: str | None = None  # the edit walk's seeded noise, if not noise_input
+    edit_noise_shape: tuple[int, ...] | None = None  # its shape, if not noise_shape
 
 
 @dataclass(frozen=True)
