@@ -695,7 +695,12 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         handle: RequestHandle | None = None
         try:
             generator = torch.Generator().manual_seed(seed)
-            inputs[task.noise_input] = torch.randn((1, *task.noise_shape), generator=generator)
+            edit = walk == task.edit_walk
+            noise_input = (edit and task.edit_noise_input) or task.noise_input
+            noise_shape = (edit and task.edit_noise_shape) or task.noise_shape
+            inputs[noise_input] = torch.randn((1, *noise_shape), generator=generator)
+            if task.extra_inputs is not None:
+                inputs.update(task.extra_inputs(walk))
             handle = await submit(inputs, walk)
             outputs = await unless_gone(request, finish(handle))
         finally:
@@ -703,6 +708,9 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
                 cancel(handle)
             ticket.release()
         image = outputs[task.image_output][0]  # [3, H, W]
+        low, high = task.image_range
+        if (low, high) != (-1.0, 1.0):  # media.png takes [-1, 1]
+            image = (image - low) * (2.0 / (high - low)) - 1.0
         metrics.observe_latency(walk, time.perf_counter() - t0)
         return JSONResponse(
             {

@@ -6,13 +6,16 @@ offers none of these tasks is still served through ``/v1/walks/{walk}``.
     profile_for("tiny-llama")          text (toy byte tokenizer)
     profile_for("/path/to/checkpoint") text (the checkpoint's own AutoTokenizer)
     profile_for("example-speech")      no task: walks only
+    profile_for("pkg.module:factory")  ``pkg.module.api_profile(name)`` if the module defines it
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from walkserve.adapters.tokenizer import ByteTokenizer
 
@@ -72,6 +75,12 @@ class ImageTask:
     encode: Encode
     edit_walk: str | None = None  # (prompt, image, noise) -> image; None: no /v1/images/edits
     image_input: str | None = None  # the edit walk's input image [B, 3, H, W] in [-1, 1]
+    # walk name -> further inputs every request of that walk gets (a negative prompt, a
+    # schedule), made per request.
+    extra_inputs: Callable[[str], dict[str, Any]] | None = None
+    image_range: tuple[float, float] = (-1.0, 1.0)  # the value range of image_output
+    edit_noise_input: str | None = None  # the edit walk's seeded noise, if not noise_input
+    edit_noise_shape: tuple[int, ...] | None = None  # its shape, if not noise_shape
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,18 @@ def profile_for(name: str) -> ModelProfile:
         return ModelProfile(name, text=_hf_text(256, 2, tok.encode, tok.decode, plain_chat))
     if os.path.isdir(name):
         return ModelProfile(name, text=_checkpoint_text(name))
+    if ":" in name:
+        # A module:factory model may describe its tasks with a module-level api_profile(name).
+        try:
+            module = importlib.import_module(name.partition(":")[0])
+        except ImportError:
+            return ModelProfile(name)
+        describe = getattr(module, "api_profile", None)
+        if callable(describe):
+            profile = describe(name)
+            if not isinstance(profile, ModelProfile):
+                raise ValueError(f"{name}: api_profile() must return a ModelProfile")
+            return profile
     return ModelProfile(name)
 
 
