@@ -1,0 +1,401 @@
+"""Janus (``transformers.JanusForConditionalGeneration``, unmodified) as a served image generator
+whose two guidance contexts are two labels of one request over one paged KV pool.
+
+Owns the decoration of the upstream model: the components around its language model, its
+generation head, its image-token embeddings and its VQ decoder, the ``generate`` walk, the pool
+that the language model runs over, a tiny random-weight factory and a checkpoint loader.
+What crosses its boundary: ``generate(input_ids [B, T] int64, seed [B] int64)`` ->
+``image_tokens [B, N]`` and ``image [B, 3, H, W]`` (the VQ decoder's pixels, about [-1, 1]).
+
+Upstream ``generate(generation_mode="image")`` runs a batch of 2B (conditioned rows, then the
+unconditioned rows whose prompt tokens other than BOS and BOI are pad) through a static cache.
+Here the two contexts of request r are the sequences ``SeqId(r, "cond")`` and
+``SeqId(r, "uncond")`` of the pool the language-model component owns; each step packs every
+context of every request of the batch into one forward (``PagedCausalLMRunner``)::
+
+    kv = kv_open(input_ids)                      [B] int64: handles naming pool requests
+    embeds = prompt_embedder(input_ids)          [B, 2, T, D]  cond | uncond prompt embeddings
+    rng = seeder(seed)                           [B, S] uint8: one torch.Generator state each
+    repeat N = num_image_tokens times (image_step):
+        hidden = lm(kv, embeds)                  [B, 2, D]  appends T (then 1) tokens per label
+        token, rng = sampler(hidden, rng)        head, CFG + warpers (upstream processors),
+                                                 softmax, multinomial with the request's state
+        embeds = image_embedder(token)           [B, 2, 1, D]  upstream image-token embedding
+        tokens = shift in token                  [B, N]
+    tokens = kv_release(kv, tokens)              frees both labels' pages
+    image = decoder(tokens)                      upstream decode_image_tokens, channels first
+
+The KV state travelling through the loop is ``kv``: a small int64 tensor, one handle per
+request, not an object, so that the batched runtime concatenates the handles of many requests
+into one call like any other batched input (objects are batched only when identical). The
+handle names ``"janus-<n>"`` in the pool of the component instance that made it; the pool, the
+language model, ``kv_open`` and ``kv_release`` share ``GuidanceKV`` and must sit on one rank.
+Sampling from a carried generator state reproduces upstream's ``torch.manual_seed(seed)``
+followed by ``generate`` token for token (CPU generators; one request per upstream call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from walkserve.capture import loop, register_component, walk
+from walkserve.runtime.kv import hf
+from walkserve.runtime.kv.pool import KVPool, SeqId
+
+LABELS = ("cond", "uncond")  # guidance contexts, in upstream's row order
+
+
+@dataclass(frozen=True)
+class ImageSampling:
+    """Upstream's image-mode sampling knobs (``GenerationConfig`` fields of the same names)."""
+
+    guidance_scale: float = 5.0
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    do_sample: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.guidance_scale > 1:
+            raise ValueError(f"guidance_scale must be > 1 for CFG, got {self.guidance_scale}")
+        if not self.temperature > 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(
+                f"need temperature > 0, 0 < top_p <= 1, top_k >= 0; got {self.temperature}, "
+                f"{self.top_p}, {self.top_k}"
+            )
+
+    def processors(self) -> Any:
+        """The logits processors upstream ``generate`` builds for these values, in its order."""
+        from transformers.generation import logits_process as lp
+
+        out = lp.LogitsProcessorList([lp.ClassifierFreeGuidanceLogitsProcessor(self.guidance_scale)])
+        if self.do_sample and self.temperature != 1.0:
+            out.append(lp.TemperatureLogitsWarper(self.temperature))
+        if self.do_sample and self.top_k != 0:
+            out.append(lp.TopKLogitsWarper(self.top_k))
+        if self.do_sample and self.top_p < 1.0:
+            out.append(lp.TopPLogitsWarper(self.top_p))
+        return out
+
+
+@dataclass(frozen=True)
+class PromptIds:
+    """Special ids upstream reads from the generation config: the unconditioned prompt keeps
+    BOS and BOI (begin of image) and turns every other token into PAD."""
+
+    bos: int
+    boi: int
+    pad: int
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    num_pages: int = 128
+    page_size: int = 16
+
+
+class GuidanceKV:
+    """The paged pool of one language-model instance and the handles naming its requests.
+
+    The pool is allocated on first use (in the worker that runs the component), once."""
+
+    def __init__(self, language_model: nn.Module, size: PoolSize) -> None:
+        self.language_model = language_model
+        self.size = size
+        self._runner: hf.PagedCausalLMRunner | None = None
+        self._next = 0
+
+    @property
+    def runner(self) -> hf.PagedCausalLMRunner:
+        if self._runner is None:
+            pool = hf.pool_for(self.language_model, self.size.num_pages, self.size.page_size)
+            self._runner = hf.PagedCausalLMRunner(self.language_model, pool)
+        return self._runner
+
+    @property
+    def pool(self) -> KVPool:
+        return self.runner.pool
+
+    @staticmethod
+    def request_id(handle: int) -> str:
+        return f"janus-{handle}"
+
+    def open(self, n: int) -> list[int]:
+        handles = list(range(self._next, self._next + n))
+        self._next += n
+        for h in handles:
+            for label in LABELS:
+                self.pool.allocate(SeqId(self.request_id(h), label), 0)
+        return handles
+
+    def step(self, handles: Sequence[int], embeds: Tensor) -> Tensor:
+        # embeds: [B, 2, T, D] -> last hidden state of every context [B, 2, D]
+        b, n_labels, t, d = embeds.shape
+        chunks = []
+        for row, h in enumerate(handles):
+            for j, label in enumerate(LABELS):
+                seq = SeqId(self.request_id(h), label)
+                context = self.pool.num_tokens(seq)
+                self.pool.append(seq, t)
+                pages = self.pool.block_table(seq).pages
+                chunks.append(hf.SeqChunk((), context, pages, embeds[row, j]))
+        return self.runner.last_hidden_states(chunks).view(b, n_labels, d)
+
+    def close(self, handles: Sequence[int]) -> None:
+        for h in handles:
+            self.pool.free_request(self.request_id(h))
+
+
+class KVOpen(nn.Module):
+    """input_ids [B, T] -> handles [B] int64: both labels of B new requests, empty."""
+
+    def __init__(self, kv: GuidanceKV) -> None:
+        super().__init__()
+        self.kv = kv
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return torch.tensor(self.kv.open(input_ids.shape[0]), dtype=torch.int64)
+
+
+class PagedLM(nn.Module):
+    """handles [B], embeds [B, 2, T, D] -> hidden [B, 2, D]: one packed forward of the
+    upstream language model over both labels of every request, appending T tokens each."""
+
+    def __init__(self, language_model: nn.Module, kv: GuidanceKV) -> None:
+        super().__init__()
+        self.language_model = language_model
+        self.kv = kv
+
+    def forward(self, handles: Tensor, embeds: Tensor) -> Tensor:
+        return self.kv.step(handles.tolist(), embeds)
+
+
+class KVRelease(nn.Module):
+    """handles [B], tokens [B, N] -> tokens: frees the requests' pages once the loop is done
+    (the tokens pass through so that the release is ordered after the last step)."""
+
+    def __init__(self, kv: GuidanceKV) -> None:
+        super().__init__()
+        self.kv = kv
+
+    def forward(self, handles: Tensor, tokens: Tensor) -> Tensor:
+        self.kv.close(handles.tolist())
+        return tokens
+
+
+class PromptEmbedder(nn.Module):
+    """input_ids [B, T] -> embeds [B, 2, T, D]: the conditioned prompt and upstream's
+    unconditioned one (only BOS and BOI kept, the rest PAD), through the text embeddings."""
+
+    def __init__(self, embed_tokens: nn.Module, ids: PromptIds) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.ids = ids
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        keep = (input_ids == self.ids.bos) | (input_ids == self.ids.boi)
+        uncond = input_ids.masked_fill(~keep, self.ids.pad)
+        return self.embed_tokens(torch.stack([input_ids, uncond], dim=1))
+
+
+class Seeder(nn.Module):
+    """seed [B] int64 -> rng [B, S] uint8: the state of ``torch.Generator().manual_seed(s)``."""
+
+    def forward(self, seed: Tensor) -> Tensor:
+        states = [torch.Generator().manual_seed(int(s)).get_state() for s in seed.tolist()]
+        return torch.stack(states)
+
+
+class GuidedSampler(nn.Module):
+    """hidden [B, 2, D], rng [B, S] -> token [B, 1] int64, rng [B, S]: upstream's generation
+    head, its logits processors (CFG first), softmax and multinomial, per request with its own
+    generator state."""
+
+    def __init__(self, generation_head: nn.Module, sampling: ImageSampling) -> None:
+        super().__init__()
+        self.generation_head = generation_head
+        self.sampling = sampling
+        self.processors = sampling.processors()
+
+    def forward(self, hidden: Tensor, rng: Tensor) -> tuple[Tensor, Tensor]:
+        tokens, states = [], []
+        generator = torch.Generator()
+        for h, state in zip(hidden, rng):
+            scores = self.generation_head(h)  # [2, V]: cond, uncond
+            scores = self.processors(h.new_zeros(1, 1, dtype=torch.long), scores)  # [1, V]
+            if self.sampling.do_sample:
+                generator.set_state(state.contiguous())
+                probs = torch.softmax(scores, dim=-1)
+                tokens.append(torch.multinomial(probs, num_samples=1, generator=generator))
+                states.append(generator.get_state())
+            else:
+                tokens.append(scores.argmax(-1, keepdim=True))
+                states.append(state)
+        return torch.cat(tokens), torch.stack(states)
+
+
+class ImageTokenEmbedder(nn.Module):
+    """token [B, 1] -> embeds [B, 2, 1, D]: upstream's image-token embedding, fed to both
+    contexts."""
+
+    def __init__(self, janus: nn.Module) -> None:
+        super().__init__()
+        self.janus = janus
+
+    def forward(self, token: Tensor) -> Tensor:
+        embeds = self.janus.prepare_embeddings_for_image_generation(token)  # [B, 1, D]
+        return embeds.unsqueeze(1).expand(-1, len(LABELS), -1, -1)
+
+
+class ImageDecoder(nn.Module):
+    """tokens [B, N] -> image [B, 3, H, W]: upstream ``decode_image_tokens``, channels first."""
+
+    def __init__(self, janus: nn.Module) -> None:
+        super().__init__()
+        self.janus = janus
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.janus.decode_image_tokens(tokens).permute(0, 3, 1, 2)
+
+
+for _cls in (KVOpen, PagedLM, KVRelease):
+    register_component(_cls, engine="kv_cache", speculative=False)
+for _cls in (PromptEmbedder, Seeder, GuidedSampler, ImageTokenEmbedder, ImageDecoder):
+    register_component(_cls, engine="stateless")
+
+
+class JanusImageWalks(nn.Module):
+    """The ``generate`` walk around an upstream ``JanusForConditionalGeneration``. Switches its
+    language model's attention to the paged function; everything else runs as upstream."""
+
+    def __init__(
+        self,
+        janus: nn.Module,
+        ids: PromptIds,
+        sampling: ImageSampling | None = None,
+        pool: PoolSize | None = None,
+    ) -> None:
+        super().__init__()
+        janus.eval().requires_grad_(False)
+        language_model = janus.model.language_model
+        language_model.config._attn_implementation = hf.register()
+        self.kv = GuidanceKV(language_model, pool or PoolSize())
+        self.num_image_tokens = int(janus.config.vision_config.num_image_tokens)
+        self.kv_open = KVOpen(self.kv)
+        self.prompt_embedder = PromptEmbedder(janus.get_input_embeddings(), ids)
+        self.seeder = Seeder()
+        self.lm = PagedLM(language_model, self.kv)
+        self.sampler = GuidedSampler(janus.model.generation_head, sampling or ImageSampling())
+        self.image_embedder = ImageTokenEmbedder(janus)
+        self.kv_release = KVRelease(self.kv)
+        self.decoder = ImageDecoder(janus)
+
+    @walk
+    def generate(self, input_ids: Tensor, seed: Tensor) -> dict[str, Tensor]:
+        # input_ids: [B, T] int64, ending with BOI; seed: [B] int64
+        kv = self.kv_open(input_ids)  # [B]
+        embeds = self.prompt_embedder(input_ids)  # [B, 2, T, D]
+        rng = self.seeder(seed)  # [B, S]
+        tokens = input_ids.new_zeros(input_ids.shape[0], self.num_image_tokens)  # [B, N]
+        for _ in range(self.num_image_tokens):
+            tokens, embeds, rng = self.image_step(tokens, embeds, rng, kv)
+        tokens = self.kv_release(kv, tokens)
+        return {"image_tokens": tokens, "image": self.decoder(tokens)}
+
+    @loop
+    def image_step(
+        self, tokens: Tensor, embeds: Tensor, rng: Tensor, kv: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        hidden = self.lm(kv, embeds)  # [B, 2, D]
+        token, rng = self.sampler(hidden, rng)  # [B, 1]
+        embeds = self.image_embedder(token)  # [B, 2, 1, D]
+        return torch.cat([tokens[:, 1:], token], dim=1), embeds, rng
+
+
+# ------------------------------------------------------------------------------ construction
+
+TINY_VOCAB = 320  # byte ids 3..258 (ByteTokenizer), image placeholder 300, BOI 301, EOI 302
+TINY_IDS = PromptIds(bos=1, boi=301, pad=0)
+
+
+def tiny_janus(seed: int = 0) -> nn.Module:
+    """A tiny random-weight ``JanusForConditionalGeneration`` (facts.md recipe): 64x64 images
+    of 4x4 = 16 image tokens from a 256-entry VQ codebook."""
+    from transformers import JanusConfig, JanusForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = JanusConfig(
+        text_config={
+            "model_type": "llama",
+            "vocab_size": TINY_VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "bos_token_id": TINY_IDS.bos,
+            "eos_token_id": 2,
+            "pad_token_id": TINY_IDS.pad,
+        },
+        vision_config={
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "image_size": 64,
+            "patch_size": 16,
+            "projection_dim": 64,
+            "num_image_tokens": 16,
+            "depth": 1,
+            "mlp_ratio": 2.0,
+        },
+        vq_config={
+            "embed_dim": 8,
+            "num_embeddings": 256,
+            "base_channels": 32,
+            "latent_channels": 16,
+            "num_res_blocks": 1,
+            "projection_dim": 64,
+            "image_token_embed_dim": 64,
+            "num_hidden_layers": 1,
+        },
+        image_token_id=300,
+    )
+    return JanusForConditionalGeneration(config).eval()
+
+
+def sample_inputs(prompt: Sequence[int] = (40, 50, 60)) -> dict[str, Tensor]:
+    ids = [TINY_IDS.bos, *prompt, TINY_IDS.boi]
+    return {"input_ids": torch.tensor([ids]), "seed": torch.tensor([0])}
+
+
+def tiny(seed: int = 0) -> tuple[JanusImageWalks, dict[str, Tensor]]:
+    """Zero-argument factory for ``serve("walkserve.adapters.janus:tiny")``."""
+    return JanusImageWalks(tiny_janus(seed), TINY_IDS), sample_inputs()
+
+
+def load_janus(
+    path: str, sampling: ImageSampling | None = None, pool: PoolSize | None = None
+) -> tuple[JanusImageWalks, dict[str, Tensor]]:
+    """A local Janus checkpoint directory (``from_pretrained`` on a path, safetensors). BOS,
+    PAD and BOI come from its generation config, as upstream ``generate`` reads them."""
+    from transformers import JanusForConditionalGeneration
+
+    janus = JanusForConditionalGeneration.from_pretrained(path, local_files_only=True)
+    gen = janus.generation_config
+    boi = (gen.generation_kwargs or {}).get("boi_token_id")
+    if boi is None or gen.bos_token_id is None or gen.pad_token_id is None:
+        raise ValueError(
+            f"{path}: generation_config.json needs bos_token_id, pad_token_id and "
+            "generation_kwargs.boi_token_id for image generation"
+        )
+    if sampling is None and gen.guidance_scale is not None:
+        sampling = ImageSampling(guidance_scale=float(gen.guidance_scale))
+    ids = PromptIds(bos=int(gen.bos_token_id), boi=int(boi), pad=int(gen.pad_token_id))
+    walks = JanusImageWalks(janus, ids, sampling, pool)
+    return walks, {"input_ids": torch.tensor([[ids.bos, ids.boi]]), "seed": torch.tensor([0])}
