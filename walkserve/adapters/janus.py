@@ -188,6 +188,19 @@ class KVRelease(nn.Module):
         return tokens
 
 
+class KVUsage(nn.Module):
+    """probe [B] -> [B, 3] int64: (pages in use, sequences, requests) of the pool, for
+    checking from outside a worker that served requests left nothing behind."""
+
+    def __init__(self, kv: GuidanceKV) -> None:
+        super().__init__()
+        self.kv = kv
+
+    def forward(self, probe: Tensor) -> Tensor:
+        s = self.kv.pool.stats()
+        return torch.tensor([[s.pages_in_use, s.sequences, s.requests]]).expand(len(probe), -1)
+
+
 class PromptEmbedder(nn.Module):
     """input_ids [B, T] -> embeds [B, 2, T, D]: the conditioned prompt and upstream's
     unconditioned one (only BOS and BOI kept, the rest PAD), through the text embeddings."""
@@ -229,7 +242,7 @@ class GuidedSampler(nn.Module):
             scores = self.generation_head(h)  # [2, V]: cond, uncond
             scores = self.processors(h.new_zeros(1, 1, dtype=torch.long), scores)  # [1, V]
             if self.sampling.do_sample:
-                generator.set_state(state.contiguous())
+                generator.set_state(state.clone())  # own storage: set_state ignores offsets
                 probs = torch.softmax(scores, dim=-1)
                 tokens.append(torch.multinomial(probs, num_samples=1, generator=generator))
                 states.append(generator.get_state())
@@ -253,17 +266,21 @@ class ImageTokenEmbedder(nn.Module):
 
 
 class ImageDecoder(nn.Module):
-    """tokens [B, N] -> image [B, 3, H, W]: upstream ``decode_image_tokens``, channels first."""
+    """tokens [B, N] -> image [B, 3, H, W]: upstream ``decode_image_tokens``, channels first.
+    One request at a time: batched convolutions of the ~20-layer VQ decoder reassociate sums by
+    ~1e-5 relative (measured), over ``walkserve.testing``'s rule; a request's pixels then do
+    not depend on what it was batched with."""
 
     def __init__(self, janus: nn.Module) -> None:
         super().__init__()
         self.janus = janus
 
     def forward(self, tokens: Tensor) -> Tensor:
-        return self.janus.decode_image_tokens(tokens).permute(0, 3, 1, 2)
+        images = [self.janus.decode_image_tokens(t[None]) for t in tokens]  # [1, H, W, 3] each
+        return torch.cat(images).permute(0, 3, 1, 2)
 
 
-for _cls in (KVOpen, PagedLM, KVRelease):
+for _cls in (KVOpen, PagedLM, KVRelease, KVUsage):
     register_component(_cls, engine="kv_cache", speculative=False)
 for _cls in (PromptEmbedder, Seeder, GuidedSampler, ImageTokenEmbedder, ImageDecoder):
     register_component(_cls, engine="stateless")
@@ -294,6 +311,7 @@ class JanusImageWalks(nn.Module):
         self.image_embedder = ImageTokenEmbedder(janus)
         self.kv_release = KVRelease(self.kv)
         self.decoder = ImageDecoder(janus)
+        self.kv_usage = KVUsage(self.kv)
 
     @walk
     def generate(self, input_ids: Tensor, seed: Tensor) -> dict[str, Tensor]:
@@ -306,6 +324,11 @@ class JanusImageWalks(nn.Module):
             tokens, embeds, rng = self.image_step(tokens, embeds, rng, kv)
         tokens = self.kv_release(kv, tokens)
         return {"image_tokens": tokens, "image": self.decoder(tokens)}
+
+    @walk
+    def pool_usage(self, probe: Tensor) -> dict[str, Tensor]:
+        # probe: [B], any values -> usage [B, 3]: pages in use, sequences, requests
+        return {"usage": self.kv_usage(probe)}
 
     @loop
     def image_step(
@@ -371,7 +394,7 @@ def tiny_janus(seed: int = 0) -> nn.Module:
 
 def sample_inputs(prompt: Sequence[int] = (40, 50, 60)) -> dict[str, Tensor]:
     ids = [TINY_IDS.bos, *prompt, TINY_IDS.boi]
-    return {"input_ids": torch.tensor([ids]), "seed": torch.tensor([0])}
+    return {"input_ids": torch.tensor([ids]), "seed": torch.tensor([0]), "probe": torch.zeros(1)}
 
 
 def tiny(seed: int = 0) -> tuple[JanusImageWalks, dict[str, Tensor]]:
@@ -398,4 +421,5 @@ def load_janus(
         sampling = ImageSampling(guidance_scale=float(gen.guidance_scale))
     ids = PromptIds(bos=int(gen.bos_token_id), boi=int(boi), pad=int(gen.pad_token_id))
     walks = JanusImageWalks(janus, ids, sampling, pool)
-    return walks, {"input_ids": torch.tensor([[ids.bos, ids.boi]]), "seed": torch.tensor([0])}
+    sample = {"input_ids": torch.tensor([[ids.bos, ids.boi]]), "seed": torch.tensor([0])}
+    return walks, {**sample, "probe": torch.zeros(1)}
