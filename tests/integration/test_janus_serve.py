@@ -9,10 +9,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from walkserve.adapters import janus  # noqa: E402
-from walkserve.adapters.registry import capture_model  # noqa: E402
-from walkserve.runtime.server import serve  # noqa: E402
-from walkserve.testing import assert_outputs_match  # noqa: E402
+from walkserve.adapters import janus
+from walkserve.adapters.registry import capture_model
+from walkserve.runtime.server import serve
+from walkserve.testing import assert_outputs_match
 
 FACTORY = "walkserve.adapters.janus:tiny"
 
@@ -20,7 +20,8 @@ FACTORY = "walkserve.adapters.janus:tiny"
 def requests() -> list[dict[str, torch.Tensor]]:
     prompts = [(40, 50, 60), (70, 80), (90, 91, 92, 93), (7, 8, 9)]
     return [
-        {k: v for k, v in janus.sample_inputs(p).items() if k != "probe"} | {"seed": torch.tensor([s])}
+        {k: v for k, v in janus.sample_inputs(p).items() if k != "probe"}
+        | {"seed": torch.tensor([s])}
         for p, s in zip(prompts, (11, 22, 33, 44))
     ]
 

@@ -73,7 +73,9 @@ class ImageSampling:
         """The logits processors upstream ``generate`` builds for these values, in its order."""
         from transformers.generation import logits_process as lp
 
-        out = lp.LogitsProcessorList([lp.ClassifierFreeGuidanceLogitsProcessor(self.guidance_scale)])
+        out = lp.LogitsProcessorList(
+            [lp.ClassifierFreeGuidanceLogitsProcessor(self.guidance_scale)]
+        )
         if self.do_sample and self.temperature != 1.0:
             out.append(lp.TemperatureLogitsWarper(self.temperature))
         if self.do_sample and self.top_k != 0:
@@ -205,7 +207,7 @@ class PromptEmbedder(nn.Module):
     """input_ids [B, T] -> embeds [B, 2, T, D]: the conditioned prompt and upstream's
     unconditioned one (only BOS and BOI kept, the rest PAD), through the text embeddings."""
 
-    def __init__(self, embed_tokens: nn.Module, ids: PromptIds) -> None:
+    def __init__(self, embed_tokens: Any, ids: PromptIds) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.ids = ids
@@ -256,6 +258,8 @@ class ImageTokenEmbedder(nn.Module):
     """token [B, 1] -> embeds [B, 2, 1, D]: upstream's image-token embedding, fed to both
     contexts."""
 
+    janus: Any  # transformers.JanusForConditionalGeneration
+
     def __init__(self, janus: nn.Module) -> None:
         super().__init__()
         self.janus = janus
@@ -271,6 +275,8 @@ class ImageDecoder(nn.Module):
     ~1e-5 relative (measured), over ``walkserve.testing``'s rule; a request's pixels then do
     not depend on what it was batched with."""
 
+    janus: Any  # transformers.JanusForConditionalGeneration
+
     def __init__(self, janus: nn.Module) -> None:
         super().__init__()
         self.janus = janus
@@ -280,10 +286,10 @@ class ImageDecoder(nn.Module):
         return torch.cat(images).permute(0, 3, 1, 2)
 
 
-for _cls in (KVOpen, PagedLM, KVRelease, KVUsage):
-    register_component(_cls, engine="kv_cache", speculative=False)
-for _cls in (PromptEmbedder, Seeder, GuidedSampler, ImageTokenEmbedder, ImageDecoder):
-    register_component(_cls, engine="stateless")
+for _kv in (KVOpen, PagedLM, KVRelease, KVUsage):
+    register_component(_kv, engine="kv_cache", speculative=False)
+for _stateless in (PromptEmbedder, Seeder, GuidedSampler, ImageTokenEmbedder, ImageDecoder):
+    register_component(_stateless, engine="stateless")
 
 
 class JanusImageWalks(nn.Module):
@@ -292,7 +298,7 @@ class JanusImageWalks(nn.Module):
 
     def __init__(
         self,
-        janus: nn.Module,
+        janus: Any,  # transformers.JanusForConditionalGeneration
         ids: PromptIds,
         sampling: ImageSampling | None = None,
         pool: PoolSize | None = None,
@@ -411,7 +417,7 @@ def load_janus(
 
     janus = JanusForConditionalGeneration.from_pretrained(path, local_files_only=True)
     gen = janus.generation_config
-    boi = (gen.generation_kwargs or {}).get("boi_token_id")
+    boi = (getattr(gen, "generation_kwargs", None) or {}).get("boi_token_id")
     if boi is None or gen.bos_token_id is None or gen.pad_token_id is None:
         raise ValueError(
             f"{path}: generation_config.json needs bos_token_id, pad_token_id and "
