@@ -128,3 +128,15 @@ def test_bad_sampling_values_are_refused() -> None:
         janus.ImageSampling(guidance_scale=1.0)
     with pytest.raises(ValueError, match="top_p"):
         janus.ImageSampling(top_p=0.0)
+
+
+def test_factory_profiles_come_from_the_module_hook() -> None:
+    from walkserve.api.profile import ModelProfile, profile_for
+
+    profile = profile_for("walkserve.adapters.janus:tiny")
+    assert profile.image is not None and profile.image.noise_input is None
+    assert profile.image.encode("hi") == [janus.TINY_IDS.bos, 107, 108, janus.TINY_IDS.boi]
+    plain = "walkserve.adapters.examples.text:build"  # no api_profile: walks only
+    assert profile_for(plain) == ModelProfile(plain)
+    with pytest.raises(ValueError, match="cannot load model factory"):
+        profile_for("walkserve.adapters.no_such_module:tiny")

@@ -350,6 +350,7 @@ class JanusImageWalks(nn.Module):
 
 TINY_VOCAB = 320  # byte ids 3..258 (ByteTokenizer), image placeholder 300, BOI 301, EOI 302
 TINY_IDS = PromptIds(bos=1, boi=301, pad=0)
+TINY_IMAGE_SIZE = 64
 
 
 def tiny_janus(seed: int = 0) -> nn.Module:
@@ -376,7 +377,7 @@ def tiny_janus(seed: int = 0) -> nn.Module:
             "hidden_size": 32,
             "num_hidden_layers": 1,
             "num_attention_heads": 4,
-            "image_size": 64,
+            "image_size": TINY_IMAGE_SIZE,
             "patch_size": 16,
             "projection_dim": 64,
             "num_image_tokens": 16,
@@ -406,6 +407,32 @@ def sample_inputs(prompt: Sequence[int] = (40, 50, 60)) -> dict[str, Tensor]:
 def tiny(seed: int = 0) -> tuple[JanusImageWalks, dict[str, Tensor]]:
     """Zero-argument factory for ``serve("walkserve.adapters.janus:tiny")``."""
     return JanusImageWalks(tiny_janus(seed), TINY_IDS), sample_inputs()
+
+
+def api_profile(name: str) -> Any:
+    """What ``/v1/images/generations`` needs for the tiny model (``api.profile`` calls this for
+    ``walkserve.adapters.janus:tiny``): the toy byte tokenizer, wrapped in BOS ... BOI."""
+    from walkserve.adapters.tokenizer import ByteTokenizer
+    from walkserve.api.profile import ImageTask, ModelProfile
+
+    tok = ByteTokenizer(TINY_IDS.boi - 1)  # bytes lossless below the image specials
+
+    def encode(text: str) -> list[int]:
+        return [TINY_IDS.bos, *tok.encode(text), TINY_IDS.boi]
+
+    task = ImageTask(
+        walk="generate",
+        prompt_input="input_ids",
+        noise_input=None,
+        noise_shape=(),
+        size=TINY_IMAGE_SIZE,
+        vocab_size=TINY_VOCAB,
+        max_prompt_tokens=256,
+        image_output="image",
+        encode=encode,
+        seed_input="seed",
+    )
+    return ModelProfile(name, image=task)
 
 
 def load_janus(

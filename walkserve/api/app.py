@@ -561,12 +561,16 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
     async def run_image(
         task: ImageTask, walk: str, inputs: dict[str, Any], seed: int
     ) -> JSONResponse:
-        """Run an image walk on ``inputs`` plus seeded noise; answer with one b64 PNG."""
+        """Run an image walk on ``inputs`` plus seeded noise (or the seed itself, for walks
+        that take one); answer with one b64 PNG."""
         ticket = admission.admit()
         t0 = time.perf_counter()
         try:
-            generator = torch.Generator().manual_seed(seed)
-            inputs[task.noise_input] = torch.randn((1, *task.noise_shape), generator=generator)
+            if task.noise_input is not None:
+                generator = torch.Generator().manual_seed(seed)
+                inputs[task.noise_input] = torch.randn((1, *task.noise_shape), generator=generator)
+            if task.seed_input is not None:
+                inputs[task.seed_input] = torch.tensor([seed], dtype=torch.int64)
             handle = await submit(inputs, walk)
             outputs = await finish(handle)
         finally:

@@ -6,6 +6,7 @@ offers none of these tasks is still served through ``/v1/walks/{walk}``.
     profile_for("tiny-llama")          text (toy byte tokenizer)
     profile_for("/path/to/checkpoint") text (the checkpoint's own AutoTokenizer)
     profile_for("example-speech")      no task: walks only
+    profile_for("pkg.module:factory")  what ``pkg.module.api_profile(name)`` says, if defined
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class SpeechTask:
 class ImageTask:
     walk: str
     prompt_input: str
-    noise_input: str
+    noise_input: str | None  # None: the walk draws its own randomness (see seed_input)
     noise_shape: tuple[int, ...]  # per image, without the batch dimension
     size: int  # the only accepted width and height
     vocab_size: int
@@ -71,6 +72,7 @@ class ImageTask:
     encode: Encode
     edit_walk: str | None = None  # (prompt, image, noise) -> image; None: no /v1/images/edits
     image_input: str | None = None  # the edit walk's input image [B, 3, H, W] in [-1, 1]
+    seed_input: str | None = None  # the walk takes the request's seed as [B] int64 here
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,27 @@ def profile_for(name: str) -> ModelProfile:
         return ModelProfile(name, text=_hf_text(256, 2, tok.encode, tok.decode, plain_chat))
     if os.path.isdir(name):
         return ModelProfile(name, text=_checkpoint_text(name))
+    if ":" in name:
+        return _factory_profile(name)
     return ModelProfile(name)
+
+
+def _factory_profile(name: str) -> ModelProfile:
+    """A ``module:factory`` model's tasks: its module's ``api_profile(name)`` when it defines
+    one (a function returning a ``ModelProfile``), else walks only."""
+    import importlib
+
+    module_name = name.partition(":")[0]
+    try:
+        hook = getattr(importlib.import_module(module_name), "api_profile", None)
+    except ImportError as e:
+        raise ValueError(f"cannot load model factory {name!r}: {e}") from None
+    if hook is None:
+        return ModelProfile(name)
+    profile = hook(name)
+    if not isinstance(profile, ModelProfile):
+        raise ValueError(f"{module_name}.api_profile must return a ModelProfile, got {profile!r}")
+    return profile
 
 
 def _hf_text(
