@@ -350,12 +350,27 @@ class JanusImageWalks(nn.Module):
 
 TINY_VOCAB = 320  # byte ids 3..258 (ByteTokenizer), image placeholder 300, BOI 301, EOI 302
 TINY_IDS = PromptIds(bos=1, boi=301, pad=0)
-TINY_IMAGE_SIZE = 64
 
 
-def tiny_janus(seed: int = 0) -> nn.Module:
-    """A tiny random-weight ``JanusForConditionalGeneration`` (facts.md recipe): 64x64 images
-    of 4x4 = 16 image tokens from a 256-entry VQ codebook."""
+@dataclass(frozen=True)
+class JanusSize:
+    """The knobs of a random-weight Janus: text model width/depth, image grid, VQ codebook."""
+
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    image_size: int = 64  # pixels; the image-token grid is image_size // 16 per side
+    codebook: int = 256
+
+
+TINY = JanusSize()
+SMALL = JanusSize(hidden=512, layers=8, heads=8, kv_heads=4, image_size=128, codebook=1024)
+
+
+def random_janus(size: JanusSize = TINY, seed: int = 0) -> nn.Module:
+    """A random-weight ``JanusForConditionalGeneration`` (the facts.md tiny recipe, scaled by
+    ``size``): ``(image_size // 16) ** 2`` image tokens from a ``codebook``-entry VQ."""
     from transformers import JanusConfig, JanusForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -363,12 +378,12 @@ def tiny_janus(seed: int = 0) -> nn.Module:
         text_config={
             "model_type": "llama",
             "vocab_size": TINY_VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 512,
+            "hidden_size": size.hidden,
+            "intermediate_size": 2 * size.hidden,
+            "num_hidden_layers": size.layers,
+            "num_attention_heads": size.heads,
+            "num_key_value_heads": size.kv_heads,
+            "max_position_embeddings": 1024,
             "bos_token_id": TINY_IDS.bos,
             "eos_token_id": 2,
             "pad_token_id": TINY_IDS.pad,
@@ -377,26 +392,31 @@ def tiny_janus(seed: int = 0) -> nn.Module:
             "hidden_size": 32,
             "num_hidden_layers": 1,
             "num_attention_heads": 4,
-            "image_size": TINY_IMAGE_SIZE,
+            "image_size": size.image_size,
             "patch_size": 16,
-            "projection_dim": 64,
-            "num_image_tokens": 16,
+            "projection_dim": size.hidden,
+            "num_image_tokens": (size.image_size // 16) ** 2,
             "depth": 1,
             "mlp_ratio": 2.0,
         },
         vq_config={
             "embed_dim": 8,
-            "num_embeddings": 256,
+            "num_embeddings": size.codebook,
             "base_channels": 32,
             "latent_channels": 16,
             "num_res_blocks": 1,
-            "projection_dim": 64,
-            "image_token_embed_dim": 64,
+            "projection_dim": size.hidden,
+            "image_token_embed_dim": size.hidden,
             "num_hidden_layers": 1,
         },
         image_token_id=300,
     )
     return JanusForConditionalGeneration(config).eval()
+
+
+def tiny_janus(seed: int = 0) -> nn.Module:
+    """The tiny model of the tests: 64x64 images of 16 tokens, hidden 64, 2 layers."""
+    return random_janus(TINY, seed)
 
 
 def sample_inputs(prompt: Sequence[int] = (40, 50, 60)) -> dict[str, Tensor]:
@@ -410,8 +430,9 @@ def tiny(seed: int = 0) -> tuple[JanusImageWalks, dict[str, Tensor]]:
 
 
 def api_profile(name: str) -> Any:
-    """What ``/v1/images/generations`` needs for the tiny model (``api.profile`` calls this for
-    ``walkserve.adapters.janus:tiny``): the toy byte tokenizer, wrapped in BOS ... BOI."""
+    """What ``/v1/images/generations`` needs for the random-weight models (``api.profile``
+    calls this for ``walkserve.adapters.janus:tiny`` and ``:small``): the toy byte tokenizer,
+    wrapped in BOS ... BOI."""
     from walkserve.adapters.tokenizer import ByteTokenizer
     from walkserve.api.profile import ImageTask, ModelProfile
 
@@ -425,7 +446,7 @@ def api_profile(name: str) -> Any:
         prompt_input="input_ids",
         noise_input=None,
         noise_shape=(),
-        size=TINY_IMAGE_SIZE,
+        size=(SMALL if name.endswith(":small") else TINY).image_size,
         vocab_size=TINY_VOCAB,
         max_prompt_tokens=256,
         image_output="image",
@@ -433,6 +454,12 @@ def api_profile(name: str) -> Any:
         seed_input="seed",
     )
     return ModelProfile(name, image=task)
+
+
+def small() -> tuple[JanusImageWalks, dict[str, Tensor]]:
+    """Zero-argument factory of the benchmark model: a ~35M-parameter text model (hidden 512,
+    8 layers), 128x128 images of 64 tokens."""
+    return JanusImageWalks(random_janus(SMALL), TINY_IDS), sample_inputs()
 
 
 def load_janus(
