@@ -55,6 +55,16 @@ def test_four_concurrent_requests_match_the_interpreter_and_free_their_pages(
     assert captured.model.kv.pool.pages_in_use == 0  # the interpreter's pool too
 
 
+def test_understanding_requests_match_the_interpreter(
+    captured: capture.CapturedModel, server: Server
+) -> None:
+    reqs = [janus.understand_inputs(p, max_new_tokens=n) for p, n in [((40, 50), 6), ((9,), 10)]]
+    handles = [server.submit(r, "understand") for r in reqs]
+    for handle, r in zip(handles, reqs):
+        assert_outputs_match(handle.result(timeout=300), captured.run(r, walk="understand"))
+    assert pool_usage(server) == [[0, 0, 0]]
+
+
 def test_images_generations_route_serves_the_walk(
     captured: capture.CapturedModel, server: Server
 ) -> None:

@@ -43,11 +43,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from walkserve.capture import loop, register_component, walk
+from walkserve.capture import iterations, loop, register_component, walk
 from walkserve.runtime.kv import hf
 from walkserve.runtime.kv.pool import KVPool, SeqId
 
 LABELS = ("cond", "uncond")  # guidance contexts, in upstream's row order
+TEXT_LABELS = ("text",)  # the one context of image understanding
 
 
 @dataclass(frozen=True)
@@ -127,20 +128,23 @@ class GuidanceKV:
     def request_id(handle: int) -> str:
         return f"janus-{handle}"
 
-    def open(self, n: int) -> list[int]:
+    def open(self, n: int, labels: Sequence[str]) -> list[int]:
         handles = list(range(self._next, self._next + n))
         self._next += n
         for h in handles:
-            for label in LABELS:
+            for label in labels:
                 self.pool.allocate(SeqId(self.request_id(h), label), 0)
         return handles
 
     def step(self, handles: Sequence[int], embeds: Tensor) -> Tensor:
-        # embeds: [B, 2, T, D] -> last hidden state of every context [B, 2, D]
+        # embeds: [B, L, T, D], one row per label in opening order -> last hidden [B, L, D]
         b, n_labels, t, d = embeds.shape
         chunks = []
         for row, h in enumerate(handles):
-            for j, label in enumerate(LABELS):
+            labels = self.pool.labels(self.request_id(h))
+            if len(labels) != n_labels:
+                raise ValueError(f"request {h} has labels {labels}, got {n_labels} embeddings")
+            for j, label in enumerate(labels):
                 seq = SeqId(self.request_id(h), label)
                 context = self.pool.num_tokens(seq)
                 self.pool.append(seq, t)
@@ -154,14 +158,15 @@ class GuidanceKV:
 
 
 class KVOpen(nn.Module):
-    """input_ids [B, T] -> handles [B] int64: both labels of B new requests, empty."""
+    """input_ids [B, T] -> handles [B] int64: B new requests, each with ``labels``, empty."""
 
-    def __init__(self, kv: GuidanceKV) -> None:
+    def __init__(self, kv: GuidanceKV, labels: Sequence[str]) -> None:
         super().__init__()
         self.kv = kv
+        self.labels = tuple(labels)
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        return torch.tensor(self.kv.open(input_ids.shape[0]), dtype=torch.int64)
+        return torch.tensor(self.kv.open(input_ids.shape[0], self.labels), dtype=torch.int64)
 
 
 class PagedLM(nn.Module):
@@ -269,6 +274,49 @@ class ImageTokenEmbedder(nn.Module):
         return embeds.unsqueeze(1).expand(-1, len(LABELS), -1, -1)
 
 
+class UnderstandEmbedder(nn.Module):
+    """input_ids [B, T] with ``image_token_id`` placeholders, pixel_values [B, 3, H, W] ->
+    embeds [B, 1, T, D]: the text embeddings with the aligned vision features scattered into
+    the placeholders, by upstream's own ``get_image_features`` and ``get_placeholder_mask``."""
+
+    janus: Any  # transformers.JanusForConditionalGeneration
+
+    def __init__(self, janus: nn.Module) -> None:
+        super().__init__()
+        self.janus = janus
+
+    def forward(self, input_ids: Tensor, pixel_values: Tensor) -> Tensor:
+        embeds = self.janus.get_input_embeddings()(input_ids)  # [B, T, D]
+        features = self.janus.model.get_image_features(pixel_values).pooler_output
+        features = features.reshape(-1, embeds.shape[-1]).to(embeds.dtype)  # [B * n_img, D]
+        mask = self.janus.model.get_placeholder_mask(
+            input_ids, inputs_embeds=embeds, image_features=features
+        )
+        return embeds.masked_scatter(mask, features).unsqueeze(1)
+
+
+class TextHead(nn.Module):
+    """hidden [B, 1, D] -> token [B, 1]: upstream's LM head, greedy."""
+
+    def __init__(self, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.lm_head = lm_head
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden[:, 0]).argmax(-1, keepdim=True)
+
+
+class TextEmbedder(nn.Module):
+    """token [B, 1] -> embeds [B, 1, 1, D]: the text embeddings of the next input."""
+
+    def __init__(self, embed_tokens: Any) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, token: Tensor) -> Tensor:
+        return self.embed_tokens(token).unsqueeze(1)
+
+
 class ImageDecoder(nn.Module):
     """tokens [B, N] -> image [B, 3, H, W]: upstream ``decode_image_tokens``, channels first.
     One request at a time: batched convolutions of the ~20-layer VQ decoder reassociate sums by
@@ -288,7 +336,16 @@ class ImageDecoder(nn.Module):
 
 for _kv in (KVOpen, PagedLM, KVRelease, KVUsage):
     register_component(_kv, engine="kv_cache", speculative=False)
-for _stateless in (PromptEmbedder, Seeder, GuidedSampler, ImageTokenEmbedder, ImageDecoder):
+for _stateless in (
+    PromptEmbedder,
+    Seeder,
+    GuidedSampler,
+    ImageTokenEmbedder,
+    ImageDecoder,
+    UnderstandEmbedder,
+    TextHead,
+    TextEmbedder,
+):
     register_component(_stateless, engine="stateless")
 
 
@@ -309,7 +366,7 @@ class JanusImageWalks(nn.Module):
         language_model.config._attn_implementation = hf.register()
         self.kv = GuidanceKV(language_model, pool or PoolSize())
         self.num_image_tokens = int(janus.config.vision_config.num_image_tokens)
-        self.kv_open = KVOpen(self.kv)
+        self.kv_open = KVOpen(self.kv, LABELS)
         self.prompt_embedder = PromptEmbedder(janus.get_input_embeddings(), ids)
         self.seeder = Seeder()
         self.lm = PagedLM(language_model, self.kv)
@@ -318,6 +375,11 @@ class JanusImageWalks(nn.Module):
         self.kv_release = KVRelease(self.kv)
         self.decoder = ImageDecoder(janus)
         self.kv_usage = KVUsage(self.kv)
+        self.eos = int(janus.config.text_config.eos_token_id)
+        self.text_open = KVOpen(self.kv, TEXT_LABELS)
+        self.understand_embedder = UnderstandEmbedder(janus)
+        self.text_head = TextHead(janus.lm_head)
+        self.text_embedder = TextEmbedder(janus.get_input_embeddings())
 
     @walk
     def generate(self, input_ids: Tensor, seed: Tensor) -> dict[str, Tensor]:
@@ -330,6 +392,28 @@ class JanusImageWalks(nn.Module):
             tokens, embeds, rng = self.image_step(tokens, embeds, rng, kv)
         tokens = self.kv_release(kv, tokens)
         return {"image_tokens": tokens, "image": self.decoder(tokens)}
+
+    @walk
+    def understand(
+        self, text_ids: Tensor, pixel_values: Tensor, max_new_tokens: int
+    ) -> dict[str, Tensor]:
+        # text_ids: [B, T] with num_image_tokens image placeholders; pixel_values [B, 3, H, W]
+        kv = self.text_open(text_ids)  # [B]: one "text" label each
+        embeds = self.understand_embedder(text_ids, pixel_values)  # [B, 1, T, D]
+        tokens = []
+        for _ in iterations(max_new_tokens):
+            embeds, token, done = self.text_step(embeds, kv)
+            tokens.append(token)
+            if done:
+                break
+        return {"tokens": self.kv_release(kv, torch.cat(tokens, dim=1))}  # [B, n]
+
+    @loop(max_iters="max_new_tokens", speculative=False)
+    def text_step(self, embeds: Tensor, kv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        hidden = self.lm(kv, embeds)  # [B, 1, D]
+        token = self.text_head(hidden)  # [B, 1], greedy
+        done = (token == self.eos).all()  # every sequence emitted EOS
+        return self.text_embedder(token), token, done
 
     @walk
     def pool_usage(self, probe: Tensor) -> dict[str, Tensor]:
@@ -350,6 +434,7 @@ class JanusImageWalks(nn.Module):
 
 TINY_VOCAB = 320  # byte ids 3..258 (ByteTokenizer), image placeholder 300, BOI 301, EOI 302
 TINY_IDS = PromptIds(bos=1, boi=301, pad=0)
+TINY_IMAGE_TOKEN = 300
 
 
 @dataclass(frozen=True)
@@ -387,6 +472,7 @@ def random_janus(size: JanusSize = TINY, seed: int = 0) -> nn.Module:
             "bos_token_id": TINY_IDS.bos,
             "eos_token_id": 2,
             "pad_token_id": TINY_IDS.pad,
+            "initializer_range": 0.15,  # varied greedy text from random tied embeddings
         },
         vision_config={
             "hidden_size": 32,
@@ -409,7 +495,7 @@ def random_janus(size: JanusSize = TINY, seed: int = 0) -> nn.Module:
             "image_token_embed_dim": size.hidden,
             "num_hidden_layers": 1,
         },
-        image_token_id=300,
+        image_token_id=TINY_IMAGE_TOKEN,
     )
     return JanusForConditionalGeneration(config).eval()
 
@@ -421,7 +507,29 @@ def tiny_janus(seed: int = 0) -> nn.Module:
 
 def sample_inputs(prompt: Sequence[int] = (40, 50, 60)) -> dict[str, Tensor]:
     ids = [TINY_IDS.bos, *prompt, TINY_IDS.boi]
-    return {"input_ids": torch.tensor([ids]), "seed": torch.tensor([0]), "probe": torch.zeros(1)}
+    return {
+        "input_ids": torch.tensor([ids]),
+        "seed": torch.tensor([0]),
+        "probe": torch.zeros(1),
+        **understand_inputs(prompt),
+    }
+
+
+def understand_inputs(
+    prompt: Sequence[int] = (40, 50, 60), size: JanusSize | None = None, max_new_tokens: int = 8
+) -> dict[str, Any]:
+    """Inputs of the ``understand`` walk: BOS, the image placeholders, the prompt; a seeded
+    random image in [-1, 1]."""
+    size = size or TINY
+    n_image = (size.image_size // 16) ** 2
+    ids = [TINY_IDS.bos, *[TINY_IMAGE_TOKEN] * n_image, *prompt]
+    g = torch.Generator().manual_seed(len(prompt))
+    pixels = torch.rand(1, 3, size.image_size, size.image_size, generator=g) * 2 - 1
+    return {
+        "text_ids": torch.tensor([ids]),
+        "pixel_values": pixels,
+        "max_new_tokens": max_new_tokens,
+    }
 
 
 def tiny(seed: int = 0) -> tuple[JanusImageWalks, dict[str, Tensor]]:
