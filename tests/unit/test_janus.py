@@ -144,6 +144,28 @@ def test_understanding_tokens_equal_upstream_text_generate(ref, walks) -> None:
     assert walks.kv.pool.pages_in_use == 0
 
 
+def test_load_janus_from_a_checkpoint_directory(ref, tmp_path) -> None:
+    """``save_pretrained`` of the tiny model, loaded back: the same image tokens as upstream
+    for the same seed; a generation config without BOI is refused, saying what is missing."""
+    model = janus.tiny_janus(0)
+    model.save_pretrained(tmp_path / "bare")
+    with pytest.raises(ValueError, match="boi_token_id"):
+        janus.load_janus(str(tmp_path / "bare"))
+    model.generation_config = transformers.GenerationConfig(  # as a Janus checkpoint ships it
+        bos_token_id=janus.TINY_IDS.bos,
+        pad_token_id=janus.TINY_IDS.pad,
+        generation_kwargs={"boi_token_id": janus.TINY_IDS.boi},
+    )
+    model.save_pretrained(tmp_path / "full")
+    walks, sample = janus.load_janus(str(tmp_path / "full"))
+    ids = janus.sample_inputs(PROMPT)["input_ids"]
+    with torch.no_grad():
+        got = walks.generate(ids, torch.tensor([9]))["image_tokens"]
+    assert torch.equal(got, upstream_tokens(ref, ids, 9, janus.ImageSampling()))
+    assert sample["input_ids"].tolist() == [[janus.TINY_IDS.bos, janus.TINY_IDS.boi]]
+    assert set(capture.trace(walks, sample).graph.walks) == {"generate", "understand", "pool_usage"}
+
+
 def test_bad_sampling_values_are_refused() -> None:
     with pytest.raises(ValueError, match="guidance_scale"):
         janus.ImageSampling(guidance_scale=1.0)

@@ -505,13 +505,17 @@ def tiny_janus(seed: int = 0) -> nn.Module:
     return random_janus(TINY, seed)
 
 
-def sample_inputs(prompt: Sequence[int] = (40, 50, 60)) -> dict[str, Tensor]:
+def sample_inputs(
+    prompt: Sequence[int] = (40, 50, 60), size: JanusSize | None = None
+) -> dict[str, Any]:
+    """Inputs of every walk (``generate``, ``understand``, ``pool_usage``) for the random-weight
+    models of ``size`` (default: tiny)."""
     ids = [TINY_IDS.bos, *prompt, TINY_IDS.boi]
     return {
         "input_ids": torch.tensor([ids]),
         "seed": torch.tensor([0]),
         "probe": torch.zeros(1),
-        **understand_inputs(prompt),
+        **understand_inputs(prompt, size),
     }
 
 
@@ -532,7 +536,7 @@ def understand_inputs(
     }
 
 
-def tiny(seed: int = 0) -> tuple[JanusImageWalks, dict[str, Tensor]]:
+def tiny(seed: int = 0) -> tuple[JanusImageWalks, dict[str, Any]]:
     """Zero-argument factory for ``serve("walkserve.adapters.janus:tiny")``."""
     return JanusImageWalks(tiny_janus(seed), TINY_IDS), sample_inputs()
 
@@ -564,15 +568,15 @@ def api_profile(name: str) -> Any:
     return ModelProfile(name, image=task)
 
 
-def small() -> tuple[JanusImageWalks, dict[str, Tensor]]:
+def small() -> tuple[JanusImageWalks, dict[str, Any]]:
     """Zero-argument factory of the benchmark model: a ~35M-parameter text model (hidden 512,
     8 layers), 128x128 images of 64 tokens."""
-    return JanusImageWalks(random_janus(SMALL), TINY_IDS), sample_inputs()
+    return JanusImageWalks(random_janus(SMALL), TINY_IDS), sample_inputs(size=SMALL)
 
 
 def load_janus(
     path: str, sampling: ImageSampling | None = None, pool: PoolSize | None = None
-) -> tuple[JanusImageWalks, dict[str, Tensor]]:
+) -> tuple[JanusImageWalks, dict[str, Any]]:
     """A local Janus checkpoint directory (``from_pretrained`` on a path, safetensors). BOS,
     PAD and BOI come from its generation config, as upstream ``generate`` reads them."""
     from transformers import JanusForConditionalGeneration
@@ -589,5 +593,13 @@ def load_janus(
         sampling = ImageSampling(guidance_scale=float(gen.guidance_scale))
     ids = PromptIds(bos=int(gen.bos_token_id), boi=int(boi), pad=int(gen.pad_token_id))
     walks = JanusImageWalks(janus, ids, sampling, pool)
-    sample = {"input_ids": torch.tensor([[ids.bos, ids.boi]]), "seed": torch.tensor([0])}
-    return walks, {**sample, "probe": torch.zeros(1)}
+    vision: Any = janus.config.vision_config
+    placeholders = [int(janus.config.image_token_id)] * int(vision.num_image_tokens)
+    return walks, {
+        "input_ids": torch.tensor([[ids.bos, ids.boi]]),
+        "seed": torch.tensor([0]),
+        "probe": torch.zeros(1),
+        "text_ids": torch.tensor([[ids.bos, *placeholders]]),
+        "pixel_values": torch.zeros(1, 3, vision.image_size, vision.image_size),
+        "max_new_tokens": 2,
+    }
