@@ -2,10 +2,17 @@
 whose two guidance contexts are two labels of one request over one paged KV pool.
 
 Owns the decoration of the upstream model: the components around its language model, its
-generation head, its image-token embeddings and its VQ decoder, the ``generate`` walk, the pool
-that the language model runs over, a tiny random-weight factory and a checkpoint loader.
-What crosses its boundary: ``generate(input_ids [B, T] int64, seed [B] int64)`` ->
-``image_tokens [B, N]`` and ``image [B, 3, H, W]`` (the VQ decoder's pixels, about [-1, 1]).
+generation head, its image-token embeddings, its vision encoder and its VQ decoder, the walks,
+the pool that the language model runs over, random-weight factories and a checkpoint loader.
+What crosses its boundary (the walks):
+
+    generate(input_ids [B, T] int64, seed [B] int64) -> image_tokens [B, N],
+                                                        image [B, 3, H, W] (about [-1, 1])
+    understand(text_ids [B, T], pixel_values [B, 3, H, W], max_new_tokens) -> tokens [B, n]
+    pool_usage(probe [B]) -> usage [B, 3]   pages in use, sequences, requests of the pool
+
+``understand`` is upstream's text-mode generation with an image, greedy: one ``"text"`` label
+per request in the same pool, a DynamicLoop that stops at EOS.
 
 Upstream ``generate(generation_mode="image")`` runs a batch of 2B (conditioned rows, then the
 unconditioned rows whose prompt tokens other than BOS and BOI are pad) through a static cache.
