@@ -689,16 +689,20 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
     async def run_image(
         request: Request, task: ImageTask, walk: str, inputs: dict[str, Any], seed: int
     ) -> JSONResponse:
-        """Run an image walk on ``inputs`` plus seeded noise; answer with one b64 PNG."""
+        """Run an image walk on ``inputs`` plus seeded noise (or the seed itself, for walks
+        that take one); answer with one b64 PNG."""
         ticket = admission.admit()
         t0 = time.perf_counter()
         handle: RequestHandle | None = None
         try:
-            generator = torch.Generator().manual_seed(seed)
             edit = walk == task.edit_walk
             noise_input = (edit and task.edit_noise_input) or task.noise_input
             noise_shape = (edit and task.edit_noise_shape) or task.noise_shape
-            inputs[noise_input] = torch.randn((1, *noise_shape), generator=generator)
+            if noise_input is not None:
+                generator = torch.Generator().manual_seed(seed)
+                inputs[noise_input] = torch.randn((1, *noise_shape), generator=generator)
+            if task.seed_input is not None:
+                inputs[task.seed_input] = torch.tensor([seed], dtype=torch.int64)
             if task.extra_inputs is not None:
                 inputs.update(task.extra_inputs(walk))
             handle = await submit(inputs, walk)

@@ -66,7 +66,7 @@ class SpeechTask:
 class ImageTask:
     walk: str
     prompt_input: str
-    noise_input: str
+    noise_input: str | None  # None: the walk draws its own randomness (see seed_input)
     noise_shape: tuple[int, ...]  # per image, without the batch dimension
     size: int  # the only accepted width and height
     vocab_size: int
@@ -81,6 +81,7 @@ class ImageTask:
     image_range: tuple[float, float] = (-1.0, 1.0)  # the value range of image_output
     edit_noise_input: str | None = None  # the edit walk's seeded noise, if not noise_input
     edit_noise_shape: tuple[int, ...] | None = None  # its shape, if not noise_shape
+    seed_input: str | None = None  # the walk takes the request's seed as [B] int64 here
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,12 @@ packed forward of many sequences and returns each sequence's last-token logits.
 
 What crosses the boundary:
 
-- in: ``SeqChunk`` per sequence (its new token ids, how many tokens are already in the pool,
-  its block table), and a model loaded with ``attn_implementation=ATTN_IMPLEMENTATION``;
-- out: logits ``[num_seqs, vocab]``, one row per chunk (the logits after its last token).
+- in: ``SeqChunk`` per sequence (its new token ids, or its new input embeddings, how many
+  tokens are already in the pool, its block table), and a model loaded with
+  ``attn_implementation=ATTN_IMPLEMENTATION``;
+- out: logits ``[num_seqs, vocab]``, one row per chunk (the logits after its last token), or,
+  from ``last_hidden_states`` on a base model fed embeddings (image-token generation, whose
+  head is not the LM head), the last token's hidden state ``[num_seqs, hidden]``.
 
 The model is not modified. transformers computes q/k/v, RoPE and any q/k norm itself (Qwen3's
 ``q_norm``/``k_norm``) and then calls the registered function, which writes the step's K/V into
@@ -29,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -150,11 +153,30 @@ def pool_for(
 @dataclass(frozen=True)
 class SeqChunk:
     """One sequence's part of a step: ``token_ids`` go at positions ``context_len ..``; the
-    pool already holds positions ``[0, context_len)`` and has room for the new ones."""
+    pool already holds positions ``[0, context_len)`` and has room for the new ones.
+
+    ``inputs_embeds`` (``[n, hidden]``), when given, are fed instead of token ids (then
+    ``token_ids`` is empty): models that feed embeddings of another table, as Janus feeds its
+    image-token embeddings."""
 
     token_ids: tuple[int, ...]
     context_len: int
     block_table: tuple[int, ...]
+    inputs_embeds: torch.Tensor | None = field(default=None, compare=False)  # [n, hidden]
+
+    def __post_init__(self) -> None:
+        if self.inputs_embeds is not None and (self.token_ids or self.inputs_embeds.dim() != 2):
+            raise ValueError(
+                "a SeqChunk takes token_ids or inputs_embeds [n, hidden], not both; got "
+                f"{len(self.token_ids)} ids and embeds of shape {tuple(self.inputs_embeds.shape)}"
+            )
+
+    @property
+    def query_len(self) -> int:
+        """New tokens of this chunk."""
+        if self.inputs_embeds is not None:
+            return int(self.inputs_embeds.shape[0])
+        return len(self.token_ids)
 
 
 class PagedCausalLMRunner:
@@ -206,3 +228,27 @@ class PagedCausalLMRunner:
                 logits_to_keep=torch.tensor(last, device=dev),
             )
         return out.logits[0]  # [num_chunks, vocab]
+
+    @torch.no_grad()
+    def last_hidden_states(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:  # [n, hidden]
+        """One forward of a base model (``*Model``, no LM head) over chunks that carry
+        ``inputs_embeds``, packed in one row; the final-norm hidden state of each chunk's last
+        token, for heads other than the LM head."""
+        if any(c.inputs_embeds is None for c in chunks):
+            raise ValueError("last_hidden_states takes chunks with inputs_embeds only")
+        embeds = [c.inputs_embeds for c in chunks if c.inputs_embeds is not None]
+        positions: list[int] = []
+        last: list[int] = []
+        for c in chunks:
+            positions.extend(range(c.context_len, c.context_len + c.query_len))
+            last.append(len(positions) - 1)
+        specs = [SequenceSpec(c.block_table, c.context_len, c.query_len) for c in chunks]
+        step = PagedStep(self.pool, self.backend, self.backend.plan(specs))
+        dev = self.device
+        with paged_step(step):
+            out = self.model(
+                inputs_embeds=torch.cat(embeds).to(dev).unsqueeze(0),  # [1, T, hidden]
+                position_ids=torch.tensor([positions], device=dev),  # [1, T]
+                use_cache=False,
+            )
+        return out.last_hidden_state[0, last]  # [num_chunks, hidden]

@@ -1,0 +1,185 @@
+"""Janus image generation over the paged KV pool against upstream transformers, in process.
+
+The adapter's model and the reference are two instances of the same seeded tiny
+``JanusForConditionalGeneration``; the reference keeps transformers' own attention and cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from walkserve import capture  # noqa: E402
+from walkserve.adapters import janus  # noqa: E402
+
+PROMPT = (40, 50, 60, 70)
+
+
+@pytest.fixture(scope="module")
+def ref() -> torch.nn.Module:
+    return janus.tiny_janus(0)
+
+
+@pytest.fixture(scope="module")
+def walks() -> janus.JanusImageWalks:
+    return janus.tiny(0)[0]
+
+
+def upstream_tokens(
+    ref: torch.nn.Module, ids: torch.Tensor, seed: int, s: janus.ImageSampling
+) -> torch.Tensor:
+    config = transformers.GenerationConfig(
+        bos_token_id=janus.TINY_IDS.bos,
+        pad_token_id=janus.TINY_IDS.pad,
+        do_sample=s.do_sample,
+        guidance_scale=s.guidance_scale,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        generation_kwargs={"boi_token_id": janus.TINY_IDS.boi},
+    )
+    torch.manual_seed(seed)
+    return ref.generate(
+        ids, attention_mask=torch.ones_like(ids), generation_mode="image", generation_config=config
+    )  # [1, N]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [janus.ImageSampling(), janus.ImageSampling(3.0, temperature=0.7, top_k=20, top_p=0.9)],
+    ids=["defaults", "warped"],
+)
+def test_image_tokens_and_pixels_equal_upstream(ref, sampling) -> None:
+    walks = janus.JanusImageWalks(janus.tiny_janus(0), janus.TINY_IDS, sampling)
+    ids = janus.sample_inputs(PROMPT)["input_ids"]
+    for seed in (0, 7):
+        want = upstream_tokens(ref, ids, seed, sampling)
+        with torch.no_grad():
+            out = walks.generate(ids, torch.tensor([seed]))
+        assert torch.equal(out["image_tokens"], want), (seed, out["image_tokens"], want)
+        with torch.no_grad():
+            pixels = ref.decode_image_tokens(want).permute(0, 3, 1, 2)  # [1, 3, 64, 64]
+        assert torch.equal(out["image"], pixels)
+    assert walks.kv.pool.pages_in_use == 0
+
+
+def test_batch_of_requests_equals_each_alone(ref, walks) -> None:
+    """Two requests with different seeds in one walk call: one packed forward per step over
+    four labelled contexts; each request's tokens are upstream's for it alone."""
+    ids = janus.sample_inputs(PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = walks.generate(ids.repeat(2, 1), torch.tensor([3, 4]))
+    for row, seed in enumerate((3, 4)):
+        want = upstream_tokens(ref, ids, seed, janus.ImageSampling())
+        assert torch.equal(out["image_tokens"][row : row + 1], want)
+
+
+def test_guidance_contexts_are_two_labels_of_one_pool(walks, monkeypatch) -> None:
+    seen: list[tuple[int, list[str], bool]] = []
+    step = janus.GuidanceKV.step
+
+    def spy(kv: janus.GuidanceKV, handles, embeds):  # type: ignore[no-untyped-def]
+        out = step(kv, handles, embeds)
+        for h in handles:
+            rid = kv.request_id(h)
+            cond, uncond = (kv.pool.block_table((rid, label)) for label in janus.LABELS)
+            private = not set(cond.pages) & set(uncond.pages)  # each label its own pages
+            seen.append((id(kv.pool), kv.pool.labels(rid), private))
+        return out
+
+    captured = capture.trace(walks, janus.sample_inputs(PROMPT))
+    monkeypatch.setattr(janus.GuidanceKV, "step", spy)
+    captured.run(janus.sample_inputs(PROMPT), walk="generate")
+    assert len(seen) >= walks.num_image_tokens
+    assert {pool for pool, _, _ in seen} == {id(walks.kv.pool)}  # one pool object
+    assert all(labels == ["cond", "uncond"] for _, labels, _ in seen)
+    assert all(private for _, _, private in seen)
+    assert walks.lm.kv is walks.kv_open.kv is walks.kv_release.kv is walks.kv
+    assert walks.kv.pool.pages_in_use == 0 and walks.kv.pool.stats().sequences == 0
+
+
+def test_two_labels_over_one_pool_attend_like_two_dense_caches(ref, walks) -> None:
+    """The pool's cond and uncond contexts give the language model the same outputs as two
+    separate ``DynamicCache``s run through transformers' own attention: prefill, then 3 steps."""
+    ids = janus.sample_inputs(PROMPT)["input_ids"]
+    embeds = walks.prompt_embedder(ids)  # [1, 2, T, D]
+    steps = [walks.image_embedder(torch.tensor([[t]])) for t in (5, 17, 200)]  # [1, 2, 1, D]
+    handles = walks.kv_open(ids)
+    try:
+        got = [walks.lm(handles, e) for e in [embeds, *steps]]  # [1, 2, D] each
+        rid = walks.kv.request_id(int(handles[0]))
+        assert walks.kv.pool.labels(rid) == ["cond", "uncond"]
+    finally:
+        walks.kv_release(handles, ids)
+    lm = ref.model.language_model
+    for label in range(2):
+        cache = transformers.DynamicCache(config=lm.config)
+        for i, e in enumerate([embeds, *steps]):
+            with torch.no_grad():
+                out = lm(inputs_embeds=e[:, label], cache=cache, use_cache=True)
+            want = out.last_hidden_state[:, -1]  # [1, D]
+            torch.testing.assert_close(got[i][:, label], want, atol=1e-5, rtol=1e-5)
+    assert walks.kv.pool.pages_in_use == 0
+
+
+def test_understanding_tokens_equal_upstream_text_generate(ref, walks) -> None:
+    """Image understanding: the prompt with its image features scattered into the
+    placeholders, one "text" label in the same pool, greedy: upstream ``generate`` in text
+    mode with ``pixel_values``, token for token."""
+    for prompt in [(40, 50, 60), (7, 8)]:
+        u = janus.understand_inputs(prompt, max_new_tokens=12)
+        ids, pixels = u["text_ids"], u["pixel_values"]
+        with torch.no_grad():
+            want = ref.generate(
+                ids,
+                pixel_values=pixels,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=12,
+            )[:, ids.shape[1] :]
+            got = walks.understand(ids, pixels, 12)["tokens"]
+        assert torch.equal(got, want), (got, want)
+        assert len(set(want[0].tolist())) > 3  # varied output, not one repeated token
+    assert walks.kv.pool.pages_in_use == 0
+
+
+def test_load_janus_from_a_checkpoint_directory(ref, tmp_path) -> None:
+    """``save_pretrained`` of the tiny model, loaded back: the same image tokens as upstream
+    for the same seed; a generation config without BOI is refused, saying what is missing."""
+    model = janus.tiny_janus(0)
+    model.save_pretrained(tmp_path / "bare")
+    with pytest.raises(ValueError, match="boi_token_id"):
+        janus.load_janus(str(tmp_path / "bare"))
+    model.generation_config = transformers.GenerationConfig(  # as a Janus checkpoint ships it
+        bos_token_id=janus.TINY_IDS.bos,
+        pad_token_id=janus.TINY_IDS.pad,
+        generation_kwargs={"boi_token_id": janus.TINY_IDS.boi},
+    )
+    model.save_pretrained(tmp_path / "full")
+    walks, sample = janus.load_janus(str(tmp_path / "full"))
+    ids = janus.sample_inputs(PROMPT)["input_ids"]
+    with torch.no_grad():
+        got = walks.generate(ids, torch.tensor([9]))["image_tokens"]
+    assert torch.equal(got, upstream_tokens(ref, ids, 9, janus.ImageSampling()))
+    assert sample["input_ids"].tolist() == [[janus.TINY_IDS.bos, janus.TINY_IDS.boi]]
+    assert set(capture.trace(walks, sample).graph.walks) == {"generate", "understand", "pool_usage"}
+
+
+def test_bad_sampling_values_are_refused() -> None:
+    with pytest.raises(ValueError, match="guidance_scale"):
+        janus.ImageSampling(guidance_scale=1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        janus.ImageSampling(top_p=0.0)
+
+
+def test_factory_profiles_come_from_the_module_hook() -> None:
+    from walkserve.api.profile import ModelProfile, profile_for
+
+    profile = profile_for("walkserve.adapters.janus:tiny")
+    assert profile.image is not None and profile.image.noise_input is None
+    assert profile.image.encode("hi") == [janus.TINY_IDS.bos, 107, 108, janus.TINY_IDS.boi]
+    plain = "walkserve.adapters.examples.text:build"  # no api_profile: walks only
+    assert profile_for(plain) == ModelProfile(plain)
+    with pytest.raises(ValueError, match="cannot load model factory"):
+        profile_for("walkserve.adapters.no_such_module:tiny")
