@@ -50,9 +50,9 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -60,6 +60,9 @@ from torch import Tensor, nn
 from walkserve.capture import iterations, loop, register_component, stream, walk
 from walkserve.capture.api import component
 from walkserve.capture.chunk import EndOfStream, SlidingWindow
+
+if TYPE_CHECKING:
+    from walkserve.api.profile import ModelProfile
 
 FRAME = 7  # audio tokens per SNAC frame
 WINDOW_FRAMES = 4  # frames decoded per streamed chunk (28 tokens)
@@ -338,6 +341,36 @@ def tiny() -> tuple[OrpheusTTS, dict[str, Any]]:
     return build(TinyConfig()), sample_inputs(TINY_TOKENS, 42)
 
 
+def speech_profile(
+    name: str, tokens: OrpheusTokens, encode_text: Callable[[str], list[int]], sample_rate: int
+) -> ModelProfile:
+    """What ``/v1/audio/speech`` needs: the ``speak`` walk, its waveform channel, and text
+    encoded into an Orpheus prompt."""
+    from walkserve.api.profile import ModelProfile, SpeechTask
+
+    def encode(text: str) -> list[int]:
+        return orpheus_prompt(encode_text(text), tokens)
+
+    speech = SpeechTask(
+        walk="speak",
+        prompt_input="input_ids",
+        max_tokens_input="max_new_tokens",
+        waveform_channel="waveform",
+        sample_rate=sample_rate,
+        vocab_size=tokens.vocab_end,
+        max_prompt_tokens=1024,
+        max_tokens_limit=4096,
+        default_max_tokens=FRAME * 32,  # 32 frames: ~2.7 s at 24 kHz
+        encode=encode,
+    )
+    return ModelProfile(name, speech=speech)
+
+
+def tiny_profile(name: str) -> ModelProfile:
+    """``tiny``'s speech task; text is UTF-8 bytes (ids 0..255)."""
+    return speech_profile(name, TINY_TOKENS, lambda text: list(text.encode("utf-8")), 24000)
+
+
 def load_snac(snac_dir: str) -> Any:
     """A SNAC checkpoint directory: ``config.json`` plus ``model.safetensors`` or
     ``pytorch_model.bin`` (read with ``weights_only=True``), as ``snac.SNAC`` itself lays it
@@ -388,3 +421,24 @@ def from_env() -> tuple[OrpheusTTS, dict[str, Any]]:
     if not lm_dir or not snac_dir:
         raise ValueError("set ORPHEUS_LM_DIR and ORPHEUS_SNAC_DIR to local checkpoint directories")
     return load_orpheus(lm_dir, snac_dir)
+
+
+def from_env_profile(name: str) -> ModelProfile:
+    """``from_env``'s speech task, with the LM checkpoint's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    lm_dir = os.environ.get("ORPHEUS_LM_DIR")
+    if not lm_dir:
+        raise ValueError("set ORPHEUS_LM_DIR to the Orpheus LM checkpoint directory")
+    tok = AutoTokenizer.from_pretrained(lm_dir, local_files_only=True)
+    snac_dir = os.environ.get("ORPHEUS_SNAC_DIR", "")
+    config_path = os.path.join(snac_dir, "config.json")
+    rate = 24000
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            rate = int(json.load(f).get("sampling_rate", rate))
+
+    def encode(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=True))
+
+    return speech_profile(name, ORPHEUS_TOKENS, encode, rate)

@@ -6,6 +6,8 @@ offers none of these tasks is still served through ``/v1/walks/{walk}``.
     profile_for("tiny-llama")          text (toy byte tokenizer)
     profile_for("/path/to/checkpoint") text (the checkpoint's own AutoTokenizer)
     profile_for("example-speech")      no task: walks only
+    profile_for("pkg.mod:factory")     what ``pkg.mod.factory_profile(name)`` returns, if the
+                                       module defines it; otherwise no task
 """
 
 from __future__ import annotations
@@ -141,7 +143,28 @@ def profile_for(name: str) -> ModelProfile:
         return ModelProfile(name, text=_hf_text(256, 2, tok.encode, tok.decode, plain_chat))
     if os.path.isdir(name):
         return ModelProfile(name, text=_checkpoint_text(name))
+    if ":" in name:
+        return _factory_profile(name)
     return ModelProfile(name)
+
+
+def _factory_profile(name: str) -> ModelProfile:
+    """A ``module:factory`` model declares its tasks with ``factory_profile(name)`` beside the
+    factory in the same module; without one it is served through ``/v1/walks`` only."""
+    import importlib
+
+    module_name, _, factory = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot load model factory {name!r}: {e}") from None
+    declare = getattr(module, f"{factory}_profile", None)
+    if declare is None:
+        return ModelProfile(name)
+    profile = declare(name)
+    if not isinstance(profile, ModelProfile):
+        raise ValueError(f"{module_name}.{factory}_profile must return a ModelProfile")
+    return profile
 
 
 def _hf_text(
