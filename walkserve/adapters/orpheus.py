@@ -262,7 +262,7 @@ def steer_to_frames(lm: Any, tokens: OrpheusTokens, strength: float = 10.0) -> N
 
 
 @dataclass(frozen=True)
-class TinyConfig:
+class RandomConfig:
     """Sizes of a random Orpheus-shaped pair (LM + SNAC)."""
 
     tokens: OrpheusTokens = TINY_TOKENS
@@ -284,7 +284,7 @@ class TinyConfig:
             raise ValueError(f"hidden must exceed {FRAME} (frame-position channels)")
 
 
-def build(config: TinyConfig = TinyConfig(), seed: int = 0) -> OrpheusTTS:
+def build(config: RandomConfig = RandomConfig(), seed: int = 0) -> OrpheusTTS:
     """A random LM and SNAC of ``config``'s sizes, the LM steered to emit frames."""
     from snac import SNAC
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -338,7 +338,7 @@ def sample_inputs(tokens: OrpheusTokens, max_new_tokens: int) -> dict[str, Any]:
 
 def tiny() -> tuple[OrpheusTTS, dict[str, Any]]:
     """The tiny random instance for tests: ``serve("walkserve.adapters.orpheus:tiny")``."""
-    return build(TinyConfig()), sample_inputs(TINY_TOKENS, 42)
+    return build(RandomConfig()), sample_inputs(TINY_TOKENS, 42)
 
 
 def speech_profile(
@@ -369,6 +369,31 @@ def speech_profile(
 def tiny_profile(name: str) -> ModelProfile:
     """``tiny``'s speech task; text is UTF-8 bytes (ids 0..255)."""
     return speech_profile(name, TINY_TOKENS, lambda text: list(text.encode("utf-8")), 24000)
+
+
+# The benchmark's CPU-friendly pair: a 4-layer Llama (~16M parameters, most in the 28.9k-token
+# embeddings) with Orpheus's 4096-code audio vocabulary, and a snac_24khz-shaped SNAC (19.8M).
+BENCH_TOKENS = OrpheusTokens(**{**TINY_TOKENS.__dict__, "codebook": 4096})
+BENCH_CONFIG = RandomConfig(
+    tokens=BENCH_TOKENS,
+    hidden=256,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    intermediate=768,
+    snac_encoder_dim=48,
+    snac_encoder_rates=(2, 4, 8, 8),
+    snac_decoder_dim=1024,
+    snac_decoder_rates=(8, 8, 4, 2),
+    snac_codebook_dim=8,
+    snac_noise=False,
+    init_range=0.02,  # wider random layers drown the frame-position channels at this width
+)
+
+
+def bench() -> tuple[OrpheusTTS, dict[str, Any]]:
+    """The benchmark's random pair (``BENCH_CONFIG``), for ``benchmarks/bench_speech.py``."""
+    return build(BENCH_CONFIG), sample_inputs(BENCH_TOKENS, 42)
 
 
 def load_snac(snac_dir: str) -> Any:
