@@ -194,3 +194,18 @@ def test_load_orpheus_round_trips_local_checkpoints(tmp_path: Any, tiny: Any) ->
         orpheus.load_snac(str(tmp_path / "lm"))
     with pytest.raises(ValueError, match=r"has no config\.json"):
         orpheus.load_snac(str(tmp_path))
+
+
+def test_factory_profiles() -> None:
+    """``profile_for("module:factory")`` asks ``factory_profile``; none means walks only."""
+    from walkserve.api.profile import profile_for
+
+    profile = profile_for("walkserve.adapters.orpheus:tiny")
+    assert profile.speech is not None and profile.text is None and profile.image is None
+    assert profile.speech.encode("Hi") == orpheus.orpheus_prompt([72, 105], T)
+    assert (profile.speech.walk, profile.speech.waveform_channel) == ("speak", "waveform")
+    assert profile.speech.sample_rate == 24000 and profile.speech.vocab_size == T.vocab_end
+    bare = profile_for("walkserve.adapters.hf_causal_lm:load_causal_lm")
+    assert (bare.text, bare.speech, bare.image) == (None, None, None)
+    with pytest.raises(ValueError, match="cannot load model factory"):
+        profile_for("walkserve.adapters.no_such_module:tiny")

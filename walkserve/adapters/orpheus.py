@@ -396,6 +396,11 @@ def bench() -> tuple[OrpheusTTS, dict[str, Any]]:
     return build(BENCH_CONFIG), sample_inputs(BENCH_TOKENS, 42)
 
 
+def bench_profile(name: str) -> ModelProfile:
+    """``bench``'s speech task (UTF-8 bytes, like ``tiny``)."""
+    return speech_profile(name, BENCH_TOKENS, lambda text: list(text.encode("utf-8")), 24000)
+
+
 def load_snac(snac_dir: str) -> Any:
     """A SNAC checkpoint directory: ``config.json`` plus ``model.safetensors`` or
     ``pytorch_model.bin`` (read with ``weights_only=True``), as ``snac.SNAC`` itself lays it
