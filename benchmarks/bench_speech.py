@@ -162,7 +162,6 @@ def main() -> None:
     from walkserve.benchmarking import git_commit
     from walkserve.lowering.placement import Placement
     from walkserve.runtime.server import serve
-    from walkserve.runtime.shm import ShmPoolConfig
     from walkserve.runtime.workers import PoolConfig
 
     rate = 24000
@@ -177,9 +176,9 @@ def main() -> None:
         results[f"native_c{level}"] = summarize(native[level], rate)
         print(f"native c={level}: {results[f'native_c{level}']}", flush=True)
     placement = Placement(ranks=2, rules={"lm": [0], "codec": [1]}) if args.ranks == 2 else None
-    # The default 4 slots per size class run out at c=8: each request's step logits (28.9k
-    # floats) take a 128 KiB slot until read.
-    pool = PoolConfig(shm=ShmPoolConfig(slots_per_class=32, block_timeout_s=60.0))
+    # A worker's default 8 shared-memory slots per size class ran out at c=8 on a loaded VM:
+    # every LM step sends each request's logits (28.9k floats) in a 128 KiB slot until read.
+    pool = PoolConfig(worker_shm_slots_per_class=64)
     with serve(FACTORY, placement, pool_config=pool) as server:
         warm = prompts(1, args.seed + 1)[0]
         server.submit({"input_ids": torch.tensor([warm]), "max_new_tokens": 35}, "speak").result(

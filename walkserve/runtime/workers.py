@@ -133,7 +133,9 @@ class PoolConfig:
     """``address``: ``"ipc"`` (a socket file in a private temporary directory) or ``"tcp"``
     (127.0.0.1, a free port). ``unresponsive_after_s``: a ready worker silent for this long is
     reported ``unresponsive`` (heartbeats come every ``heartbeat_s``). ``forbid_pickle``: make
-    pickle raise inside the workers after their setup."""
+    pickle raise inside the workers after their setup. ``shm`` configures this process's pool;
+    ``worker_shm_slots_per_class`` the slots per size class of each worker's own pool (which
+    holds every node output a worker sends until its reader acks it)."""
 
     start_timeout_s: float = 120.0
     stop_timeout_s: float = 10.0
@@ -143,6 +145,7 @@ class PoolConfig:
     inline_max_bytes: int = INLINE_MAX_BYTES
     shm: ShmPoolConfig = field(default_factory=ShmPoolConfig)
     forbid_pickle: bool = False
+    worker_shm_slots_per_class: int = 8
 
     def __post_init__(self) -> None:
         for name in ("start_timeout_s", "stop_timeout_s", "heartbeat_s", "unresponsive_after_s"):
@@ -152,6 +155,10 @@ class PoolConfig:
             raise ValueError(f"address must be 'ipc' or 'tcp', got {self.address!r}")
         if self.inline_max_bytes < 0:
             raise ValueError(f"inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
+        if self.worker_shm_slots_per_class < 1:
+            raise ValueError(
+                f"worker_shm_slots_per_class must be >= 1, got {self.worker_shm_slots_per_class}"
+            )
 
 
 # ------------------------------------------------------------------------------ results
@@ -280,6 +287,7 @@ class WorkerPool:
             heartbeat_s=self.config.heartbeat_s,
             setup_timeout_s=self.config.start_timeout_s,
             inline_max_bytes=self.config.inline_max_bytes,
+            shm_slots_per_class=self.config.worker_shm_slots_per_class,
             forbid_pickle=self.config.forbid_pickle,
         )
         self._wake_rx = self._ctx.socket(zmq.PULL)  # close() stops the io thread through it
