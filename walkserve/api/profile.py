@@ -6,7 +6,8 @@ offers none of these tasks is still served through ``/v1/walks/{walk}``.
     profile_for("tiny-llama")          text (toy byte tokenizer)
     profile_for("/path/to/checkpoint") text (the checkpoint's own AutoTokenizer)
     profile_for("example-speech")      no task: walks only
-    profile_for("pkg.module:factory")  ``pkg.module.api_profile(name)`` if the module defines it
+    profile_for("pkg.mod:factory")     ``pkg.mod.factory_profile(name)``, else
+                                       ``pkg.mod.api_profile(name)``, if the module defines it
 """
 
 from __future__ import annotations
@@ -154,16 +155,20 @@ def profile_for(name: str) -> ModelProfile:
     if os.path.isdir(name):
         return ModelProfile(name, text=_checkpoint_text(name))
     if ":" in name:
-        # A module:factory model may describe its tasks with a module-level api_profile(name).
+        # A module:factory model may describe its tasks: <factory>_profile(name) beside the
+        # factory, or a module-level api_profile(name).
+        module_name, _, factory = name.partition(":")
         try:
-            module = importlib.import_module(name.partition(":")[0])
+            module = importlib.import_module(module_name)
         except ImportError:
             return ModelProfile(name)
-        describe = getattr(module, "api_profile", None)
+        describe = getattr(module, f"{factory}_profile", None) or getattr(
+            module, "api_profile", None
+        )
         if callable(describe):
             profile = describe(name)
             if not isinstance(profile, ModelProfile):
-                raise ValueError(f"{name}: api_profile() must return a ModelProfile")
+                raise ValueError(f"{name}: {describe.__name__}() must return a ModelProfile")
             return profile
     return ModelProfile(name)
 

@@ -135,7 +135,9 @@ class PoolConfig:
     """``address``: ``"ipc"`` (a socket file in a private temporary directory) or ``"tcp"``
     (127.0.0.1, a free port). ``unresponsive_after_s``: a ready worker silent for this long is
     reported ``unresponsive`` (heartbeats come every ``heartbeat_s``). ``forbid_pickle``: make
-    pickle raise inside the workers after their setup."""
+    pickle raise inside the workers after their setup. ``shm`` configures this process's pool;
+    ``worker_shm_slots_per_class`` the slots per size class of each worker's own pool (which
+    holds every node output a worker sends until its reader acks it)."""
 
     start_timeout_s: float = 120.0
     stop_timeout_s: float = 10.0
@@ -147,6 +149,7 @@ class PoolConfig:
     forbid_pickle: bool = False
     kv_pool_tokens: int | None = None  # paged KV pools (PagedLM): tokens each (None: default)
     kv_page_size: int | None = None
+    worker_shm_slots_per_class: int = 8  # each worker's output pool: slots per size class
 
     def __post_init__(self) -> None:
         if self.kv_page_size is not None and self.kv_page_size < 1:
@@ -162,6 +165,10 @@ class PoolConfig:
             raise ValueError(f"address must be 'ipc' or 'tcp', got {self.address!r}")
         if self.inline_max_bytes < 0:
             raise ValueError(f"inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
+        if self.worker_shm_slots_per_class < 1:
+            raise ValueError(
+                f"worker_shm_slots_per_class must be >= 1, got {self.worker_shm_slots_per_class}"
+            )
 
 
 # ------------------------------------------------------------------------------ results
@@ -292,6 +299,7 @@ class WorkerPool:
             heartbeat_s=self.config.heartbeat_s,
             setup_timeout_s=self.config.start_timeout_s,
             inline_max_bytes=self.config.inline_max_bytes,
+            shm_slots_per_class=self.config.worker_shm_slots_per_class,
             forbid_pickle=self.config.forbid_pickle,
             kv_pool_tokens=self.config.kv_pool_tokens,
             kv_page_size=self.config.kv_page_size,

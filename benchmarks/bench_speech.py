@@ -1,0 +1,230 @@
+"""Streamed speech against the native baseline: ``python benchmarks/bench_speech.py [--quick]``.
+
+Model: ``walkserve.adapters.orpheus:bench``, an Orpheus-shaped random pair (a 4-layer Llama,
+~18M parameters with the 4096-code audio vocabulary, steered to emit well-formed frames; a
+snac_24khz-shaped SNAC decoder, 19.5M), greedy, no end-of-speech (every request makes exactly
+``--tokens`` audio tokens). At each concurrency level ``c`` (1, 4, 8), ``c`` requests with
+different prompts are submitted at once, two ways:
+
+    served   serve() on ``--ranks`` ranks (2: LM on rank 0, SNAC on rank 1), walk ``speak``:
+             audio streams in SlidingWindow(28, 7) chunks of 2048 samples (85 ms) each
+    native   upstream ``LlamaForCausalLM.generate()`` per request, then one ``snac.decode`` of
+             all its frames (a FIFO queue, one request at a time, in a fresh process per level):
+             all audio at the end
+
+Reports, per level and method: time to first audio (TTFA, from submission), audio seconds per
+wall second (all requests' audio / time until the last one finished), and for ``served`` the
+streaming viability: the share of chunks after the first that arrive before the audio already
+delivered has finished playing (playback starting when the first chunk arrives). Also whether
+the served tokens equal ``generate()``'s. Writes ``benchmarks/results/speech_orpheus.json``.
+``--quick``: 42 tokens per request (3 chunks) instead of 168 (21 chunks). Small shared VMs are
+noisy (+-20% or worse): compare ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+
+if importlib.util.find_spec("walkserve") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+FACTORY = "walkserve.adapters.orpheus:bench"
+LEVELS = (1, 4, 8)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    from walkserve.adapters.orpheus import BENCH_TOKENS, orpheus_prompt
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        text = torch.randint(0, 256, (4 + i % 9,), generator=g).tolist()
+        out.append(orpheus_prompt(text, BENCH_TOKENS))
+    return out
+
+
+def run_native(level: int, tokens: int, seed: int) -> dict[str, Any]:
+    """``generate()`` then one SNAC decode per request, one request at a time."""
+    from walkserve.adapters import orpheus
+
+    model, _ = orpheus.bench()
+    work = [torch.tensor([p]) for p in prompts(level, seed)]
+
+    def one(ids: torch.Tensor, n: int) -> tuple[list[int], int]:
+        with torch.no_grad():
+            seq = model.lm.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n
+            )
+            new = seq[0, ids.shape[1] :].tolist()
+            wav, _ = model.codec(orpheus.audio_frames(new, orpheus.BENCH_TOKENS))
+        return new, int(wav.shape[-1])
+
+    one(work[0], 28)  # first-call costs stay out of the timing
+    start = time.perf_counter()
+    done, samples, outputs = [], [], []
+    for ids in work:
+        new, n = one(ids, tokens)
+        done.append(time.perf_counter() - start)
+        samples.append(n)
+        outputs.append(new)
+    return {"ttfa": done, "finish": done, "samples": samples, "tokens": outputs}
+
+
+def run_served(server: Any, level: int, tokens: int, seed: int) -> dict[str, Any]:
+    work = [torch.tensor([p]) for p in prompts(level, seed)]
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in work]
+    finish = [0.0] * len(work)
+    outputs: list[list[int]] = [[] for _ in work]
+    start = time.perf_counter()
+    handles = [server.submit({"input_ids": ids, "max_new_tokens": tokens}, "speak") for ids in work]
+
+    def consume(i: int) -> None:
+        for item in handles[i].stream(timeout=600):
+            if item.channel == "waveform":
+                arrivals[i].append((time.perf_counter() - start, int(item.value.shape[-1])))
+        out = handles[i].result(timeout=600)
+        finish[i] = time.perf_counter() - start
+        outputs[i] = out["tokens"][0].tolist()
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {
+        "ttfa": [a[0][0] for a in arrivals],
+        "finish": finish,
+        "samples": [sum(n for _, n in a) for a in arrivals],
+        "tokens": outputs,
+        "arrivals": arrivals,
+    }
+
+
+def viability(arrivals: list[list[tuple[float, int]]], rate: int) -> float:
+    """Share of chunks after each request's first that arrive before the audio delivered
+    before them has finished playing (playback starts at the first chunk's arrival)."""
+    on_time = total = 0
+    for chunks in arrivals:
+        play_start, delivered = chunks[0][0], chunks[0][1]
+        for t, n in chunks[1:]:
+            total += 1
+            on_time += t <= play_start + delivered / rate
+            delivered += n
+    return on_time / total if total else 1.0
+
+
+def summarize(r: dict[str, Any], rate: int) -> dict[str, Any]:
+    audio = sum(r["samples"]) / rate
+    out = {
+        "ttfa_mean_s": sum(r["ttfa"]) / len(r["ttfa"]),
+        "ttfa_max_s": max(r["ttfa"]),
+        "makespan_s": max(r["finish"]),
+        "audio_s": audio,
+        "audio_s_per_wall_s": audio / max(r["finish"]),
+    }
+    if "arrivals" in r:
+        out["streaming_viability"] = viability(r["arrivals"], rate)
+        out["chunks"] = sum(len(a) for a in r["arrivals"])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="42 tokens per request")
+    parser.add_argument("--tokens", type=int, default=168, help="audio tokens per request")
+    parser.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
+    parser.add_argument("--ranks", type=int, choices=(1, 2), default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/speech_orpheus.json")
+    parser.add_argument("--native-level", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.tokens = 42
+    if args.native_level:
+        print(json.dumps(run_native(args.native_level, args.tokens, args.seed)))
+        return
+
+    from walkserve.benchmarking import git_commit
+    from walkserve.lowering.placement import Placement
+    from walkserve.runtime.server import serve
+    from walkserve.runtime.workers import PoolConfig
+
+    rate = 24000
+    load_before = os.getloadavg()
+    results: dict[str, dict[str, Any]] = {}
+    native: dict[int, dict[str, Any]] = {}
+    for level in args.levels:  # fresh process per level: repeated generate() slows down
+        cmd = [sys.executable, __file__, "--native-level", str(level)]
+        cmd += ["--tokens", str(args.tokens), "--seed", str(args.seed)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        native[level] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[f"native_c{level}"] = summarize(native[level], rate)
+        print(f"native c={level}: {results[f'native_c{level}']}", flush=True)
+    placement = Placement(ranks=2, rules={"lm": [0], "codec": [1]}) if args.ranks == 2 else None
+    # A worker's default 8 shared-memory slots per size class ran out at c=8 on a loaded VM:
+    # every LM step sends each request's logits (28.9k floats) in a 128 KiB slot until read.
+    pool = PoolConfig(worker_shm_slots_per_class=64)
+    with serve(FACTORY, placement, pool_config=pool) as server:
+        warm = prompts(1, args.seed + 1)[0]
+        server.submit({"input_ids": torch.tensor([warm]), "max_new_tokens": 35}, "speak").result(
+            timeout=600
+        )
+        matches = total = 0
+        for level in args.levels:
+            served = run_served(server, level, args.tokens, args.seed)
+            results[f"served_c{level}"] = summarize(served, rate)
+            matches += sum(a == b for a, b in zip(served["tokens"], native[level]["tokens"]))
+            total += level
+            print(f"served c={level}: {results[f'served_c{level}']}", flush=True)
+    ratios = {
+        f"c{c}": {
+            "ttfa_native_over_served": results[f"native_c{c}"]["ttfa_mean_s"]
+            / results[f"served_c{c}"]["ttfa_mean_s"],
+            "audio_per_wall_served_over_native": results[f"served_c{c}"]["audio_s_per_wall_s"]
+            / results[f"native_c{c}"]["audio_s_per_wall_s"],
+        }
+        for c in args.levels
+    }
+    summary = {
+        "benchmark": "speech_orpheus",
+        "quick": args.quick,
+        "model": FACTORY,
+        "tokens_per_request": args.tokens,
+        "ranks": args.ranks,
+        "results": results,
+        "ratios": ratios,
+        "served_tokens_equal_generate": f"{matches}/{total}",
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    for c, r in ratios.items():
+        print(
+            f"{c}: TTFA native/served = {r['ttfa_native_over_served']:.2f}x, audio per wall "
+            f"second served/native = {r['audio_per_wall_served_over_native']:.2f}x"
+        )
+    print(f"served tokens == generate: {matches}/{total}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

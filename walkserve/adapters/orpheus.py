@@ -1,0 +1,474 @@
+"""Orpheus-style text-to-speech: an unmodified ``transformers.LlamaForCausalLM`` emits SNAC code
+tokens, seven per audio frame, which stream into an unmodified ``snac.SNAC`` decoder.
+
+Owns: the walks around the two upstream models, the Orpheus token layout, a tiny random
+instance (``tiny``), and a loader for local checkpoints (``load_orpheus``). What crosses the
+boundary: walk inputs ``input_ids`` [B, P] int64 (an Orpheus prompt, see ``orpheus_prompt``) and
+``max_new_tokens`` (int); outputs ``tokens`` [B, n] int64 (exactly ``generate(do_sample=False)``'s
+new tokens) and ``waveform`` [B, samples] float32 at the SNAC sample rate (24 kHz).
+
+Token layout (Orpheus). Audio token ``t`` at position ``k`` of its frame (``k`` in 0..6) carries
+SNAC code ``t - audio_offset - k * codebook``. A frame's seven codes go to SNAC's three levels
+(1, 2 and 4 codes per frame, coarse to fine):
+
+    frame f:   k=0  k=1  k=2  k=3  k=4  k=5  k=6
+    level 0:   c0                                  -> codes[0][:, f]
+    level 1:        c1             c4              -> codes[1][:, 2f], codes[1][:, 2f+1]
+    level 2:             c2   c3        c5   c6    -> codes[2][:, 4f .. 4f+3]
+
+Streaming (Orpheus's own streaming decoder): once 28 audio tokens (4 frames) exist and then
+after every further 7, the last 4 frames are decoded and only the second frame's audio,
+samples ``[S, 2S)`` of the window's ``4S`` (``S`` = samples per frame, 2048 at 24 kHz), is
+played. Here that is ``stream(tokens, SlidingWindow(28, 7))``: window ``i`` holds tokens
+``[7i, 7i + 28)`` and contributes ``S`` samples, so waveform samples ``[iS, (i+1)S)`` are
+``snac.decode(window i)[S:2S]``: the audio of frame ``i + 1`` with one frame of left and two of
+right context. Orpheus plays neither frame 0 nor the last two frames.
+
+End-of-stream rule: ``pad`` with ``pad_value=-1`` (never a valid token). A window with any token
+that is not an audio code of its position (the end-of-speech token, the padding, or a wrongly
+placed token) decodes to silence (zeros), where Orpheus's decoder skips it; its codes are
+clamped into the codebook only so that the batched decode can run. The padded final fragment is
+therefore always silent, so the audio equals Orpheus's chunks followed by at most one silent
+chunk. Why not ``drop`` (what Orpheus does): a loop that runs zero times has no value in the
+Walk Graph, so a request that ends before 28 tokens would fail instead of returning silence.
+
+Decoding starts from the prompt's last token (Orpheus prompts end with ``start_of_speech``):
+the walk prefills ``input_ids[:, :-1]`` and the first loop step reads the last prompt token, so
+every new token, the first included, comes out of one loop and streams on one edge.
+
+The tiny random LM (``tiny``) is steered to emit well-formed frames, because Orpheus's own
+inference does not constrain decoding: ``steer_to_frames`` writes a "frame position" direction
+into the embeddings and output rows: the embedding of every audio token at position ``k`` (and
+of ``start_of_speech``, as position 6) gets a large component on hidden channel ``k``, and the
+output rows of position ``(k + 1) % 7`` a matching weight on channel ``k``. Greedy decoding then
+picks position ``k + 1``'s range after position ``k``; the code within the range is left to the
+random weights. Nothing else of the upstream model is touched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from walkserve.capture import iterations, loop, register_component, stream, walk
+from walkserve.capture.api import component
+from walkserve.capture.chunk import EndOfStream, SlidingWindow
+
+if TYPE_CHECKING:
+    from walkserve.api.profile import ModelProfile
+
+FRAME = 7  # audio tokens per SNAC frame
+WINDOW_FRAMES = 4  # frames decoded per streamed chunk (28 tokens)
+KEPT_FRAME = 1  # the window's frame whose audio is played
+PAD_TOKEN = -1  # pads the final fragment; never a valid token
+LEVEL_POSITIONS = ((0,), (1, 4), (2, 3, 5, 6))  # frame positions of SNAC levels 0, 1, 2
+
+
+@dataclass(frozen=True)
+class OrpheusTokens:
+    """Special token ids and the audio token range of one Orpheus vocabulary."""
+
+    audio_offset: int  # token id of code 0 at frame position 0 (Orpheus: <custom_token_10>)
+    codebook: int  # codes per SNAC level
+    start_of_human: int
+    end_of_text: int
+    end_of_human: int
+    start_of_ai: int
+    start_of_speech: int
+    end_of_speech: int  # the LM's stop token
+
+    def __post_init__(self) -> None:
+        if self.codebook <= 0 or self.audio_offset < 0:
+            raise ValueError(f"codebook must be > 0 and audio_offset >= 0, got {self}")
+        specials = (
+            self.start_of_human,
+            self.end_of_text,
+            self.end_of_human,
+            self.start_of_ai,
+            self.start_of_speech,
+            self.end_of_speech,
+        )
+        if any(self.audio_offset <= t < self.vocab_end for t in specials):
+            raise ValueError(f"special token ids must lie outside the audio token range: {self}")
+
+    @property
+    def vocab_end(self) -> int:
+        """One past the last audio token id."""
+        return self.audio_offset + FRAME * self.codebook
+
+
+# Orpheus 3B (Llama 3.2 vocabulary, <custom_token_N> = 128256 + N) with SNAC 24 kHz.
+ORPHEUS_TOKENS = OrpheusTokens(
+    audio_offset=128266,
+    codebook=4096,
+    start_of_human=128259,
+    end_of_text=128009,
+    end_of_human=128260,
+    start_of_ai=128261,
+    start_of_speech=128257,
+    end_of_speech=128258,
+)
+# The tiny models' vocabulary: bytes 0..255, the specials at Orpheus's custom-token positions.
+TINY_TOKENS = OrpheusTokens(
+    audio_offset=266,
+    codebook=64,
+    start_of_human=259,
+    end_of_text=256,
+    end_of_human=260,
+    start_of_ai=261,
+    start_of_speech=257,
+    end_of_speech=258,
+)
+
+
+def orpheus_prompt(text_ids: Sequence[int], tokens: OrpheusTokens) -> list[int]:
+    """Orpheus's prompt: ``start_of_human, text, end_of_text, end_of_human, start_of_ai,
+    start_of_speech``; the LM continues with audio tokens."""
+    return [
+        tokens.start_of_human,
+        *text_ids,
+        tokens.end_of_text,
+        tokens.end_of_human,
+        tokens.start_of_ai,
+        tokens.start_of_speech,
+    ]
+
+
+def audio_frames(generated: Sequence[int], tokens: OrpheusTokens) -> Tensor:
+    """Generated token ids -> audio token ids as whole frames [1, F, 7], the way Orpheus's
+    non-streamed decode crops them: tokens outside the audio range dropped, then the last
+    incomplete frame."""
+    audio = [t for t in generated if tokens.audio_offset <= t < tokens.vocab_end]
+    whole = len(audio) // FRAME * FRAME
+    return torch.tensor(audio[:whole], dtype=torch.int64).reshape(1, -1, FRAME)
+
+
+@component(engine="stateless")
+class SnacFrames(nn.Module):
+    """Orpheus frames of audio token ids [B, F, 7] -> waveform [B, F * S] through an unmodified
+    ``snac.SNAC`` (``S = hop_length * vq_strides[0]`` samples per frame), and a validity flag
+    [B, 1]: every token is an audio code of its frame position. Invalid codes are clamped into
+    the codebook (the flag says the audio means nothing)."""
+
+    def __init__(self, snac: Any, tokens: OrpheusTokens) -> None:  # snac.SNAC (untyped)
+        super().__init__()
+        if list(snac.vq_strides) != [4, 2, 1]:
+            raise ValueError(f"Orpheus needs SNAC vq_strides [4, 2, 1], got {snac.vq_strides}")
+        if int(snac.codebook_size) != tokens.codebook:
+            raise ValueError(
+                f"SNAC codebook_size {snac.codebook_size} != the LM's codebook {tokens.codebook}"
+            )
+        self.snac = snac
+        self.tokens = tokens
+        self.samples_per_frame = int(snac.hop_length) * 4
+        positions = torch.arange(FRAME) * tokens.codebook + tokens.audio_offset  # [7]
+        self.offsets: Tensor
+        self.register_buffer("offsets", positions, persistent=False)
+
+    def forward(self, frames: Tensor) -> tuple[Tensor, Tensor]:
+        codes = frames - self.offsets  # [B, F, 7]
+        valid = ((codes >= 0) & (codes < self.tokens.codebook)).flatten(1).all(1, keepdim=True)
+        codes = codes.clamp(0, self.tokens.codebook - 1)
+        levels = [codes[:, :, list(p)].flatten(1) for p in LEVEL_POSITIONS]  # [B, F * (1|2|4)]
+        wav = self.snac.decode(levels)  # [B, 1, F * S]
+        return wav[:, 0].float(), valid  # [B, F * S], [B, 1]
+
+
+class OrpheusTTS(nn.Module):
+    """Walks ``speak`` (prompt -> tokens and streamed waveform) and ``decode`` (whole frames ->
+    waveform, not streamed) around an upstream Llama LM and SNAC decoder."""
+
+    def __init__(self, lm: Any, snac: Any, tokens: OrpheusTokens) -> None:
+        super().__init__()
+        register_component(type(lm), engine="kv_cache")
+        if lm.config.vocab_size < tokens.vocab_end:
+            raise ValueError(
+                f"LM vocab_size {lm.config.vocab_size} does not hold the audio tokens "
+                f"(ids up to {tokens.vocab_end - 1})"
+            )
+        self.lm = lm
+        self.codec = SnacFrames(snac, tokens)
+        self.tokens = tokens
+        self.eos = tokens.end_of_speech
+        self.samples_per_frame = self.codec.samples_per_frame
+        self.sample_rate = int(getattr(snac, "sampling_rate", 24000))
+        self.kv = (
+            "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+        )
+
+    @walk
+    def speak(self, input_ids: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
+        # input_ids: [B, P], P >= 2, ending with start_of_speech
+        out = self.lm(input_ids=input_ids[:, :-1], use_cache=True, logits_to_keep=1)
+        cache = getattr(out, self.kv)
+        token = input_ids[:, -1:]  # [B, 1]: the first step reads the prompt's last token
+        count = torch.zeros_like(token)
+        new: list[Tensor] = []
+        for _ in iterations(max_new_tokens):
+            token, cache, count = self.step(token, cache, count)
+            new.append(token)
+            if ((token == self.eos) | (count >= max_new_tokens)).all():
+                break
+        tokens = torch.cat(new, dim=1)  # [B, n]
+        windows = SlidingWindow(
+            WINDOW_FRAMES * FRAME, FRAME, end=EndOfStream.PAD, pad_value=PAD_TOKEN
+        )
+        pieces: list[Tensor] = []
+        for window in stream(tokens, windows, dim=1):  # window: [B, 28]
+            pieces.append(self.play_window(window))
+        return {"tokens": tokens, "waveform": torch.cat(pieces, dim=-1)}  # waveform: [B, k * S]
+
+    @loop
+    def step(self, token: Tensor, cache: Any, count: Tensor) -> tuple[Tensor, Any, Tensor]:
+        out = self.lm(input_ids=token, use_cache=True, **{self.kv: cache})
+        return out.logits[:, -1:].argmax(-1), getattr(out, self.kv), count + 1
+
+    @loop
+    def play_window(self, window: Tensor) -> Tensor:
+        wav, valid = self.codec(window.unflatten(1, (WINDOW_FRAMES, FRAME)))  # [B, 4S], [B, 1]
+        s = self.samples_per_frame
+        return wav[:, KEPT_FRAME * s : (KEPT_FRAME + 1) * s] * valid  # [B, S]
+
+    @walk
+    def decode(self, frames: Tensor) -> dict[str, Tensor]:
+        # frames: [B, F, 7] audio token ids (``audio_frames``)
+        wav, _ = self.codec(frames)
+        return {"waveform": wav}  # [B, F * S]
+
+
+def steer_to_frames(lm: Any, tokens: OrpheusTokens, strength: float = 10.0) -> None:
+    """Make a random LM emit well-formed frames greedily (see the module docstring): hidden
+    channel ``k`` marks "the current token is at frame position k"."""
+    emb = lm.get_input_embeddings().weight  # [V, D]
+    head = lm.get_output_embeddings().weight  # [V, D]
+    if emb.data_ptr() == head.data_ptr():
+        raise ValueError("steer_to_frames needs untied input and output embeddings")
+    with torch.no_grad():
+        emb[:, :FRAME] = 0.0
+        head[:, :FRAME] = 0.0
+        for k in range(FRAME):
+            here = tokens.audio_offset + k * tokens.codebook
+            emb[here : here + tokens.codebook, k] = strength
+            nxt = tokens.audio_offset + (k + 1) % FRAME * tokens.codebook
+            head[nxt : nxt + tokens.codebook, k] = strength
+        emb[tokens.start_of_speech, FRAME - 1] = strength
+
+
+@dataclass(frozen=True)
+class RandomConfig:
+    """Sizes of a random Orpheus-shaped pair (LM + SNAC)."""
+
+    tokens: OrpheusTokens = TINY_TOKENS
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    snac_encoder_dim: int = 8
+    snac_encoder_rates: tuple[int, ...] = (2, 4, 4)
+    snac_decoder_dim: int = 64
+    snac_decoder_rates: tuple[int, ...] = (4, 4, 2)
+    snac_codebook_dim: int = 4
+    snac_noise: bool = False
+    init_range: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.hidden <= FRAME:
+            raise ValueError(f"hidden must exceed {FRAME} (frame-position channels)")
+
+
+def build(config: RandomConfig = RandomConfig(), seed: int = 0) -> OrpheusTTS:
+    """A random LM and SNAC of ``config``'s sizes, the LM steered to emit frames."""
+    from snac import SNAC
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    t = config.tokens
+    torch.manual_seed(seed)
+    lm = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=t.vocab_end,
+            hidden_size=config.hidden,
+            intermediate_size=config.intermediate,
+            num_hidden_layers=config.layers,
+            num_attention_heads=config.heads,
+            num_key_value_heads=config.kv_heads,
+            max_position_embeddings=4096,
+            initializer_range=config.init_range,
+            tie_word_embeddings=False,
+            bos_token_id=t.start_of_human,
+            eos_token_id=t.end_of_speech,
+        )
+    ).eval()
+    steer_to_frames(lm, t)
+    snac = SNAC(
+        sampling_rate=24000,
+        encoder_dim=config.snac_encoder_dim,
+        encoder_rates=list(config.snac_encoder_rates),
+        decoder_dim=config.snac_decoder_dim,
+        decoder_rates=list(config.snac_decoder_rates),
+        attn_window_size=None,
+        codebook_size=t.codebook,
+        codebook_dim=config.snac_codebook_dim,
+        vq_strides=[4, 2, 1],
+        noise=config.snac_noise,
+        depthwise=True,
+    ).eval()
+    model = OrpheusTTS(lm, snac, t).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def sample_inputs(tokens: OrpheusTokens, max_new_tokens: int) -> dict[str, Any]:
+    """A five-token text prompt for ``speak``; four frames of code 0 for ``decode``."""
+    text = list(range(72, 77))
+    zero_codes = torch.arange(FRAME) * tokens.codebook + tokens.audio_offset  # [7]
+    return {
+        "input_ids": torch.tensor([orpheus_prompt(text, tokens)]),  # [1, P]
+        "max_new_tokens": max_new_tokens,
+        "frames": zero_codes.repeat(1, WINDOW_FRAMES, 1),  # [1, 4, 7]
+    }
+
+
+def tiny() -> tuple[OrpheusTTS, dict[str, Any]]:
+    """The tiny random instance for tests: ``serve("walkserve.adapters.orpheus:tiny")``."""
+    return build(RandomConfig()), sample_inputs(TINY_TOKENS, 42)
+
+
+def speech_profile(
+    name: str, tokens: OrpheusTokens, encode_text: Callable[[str], list[int]], sample_rate: int
+) -> ModelProfile:
+    """What ``/v1/audio/speech`` needs: the ``speak`` walk, its waveform channel, and text
+    encoded into an Orpheus prompt."""
+    from walkserve.api.profile import ModelProfile, SpeechTask
+
+    def encode(text: str) -> list[int]:
+        return orpheus_prompt(encode_text(text), tokens)
+
+    speech = SpeechTask(
+        walk="speak",
+        prompt_input="input_ids",
+        max_tokens_input="max_new_tokens",
+        waveform_channel="waveform",
+        sample_rate=sample_rate,
+        vocab_size=tokens.vocab_end,
+        max_prompt_tokens=1024,
+        max_tokens_limit=4096,
+        default_max_tokens=FRAME * 32,  # 32 frames: ~2.7 s at 24 kHz
+        encode=encode,
+    )
+    return ModelProfile(name, speech=speech)
+
+
+def tiny_profile(name: str) -> ModelProfile:
+    """``tiny``'s speech task; text is UTF-8 bytes (ids 0..255)."""
+    return speech_profile(name, TINY_TOKENS, lambda text: list(text.encode("utf-8")), 24000)
+
+
+# The benchmark's CPU-friendly pair: a 4-layer Llama (~16M parameters, most in the 28.9k-token
+# embeddings) with Orpheus's 4096-code audio vocabulary, and a snac_24khz-shaped SNAC (19.8M).
+BENCH_TOKENS = OrpheusTokens(**{**TINY_TOKENS.__dict__, "codebook": 4096})
+BENCH_CONFIG = RandomConfig(
+    tokens=BENCH_TOKENS,
+    hidden=256,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    intermediate=768,
+    snac_encoder_dim=48,
+    snac_encoder_rates=(2, 4, 8, 8),
+    snac_decoder_dim=1024,
+    snac_decoder_rates=(8, 8, 4, 2),
+    snac_codebook_dim=8,
+    snac_noise=False,
+    init_range=0.02,  # wider random layers drown the frame-position channels at this width
+)
+
+
+def bench() -> tuple[OrpheusTTS, dict[str, Any]]:
+    """The benchmark's random pair (``BENCH_CONFIG``), for ``benchmarks/bench_speech.py``."""
+    return build(BENCH_CONFIG), sample_inputs(BENCH_TOKENS, 42)
+
+
+def bench_profile(name: str) -> ModelProfile:
+    """``bench``'s speech task (UTF-8 bytes, like ``tiny``)."""
+    return speech_profile(name, BENCH_TOKENS, lambda text: list(text.encode("utf-8")), 24000)
+
+
+def load_snac(snac_dir: str) -> Any:
+    """A SNAC checkpoint directory: ``config.json`` plus ``model.safetensors`` or
+    ``pytorch_model.bin`` (read with ``weights_only=True``), as ``snac.SNAC`` itself lays it
+    out, without its hub download."""
+    from snac import SNAC
+
+    config_path = os.path.join(snac_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{snac_dir} has no config.json: expected a SNAC checkpoint directory")
+    with open(config_path) as f:
+        config = json.load(f)
+    try:
+        snac = SNAC(**config)
+    except TypeError as e:
+        raise ValueError(f"{config_path} is not a SNAC config: {e}") from None
+    st_path = os.path.join(snac_dir, "model.safetensors")
+    bin_path = os.path.join(snac_dir, "pytorch_model.bin")
+    if os.path.isfile(st_path):
+        from safetensors.torch import load_file
+
+        state = load_file(st_path)
+    elif os.path.isfile(bin_path):
+        state = torch.load(bin_path, map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"{snac_dir} has neither model.safetensors nor pytorch_model.bin")
+    snac.load_state_dict(state)
+    return snac.eval()
+
+
+def load_orpheus(
+    lm_dir: str, snac_dir: str, tokens: OrpheusTokens = ORPHEUS_TOKENS
+) -> tuple[OrpheusTTS, dict[str, Any]]:
+    """Local checkpoint directories: an Orpheus LM (``from_pretrained``, local files only) and a
+    SNAC model (``load_snac``), with sample inputs for capture."""
+    from transformers import LlamaForCausalLM
+
+    lm = LlamaForCausalLM.from_pretrained(lm_dir, local_files_only=True).eval()
+    model = OrpheusTTS(lm, load_snac(snac_dir), tokens).eval()
+    model.requires_grad_(False)
+    return model, sample_inputs(tokens, 64)
+
+
+def from_env() -> tuple[OrpheusTTS, dict[str, Any]]:
+    """``load_orpheus($ORPHEUS_LM_DIR, $ORPHEUS_SNAC_DIR)``: a zero-argument factory, so that
+    ``serve("walkserve.adapters.orpheus:from_env")`` serves a real checkpoint (worker
+    processes inherit the environment)."""
+    lm_dir, snac_dir = os.environ.get("ORPHEUS_LM_DIR"), os.environ.get("ORPHEUS_SNAC_DIR")
+    if not lm_dir or not snac_dir:
+        raise ValueError("set ORPHEUS_LM_DIR and ORPHEUS_SNAC_DIR to local checkpoint directories")
+    return load_orpheus(lm_dir, snac_dir)
+
+
+def from_env_profile(name: str) -> ModelProfile:
+    """``from_env``'s speech task, with the LM checkpoint's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    lm_dir = os.environ.get("ORPHEUS_LM_DIR")
+    if not lm_dir:
+        raise ValueError("set ORPHEUS_LM_DIR to the Orpheus LM checkpoint directory")
+    tok = AutoTokenizer.from_pretrained(lm_dir, local_files_only=True)
+    snac_dir = os.environ.get("ORPHEUS_SNAC_DIR", "")
+    config_path = os.path.join(snac_dir, "config.json")
+    rate = 24000
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            rate = int(json.load(f).get("sampling_rate", rate))
+
+    def encode(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=True))
+
+    return speech_profile(name, ORPHEUS_TOKENS, encode, rate)
