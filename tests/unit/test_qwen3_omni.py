@@ -80,7 +80,7 @@ def test_speech_walk_equals_upstream_generate_token_for_token(tiny: Any) -> None
         r = request(walks, i)
         text, codes, _ = upstream_generate(walks, r)
         got = captured.run(r, walk="speak")
-        assert torch.equal(got["text_tokens"], text), i
+        assert torch.equal(torch.cat([got["first_token"], got["text_tokens"]], 1), text), i
         assert torch.equal(got["codes"], codes), i
         frames.add(codes.shape[-1])
         # Streamed relation of LeftContext(L, C): chunk k decodes frames
@@ -104,8 +104,9 @@ def test_chat_walk_equals_upstream_thinker_generate(tiny: Any) -> None:
             do_sample=False,
         )
         inputs = {k: r[k] for k in ("input_ids", "max_new_tokens")}
-        got = captured.run(inputs, walk="chat")["text_tokens"]
-        assert torch.equal(got, want[:, r["input_ids"].shape[1] :]), i
+        got = captured.run(inputs, walk="chat")
+        text = torch.cat([got["first_token"], got["text_tokens"]], dim=1)
+        assert torch.equal(text, want[:, r["input_ids"].shape[1] :]), i
 
 
 def test_upstream_chunk_sizes_give_upstream_waveform_exactly(tiny: Any) -> None:

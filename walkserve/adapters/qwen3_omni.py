@@ -7,8 +7,9 @@ and reproduces what ``generate()`` feeds the talker (text-only input). What cros
 boundary: walk inputs ``input_ids`` [1, P] int64 (a chat prompt ending with
 ``<|im_start|> assistant \\n``), ``max_new_tokens`` (thinker), ``max_audio_tokens`` (talker,
 counted as upstream ``talker_max_new_tokens``) and ``speaker_id`` (a codec speaker id from
-``config.talker_config.speaker_id``); outputs ``text_tokens`` [1, n] (all generated thinker
-tokens, the first one included), ``codes`` [1, G, frames] and ``waveform`` [1, 1, samples].
+``config.talker_config.speaker_id``); outputs ``first_token`` [1, 1] (t0, from the prefill),
+``text_tokens`` [1, n - 1] (t1 .. t{n-1}, streamed token by token), ``codes`` [1, G, frames]
+and ``waveform`` [1, 1, samples] (both streamed).
 
     thinker  prefill -> t0; decode t1 .. t{n-1} (EOS / max_new_tokens)
              feeds:   t1 t2 ... t{n-2} <eos>            (the item of the last token is the
@@ -239,16 +240,17 @@ class Qwen3OmniWalks(nn.Module):
 
     @walk
     def chat(self, input_ids: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
-        _, text_tokens, _ = self._think(input_ids, max_new_tokens)
-        return {"text_tokens": text_tokens}
+        first, text_tokens, _ = self._think(input_ids, max_new_tokens)
+        return {"first_token": first, "text_tokens": text_tokens}
 
     def _think(self, input_ids: Tensor, max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
-        """-> t0 [B, 1], all generated tokens [B, n], feed items [B, n - 1]."""
+        """-> t0 [B, 1], the decode loop's tokens t1 .. t{n-1} [B, n - 1] (a streamed channel),
+        the talker's feed items [B, n - 1]."""
         out = self.thinker(input_ids=input_ids, use_cache=True)
         cache = _read_now(out.cache)
         first = token = out.logits[:, -1:].argmax(-1)  # [B, 1]: t0
         count = token * 0 + 1  # [B, 1] (elementwise: runs in the thinker's dispatch)
-        tokens, feeds = [token], []
+        tokens, feeds = [], []
         for _ in iterations(max_new_tokens):
             cache, token, count, feed, done = self.think_step(cache, token, count, max_new_tokens)
             tokens.append(token)
@@ -297,7 +299,12 @@ class Qwen3OmniWalks(nn.Module):
         for chunk, n_ctx in stream(codes, LeftContext(self.left_context, self.chunk_size), dim=2):
             pieces.append(self.decode_chunk(chunk, n_ctx))
         waveform = torch.cat(pieces, dim=-1)  # [B, 1, samples]
-        return {"text_tokens": text_tokens, "codes": codes, "waveform": waveform}
+        return {
+            "first_token": first,
+            "text_tokens": text_tokens,
+            "codes": codes,
+            "waveform": waveform,
+        }
 
     def _pick_code(self, logits: Tensor) -> Tensor:  # logits: [B, 1, V] -> [B, 1]
         return logits.masked_fill(self.suppressed, float("-inf")).argmax(-1)
