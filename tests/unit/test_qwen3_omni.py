@@ -141,3 +141,22 @@ def test_bad_prompt_is_refused(tiny: Any) -> None:
     walks, sample, _ = tiny
     with pytest.raises(ValueError, match="assistant header"):
         walks.speak(**{**sample, "input_ids": sample["input_ids"][:, :-1]})
+
+
+def test_loader_reads_a_local_checkpoint(tiny: Any, tmp_path: Any) -> None:
+    walks, _, _ = tiny
+    walks.upstream.save_pretrained(tmp_path)
+    loaded, sample = q.load_qwen3_omni(str(tmp_path), speaker="Chelsie")
+    assert sample["speaker_id"] == q.TINY_SPEAKER + 1
+    r = request(walks, 0)
+    got = capture.trace(loaded, sample).run(r, walk="chat")
+    want = walks.upstream.thinker.generate(
+        r["input_ids"],
+        max_new_tokens=r["max_new_tokens"],
+        eos_token_id=loaded.eos,
+        do_sample=False,
+    )
+    text = torch.cat([got["first_token"], got["text_tokens"]], dim=1)
+    assert torch.equal(text, want[:, r["input_ids"].shape[1] :])
+    with pytest.raises(ValueError, match="unknown speaker"):
+        q.load_qwen3_omni(str(tmp_path), speaker="nobody")

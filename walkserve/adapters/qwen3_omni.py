@@ -554,16 +554,21 @@ def tiny(seed: int = 0) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
 def load_qwen3_omni(path: str, speaker: str = "ethan") -> tuple[Qwen3OmniWalks, dict[str, Any]]:
     """A local Qwen3-Omni checkpoint directory (safetensors, no downloads) as walks, with
     upstream chunk sizes and ``<|im_end|>`` as the thinker's EOS."""
-    from transformers import Qwen3OmniMoeForConditionalGeneration
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-    model: Any = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, local_files_only=True)
-    model.eval().requires_grad_(False)
-    speakers = model.config.talker_config.speaker_id or {}
+    config: Any = Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
+    speakers = config.talker_config.speaker_id or {}
     if speaker.lower() not in speakers:
         raise ValueError(f"unknown speaker {speaker!r}; this checkpoint has {sorted(speakers)}")
+    model: Any = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        path, config=config, local_files_only=True
+    )
+    model.eval().requires_grad_(False)
     walks = Qwen3OmniWalks(model, int(model.config.im_end_token_id))
+    vocab = int(model.config.thinker_config.text_config.vocab_size)
+    hello, newline = (9707, 198) if vocab > 9707 else (vocab // 2, 9)  # Qwen tokenizer ids
     sample = {
-        "input_ids": chat_prompt(model.config, [9707], newline=198),  # "Hello"
+        "input_ids": chat_prompt(model.config, [hello], newline=newline),
         "max_new_tokens": 8,
         "max_audio_tokens": 32,
         "speaker_id": int(speakers[speaker.lower()]),
