@@ -135,7 +135,8 @@ class TalkerPrompt(nn.Module):
         # input_ids: [B, P], first_token: [B, 1] -> [B, U + 9, D_talker]
         tok = self.tokens
         batch, length = input_ids.shape
-        starts = torch.where(input_ids == tok.im_start, torch.arange(length), -1)
+        device = input_ids.device
+        starts = torch.where(input_ids == tok.im_start, torch.arange(length, device=device), -1)
         role_at = torch.cummax(starts, dim=-1).values.clamp_min(0) + 1
         roles = input_ids.gather(1, role_at.clamp_max(length - 1))
         user = roles == tok.user  # [B, P]
@@ -149,7 +150,7 @@ class TalkerPrompt(nn.Module):
             )
         projected = self.text(input_ids)  # [B, P, D]
         user_part = projected[user].view(batch, -1, projected.shape[-1])  # [B, U, D]
-        specials = self.text(torch.tensor([[tok.tts_bos, tok.tts_eos, tok.tts_pad]]))
+        specials = self.text(torch.tensor([[tok.tts_bos, tok.tts_eos, tok.tts_pad]], device=device))
         bos, _, pad = specials.chunk(3, dim=1)  # 3 x [1, 1, D]
         head = self.text(torch.cat([input_ids[:, -3:], first_token], dim=1))  # [B, 4, D]
         text_part = torch.cat(
@@ -165,7 +166,8 @@ class TalkerPrompt(nn.Module):
                     tok.codec_pad,
                     tok.codec_bos,
                 ]
-            ]
+            ],
+            device=device,
         ).expand(batch, -1)
         codec_part = torch.cat(
             [text_part.new_zeros(batch, 3, text_part.shape[-1]), self.codec_embed(codec_ids)],
@@ -223,7 +225,6 @@ class Qwen3OmniWalks(nn.Module):
             model.thinker.get_input_embeddings(), model.talker.text_projection, self.tokens
         )
         self.first_code_embed = mark_component(codec_embed, engine="stateless")
-        self.talker_text = text
         self.talker_prompt = TalkerPrompt(text, codec_embed, self.tokens)
         self.step_input = StepInput(
             codec_embed, model.talker.code_predictor.get_input_embeddings(), text
