@@ -65,3 +65,25 @@ def test_concurrent_speech_on_two_ranks_streams_before_the_thinker_ends() -> Non
     assert audio[0][0] < max(text_times), "no audio before the thinker finished"
     assert torch.equal(torch.cat([item.value for _, item in audio], dim=-1), out["waveform"])
     assert stats.live_requests == 0 and stats.live_values == 0
+
+
+def test_qwen25_omni_on_two_ranks_streams_codes_before_the_thinker_ends() -> None:
+    from walkserve.adapters import qwen25_omni
+
+    walks, sample = qwen25_omni.tiny()
+    captured = capture.trace(walks, sample)
+    reqs = [
+        {**sample, "input_ids": q.chat_prompt(qwen25_omni._Ids(), user), "max_new_tokens": n}
+        for user, n in (([5, 6, 7], 10), ([44, 45], 20), ([120, 7, 99, 3], 8), ([1, 2], 120))
+    ]
+    with serve(
+        "walkserve.adapters.qwen25_omni:tiny", PLACEMENTS / "qwen25-omni.2ranks.yaml"
+    ) as server:
+        handles = [server.submit(r, "speak") for r in reqs]
+        arrivals = [(time.monotonic(), item) for item in handles[3].stream(timeout=300)]
+        for handle, r in zip(handles, reqs):
+            assert_outputs_match(handle.result(timeout=300), captured.run(r, walk="speak"))
+    text_times = [t for t, item in arrivals if item.channel == "text_tokens"]
+    code_times = [t for t, item in arrivals if item.channel == "codes"]
+    assert len(text_times) > 100 and code_times
+    assert code_times[0] < max(text_times), "no codec token before the thinker finished"

@@ -71,7 +71,8 @@ def test_speech_walk_equals_upstream_generate_token_for_token(tiny: Any) -> None
         got = captured.run(r, walk="speak")
         mine = torch.cat([got["first_token"], got["second_token"], got["text_tokens"]], dim=1)
         assert torch.equal(mine, text), i
-        assert torch.equal(got["codes"], codes), i
+        walk_codes = torch.cat([got["first_code"], got["codes"]], dim=1)
+        assert torch.equal(walk_codes, codes), i
         ended = bool(torch.isin(codes[0, -1], torch.tensor(walks.codec_eos)))
         stops.add((ended, codes.shape[1] < text.shape[1]))
         # Non-streamed decode of the walk's codes (up to the codec EOS) with upstream token2wav.
@@ -79,9 +80,23 @@ def test_speech_walk_equals_upstream_generate_token_for_token(tiny: Any) -> None
         speaker = walks.upstream.speaker_map["Chelsie"]
         torch.manual_seed(i)
         wav = walks.upstream.token2wav(
-            got["codes"][:, :length],
+            walk_codes[:, :length],
             conditioning=speaker["cond"].float(),
             reference_mel=speaker["ref_mel"].float(),
         )
         assert torch.equal(wav.reshape(-1).float(), waveform), i
     assert len(stops) >= 2, stops  # EOS and max_audio_tokens stops, short and long talkers
+
+
+def test_loader_reads_a_local_checkpoint_with_its_speakers(tiny: Any, tmp_path: Any) -> None:
+    walks, _ = tiny
+    walks.upstream.save_pretrained(tmp_path)
+    torch.save(walks.upstream.speaker_map, tmp_path / "spk_dict.pt")
+    loaded, sample = q.load_qwen25_omni(str(tmp_path), thinker_eos_id=walks.eos)
+    assert sample["text_bos_id"] == q.TINY_SPEAKER_BOS
+    r = {**sample, "input_ids": chat_prompt(q._Ids(), [10, 11, 12, 13])}
+    got, want = loaded.speak(**r), walks.speak(**r)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    with pytest.raises(ValueError, match="unknown speaker"):
+        q.load_qwen25_omni(str(tmp_path), speaker="Nobody")

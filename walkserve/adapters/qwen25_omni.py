@@ -3,8 +3,9 @@ talker, streamed (``FixedChunk(1)``); thinker and talker token for token equal t
 ``generate()`` (greedy, text-only input). What crosses its boundary: walk inputs
 ``input_ids`` [1, P], ``max_new_tokens`` (thinker, >= 3), ``max_audio_tokens`` (talker) and
 ``text_bos_id`` (the speaker's ``bos_token`` from ``model.speaker_map``); outputs
-``first_token`` [1, 1], ``second_token`` [1, 1], ``text_tokens`` [1, n - 2] (streamed) and
-``codes`` [1, m] (streamed: every talker token, the final EOS or max-th one included).
+``first_token`` [1, 1], ``second_token`` [1, 1], ``text_tokens`` [1, n - 2] (streamed),
+``first_code`` [1, 1] and ``codes`` [1, m - 1] (streamed): the talker's tokens, the final EOS
+or max-th one included.
 
     thinker  prefill -> t0; step feeding t0 -> reply0, t1; loop feeding t1 .. t{n-2}:
              each step emits reply_i = last hidden + input embedding of t_i, flagged if its
@@ -90,7 +91,7 @@ class Qwen25OmniWalks(nn.Module):
         talk = self.talker(inputs_embeds=prompt, use_cache=True)
         talk_cache = _read_now(talk.cache)
         code = self._pick_code(talk.logits[:, -1:])  # [B, 1]: c0
-        codes, n_codes = [code], code * 0 + 1
+        first_code, codes, n_codes = code, [], code * 0 + 1
         for item in stream(reply_items, FixedChunk(1), dim=1):  # item: [B, 1, D + 1]
             talk_cache, code, n_codes, new, stop = self.talk_item(
                 talk_cache, code, n_codes, item, eos_embed, pad_embed, max_audio_tokens
@@ -102,7 +103,8 @@ class Qwen25OmniWalks(nn.Module):
             "first_token": first,
             "second_token": second,
             "text_tokens": text_tokens,
-            "codes": torch.cat(codes, dim=1),  # [B, m]
+            "first_code": first_code,
+            "codes": torch.cat(codes, dim=1),  # [B, m - 1]
         }
 
     def _pick_code(self, logits: Tensor) -> Tensor:  # [B, 1, V] -> [B, 1]
@@ -320,3 +322,31 @@ class _Ids:
     im_end_token_id = 251
     user_token_id = 246
     assistant_token_id = 247
+
+
+def load_qwen25_omni(
+    path: str, speaker: str = "Chelsie", thinker_eos_id: int = 151645
+) -> tuple[Qwen25OmniWalks, dict[str, Any]]:
+    """A local Qwen2.5-Omni checkpoint directory (safetensors and its ``spk_dict.pt``, which
+    upstream reads with ``torch.load(weights_only=True)``) as walks; ``<|im_end|>`` ends the
+    thinker's reply."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    model: Any = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, local_files_only=True)
+    model.eval().requires_grad_(False)
+    if speaker not in model.speaker_map:
+        raise ValueError(
+            f"unknown speaker {speaker!r}; this checkpoint has {sorted(model.speaker_map)}"
+        )
+    walks = Qwen25OmniWalks(model, thinker_eos_id)
+    vocab = int(model.config.thinker_config.text_config.vocab_size)
+    ids = [151644, 872, 9707, 151645, 198, 151644, 77091, 198]  # user: "Hello", assistant
+    if max(ids) >= vocab:
+        ids = [i % vocab for i in ids]
+    sample = {
+        "input_ids": torch.tensor([ids]),
+        "max_new_tokens": 8,
+        "max_audio_tokens": 32,
+        "text_bos_id": int(model.speaker_map[speaker]["bos_token"]),
+    }
+    return walks, sample
