@@ -124,8 +124,8 @@ def test_streamed_chunks_are_code2wav_on_context_plus_new_frames(tiny: Any) -> N
     """Chunk by chunk: LeftContext(L, C) chunk k is code2wav on frames
     [max(0, kC - L), min((k + 1) C, n)) minus the first min(L, kC) * upsample samples."""
     walks, _, _ = tiny
-    r = request(walks, 1)
-    out = walks.speak(**r)
+    outs = [walks.speak(**request(walks, i)) for i in range(len(REQUESTS))]
+    out = max(outs, key=lambda o: o["codes"].shape[-1])  # the request with most chunks
     codes, n = out["codes"], out["codes"].shape[-1]
     pieces, start = [], 0
     while start < n:

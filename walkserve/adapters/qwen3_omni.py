@@ -522,8 +522,16 @@ def tiny_upstream(seed: int = 0) -> Any:
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen3OmniMoeForConditionalGeneration(tiny_config()).eval()
-    return model.requires_grad_(False)
+    config = tiny_config()
+    model = Qwen3OmniMoeForConditionalGeneration(config).eval().requires_grad_(False)
+    # Upstream's weight init skips the talker's MoE experts (left as torch.empty: whatever the
+    # allocator hands out, different between processes): initialize them from the seed.
+    g = torch.Generator().manual_seed(seed)
+    std = config.talker_config.text_config.initializer_range
+    for name, param in model.talker.named_parameters():
+        if ".experts." in name:
+            param.normal_(0.0, std, generator=g)
+    return model
 
 
 def tiny_eos(model: Any, prompt: Tensor) -> int:
