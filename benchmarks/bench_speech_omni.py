@@ -1,0 +1,222 @@
+"""Qwen3-Omni speech serving: ``python benchmarks/bench_speech_omni.py [--quick]``.
+
+The tiny random Qwen3-Omni of ``walkserve.adapters.qwen3_omni:tiny`` (text prompt -> thinker ->
+talker + code predictor -> code2wav), greedy. At concurrency 1, 4 and 8 (``--quick``: 1 and 4),
+``c`` requests are submitted at once, two waves per level, and compared with the native
+baseline: upstream ``generate()`` called per request, one after another, in a fresh process
+(it returns audio only at the end, so its time to first audio is its whole request time).
+
+Reported per level and way:
+    ttfa_s               mean time from submit to the first waveform chunk
+    audio_s_per_wall_s   audio seconds produced / wall seconds of the wave(s)
+    viability            walkserve only: share of waveform chunks that arrive before the audio
+                         delivered before them has finished playing (playback starts at the
+                         first chunk)
+
+Audio seconds are counted at the real model's frame rate (12.5 codec frames per second, 80 ms
+each), not from the tiny codec's sample count (its 16 samples per frame would make every
+request a few milliseconds long). Writes ``benchmarks/results/speech_omni.json``. Timings on a
+small shared VM are noisy (+-20% or worse): compare ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+if importlib.util.find_spec("walkserve") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from walkserve.benchmarking import git_commit
+
+ROOT = Path(__file__).resolve().parents[1]
+FACTORY = "walkserve.adapters.qwen3_omni:tiny"
+PLACEMENT = ROOT / "walkserve/adapters/placements_omni/qwen3-omni.2ranks.yaml"
+FRAME_SECONDS = 0.08  # Qwen3-Omni's codec: 12.5 frames per second
+WAVES = 2
+
+
+def workload(n: int, max_new: int, max_audio: int, seed: int) -> list[dict[str, Any]]:
+    from walkserve.adapters import qwen3_omni as q
+
+    config = q.tiny_config()
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "input_ids": q.chat_prompt(config, torch.randint(0, 200, (4,), generator=g).tolist()),
+            "max_new_tokens": max_new,
+            "max_audio_tokens": max_audio,
+            "speaker_id": q.TINY_SPEAKER,
+        }
+        for _ in range(n)
+    ]
+
+
+def run_generate(work: list[dict[str, Any]]) -> dict[str, Any]:
+    """Upstream generate() per request: (seconds, frames) of each."""
+    from walkserve.adapters import qwen3_omni as q
+
+    walks, _ = q.tiny()
+    model = walks.upstream
+    frames: list[int] = []
+    decode = model.code2wav.chunked_decode
+
+    def spy(codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        frames.append(int(codes.shape[-1]))
+        return decode(codes, **kwargs)
+
+    model.code2wav.chunked_decode = spy
+
+    def generate(r: dict[str, Any]) -> None:
+        model.generate(
+            r["input_ids"],
+            thinker_max_new_tokens=r["max_new_tokens"],
+            thinker_eos_token_id=walks.eos,
+            thinker_do_sample=False,
+            talker_max_new_tokens=r["max_audio_tokens"],
+            talker_do_sample=False,
+            talker_repetition_penalty=1.0,
+        )
+
+    generate(work[0])  # first-call costs stay out of the timing
+    frames.clear()
+    seconds = []
+    for r in work:
+        start = time.perf_counter()
+        generate(r)
+        seconds.append(time.perf_counter() - start)
+    return {"seconds": seconds, "frames": frames}
+
+
+def run_walkserve(work: list[dict[str, Any]], levels: list[int]) -> dict[str, Any]:
+    from walkserve.runtime.server import serve
+
+    out: dict[str, Any] = {}
+    with serve(FACTORY, PLACEMENT) as server:
+        server.run(work[0], "speak", timeout=600)  # warm-up
+        for c in levels:
+            ttfa, viable, chunks, frames, wall = [], 0, 0, 0, 0.0
+            for wave in range(WAVES):
+                reqs = work[wave * c : (wave + 1) * c]
+                start = time.monotonic()
+                handles = [server.submit(r, "speak") for r in reqs]
+                arrivals: list[list[tuple[float, int]]] = []
+                for h in handles:
+                    got = [
+                        (time.monotonic(), int(item.value.shape[-1]))
+                        for item in h.stream(timeout=600)
+                        if item.channel == "waveform"
+                    ]
+                    arrivals.append(got)
+                results = [h.result(timeout=600) for h in handles]
+                wall += time.monotonic() - start
+                for got, res in zip(arrivals, results):
+                    n_frames = int(res["codes"].shape[-1])
+                    frames += n_frames
+                    samples = max(1, sum(s for _, s in got))
+                    ttfa.append(got[0][0] - start)
+                    # Playback clock: chunk k must arrive before the audio before it has played.
+                    played = 0.0
+                    for t, s in got:
+                        chunks += 1
+                        viable += int(t - got[0][0] <= played + 1e-9)
+                        played += s / samples * n_frames * FRAME_SECONDS
+            out[str(c)] = {
+                "ttfa_s": sum(ttfa) / len(ttfa),
+                "audio_s_per_wall_s": frames * FRAME_SECONDS / wall,
+                "viability": viable / max(1, chunks),
+                "wall_s": wall,
+                "frames": frames,
+            }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 4, shorter replies")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-audio-tokens", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/speech_omni.json")
+    parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    levels = [1, 4] if args.quick else [1, 4, 8]
+    if args.quick:
+        args.max_new_tokens, args.max_audio_tokens = 24, 24
+    work = workload(WAVES * max(levels), args.max_new_tokens, args.max_audio_tokens, args.seed)
+    if args.baseline:
+        print(json.dumps(run_generate(work)))
+        return
+
+    load_before = os.getloadavg()
+    cmd = [sys.executable, __file__, "--baseline", "--seed", str(args.seed)]
+    cmd += ["--max-new-tokens", str(args.max_new_tokens)]
+    cmd += ["--max-audio-tokens", str(args.max_audio_tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    base = json.loads(proc.stdout.strip().splitlines()[-1])
+    native: dict[str, Any] = {}
+    for c in levels:
+        n = WAVES * c
+        seconds, frames = base["seconds"][:n], base["frames"][:n]
+        # Requests one after another: request k of a wave waits for the k before it.
+        ttfa = []
+        for wave in range(WAVES):
+            elapsed = 0.0
+            for s in seconds[wave * c : (wave + 1) * c]:
+                elapsed += s
+                ttfa.append(elapsed)
+        native[str(c)] = {
+            "ttfa_s": sum(ttfa) / len(ttfa),
+            "audio_s_per_wall_s": sum(frames) * FRAME_SECONDS / sum(seconds),
+        }
+    served = run_walkserve(work, levels)
+    for c in levels:
+        w, b = served[str(c)], native[str(c)]
+        print(
+            f"c={c}: walkserve ttfa {w['ttfa_s']:.3f} s, {w['audio_s_per_wall_s']:.2f} audio s/s, "
+            f"viability {w['viability']:.0%} | generate ttfa {b['ttfa_s']:.3f} s, "
+            f"{b['audio_s_per_wall_s']:.2f} audio s/s"
+        )
+    summary = {
+        "benchmark": "speech_omni",
+        "quick": args.quick,
+        "model": FACTORY,
+        "placement": str(PLACEMENT.relative_to(ROOT)),
+        "frame_seconds": FRAME_SECONDS,
+        "max_new_tokens": args.max_new_tokens,
+        "max_audio_tokens": args.max_audio_tokens,
+        "walkserve": served,
+        "generate_per_request": native,
+        "ttfa_ratio_generate_over_walkserve": {
+            c: native[c]["ttfa_s"] / served[c]["ttfa_s"] for c in served
+        },
+        "throughput_ratio_walkserve_over_generate": {
+            c: served[c]["audio_s_per_wall_s"] / native[c]["audio_s_per_wall_s"] for c in served
+        },
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

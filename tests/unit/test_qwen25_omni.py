@@ -1,0 +1,102 @@
+"""Qwen2.5-Omni walks against the upstream model: the captured walk (reference interpreter)
+equals upstream ``generate()`` token for token (thinker text, talker codec tokens), for talkers
+that stop at codec EOS, at ``max_audio_tokens``, and before the text ends; upstream token2wav
+on the walk's codes gives ``generate()``'s waveform (same seed: its DiT starts from noise)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from walkserve import capture
+from walkserve.adapters import qwen25_omni as q
+from walkserve.adapters.qwen3_omni import chat_prompt
+
+pytest.importorskip("transformers")
+
+REQUESTS = [([10, 11, 12, 13], 12, 30), ([5, 6, 7], 10, 30), ([44, 45], 20, 15), ([120, 7], 8, 40)]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[q.Qwen25OmniWalks, capture.CapturedModel]:
+    walks, sample = q.tiny()
+    return walks, capture.trace(walks, sample)
+
+
+def upstream_generate(
+    walks: q.Qwen25OmniWalks, r: dict[str, Any], seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(new text tokens [1, n], talker tokens [1, m], waveform [samples]) of greedy generate()."""
+    model = walks.upstream
+    seen: dict[str, torch.Tensor] = {}
+    talker_generate = model.talker.generate
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen["codes"] = out = talker_generate(*args, **kwargs)
+        return out
+
+    model.talker.generate = spy
+    try:
+        torch.manual_seed(seed)
+        sequences, waveform = model.generate(
+            r["input_ids"],
+            speaker="Chelsie",
+            thinker_max_new_tokens=r["max_new_tokens"],
+            thinker_eos_token_id=walks.eos,
+            thinker_do_sample=False,
+            talker_max_new_tokens=r["max_audio_tokens"],
+            talker_do_sample=False,
+            talker_repetition_penalty=1.0,
+            talker_eos_token_id=list(walks.codec_eos),
+        )
+    finally:
+        del model.talker.generate
+    prompt = r["input_ids"].shape[1]
+    return sequences[:, prompt:], seen["codes"][:, prompt + 2 :], waveform
+
+
+def test_speech_walk_equals_upstream_generate_token_for_token(tiny: Any) -> None:
+    walks, captured = tiny
+    stops = set()
+    for i, (user, max_new, max_audio) in enumerate(REQUESTS):
+        r = {
+            "input_ids": chat_prompt(q._Ids(), user),
+            "max_new_tokens": max_new,
+            "max_audio_tokens": max_audio,
+            "text_bos_id": q.TINY_SPEAKER_BOS,
+        }
+        text, codes, waveform = upstream_generate(walks, r, seed=i)
+        got = captured.run(r, walk="speak")
+        mine = torch.cat([got["first_token"], got["second_token"], got["text_tokens"]], dim=1)
+        assert torch.equal(mine, text), i
+        walk_codes = torch.cat([got["first_code"], got["codes"]], dim=1)
+        assert torch.equal(walk_codes, codes), i
+        ended = bool(torch.isin(codes[0, -1], torch.tensor(walks.codec_eos)))
+        stops.add((ended, codes.shape[1] < text.shape[1]))
+        # Non-streamed decode of the walk's codes (up to the codec EOS) with upstream token2wav.
+        length = codes.shape[1] - int(ended)
+        speaker = walks.upstream.speaker_map["Chelsie"]
+        torch.manual_seed(i)
+        wav = walks.upstream.token2wav(
+            walk_codes[:, :length],
+            conditioning=speaker["cond"].float(),
+            reference_mel=speaker["ref_mel"].float(),
+        )
+        assert torch.equal(wav.reshape(-1).float(), waveform), i
+    assert len(stops) >= 2, stops  # EOS and max_audio_tokens stops, short and long talkers
+
+
+def test_loader_reads_a_local_checkpoint_with_its_speakers(tiny: Any, tmp_path: Any) -> None:
+    walks, _ = tiny
+    walks.upstream.save_pretrained(tmp_path)
+    torch.save(walks.upstream.speaker_map, tmp_path / "spk_dict.pt")
+    loaded, sample = q.load_qwen25_omni(str(tmp_path), thinker_eos_id=walks.eos)
+    assert sample["text_bos_id"] == q.TINY_SPEAKER_BOS
+    r = {**sample, "input_ids": chat_prompt(q._Ids(), [10, 11, 12, 13])}
+    got, want = loaded.speak(**r), walks.speak(**r)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    with pytest.raises(ValueError, match="unknown speaker"):
+        q.load_qwen25_omni(str(tmp_path), speaker="Nobody")

@@ -1,0 +1,352 @@
+"""Qwen2.5-Omni (``transformers.Qwen2_5OmniForConditionalGeneration``) as walks: thinker ->
+talker, streamed (``FixedChunk(1)``); thinker and talker token for token equal to upstream
+``generate()`` (greedy, text-only input). What crosses its boundary: walk inputs
+``input_ids`` [1, P], ``max_new_tokens`` (thinker, >= 3), ``max_audio_tokens`` (talker) and
+``text_bos_id`` (the speaker's ``bos_token`` from ``model.speaker_map``); outputs
+``first_token`` [1, 1], ``second_token`` [1, 1], ``text_tokens`` [1, n - 2] (streamed),
+``first_code`` [1, 1] and ``codes`` [1, m - 1] (streamed): the talker's tokens, the final EOS
+or max-th one included.
+
+    thinker  prefill -> t0; step feeding t0 -> reply0, t1; loop feeding t1 .. t{n-2}:
+             each step emits reply_i = last hidden + input embedding of t_i, flagged if its
+             output t{i+1} is the last token (EOS / max_new_tokens)
+    talker   prefill(prompt hidden + embeds, speaker bos, reply0) -> c0; one step per streamed
+             reply_i; after the flagged one, a step on the text-EOS embedding, then steps on
+             the text-pad embedding until a codec EOS / max_audio_tokens (as generate() does)
+
+Not streamed: the waveform. Upstream token2wav is a DiT flow-matching model that starts from
+random noise and attends over the *whole* code sequence, then BigVGAN; chunking it would change
+its output, so this adapter stops at the codec tokens (decode them with
+``model.token2wav(codes[:, :length], conditioning, reference_mel)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from walkserve.adapters.qwen3_omni import _read_now
+from walkserve.capture import FixedChunk, iterations, loop, register_component, stream, walk
+
+MAX_TALKER_STEPS = 4096
+MAX_THINKER_STEPS = 32768
+
+
+class Qwen25OmniWalks(nn.Module):
+    """Walks ``speak`` (thinker -> talker) around an upstream
+    ``Qwen2_5OmniForConditionalGeneration``."""
+
+    def __init__(self, model: Any, thinker_eos_id: int) -> None:
+        super().__init__()
+        register_component(type(model.thinker), engine="kv_cache")
+        register_component(type(model.talker), engine="kv_cache", speculative=False)
+        object.__setattr__(self, "upstream", model)  # for reference runs; not a submodule
+        self.thinker: Any = model.thinker
+        self.talker: Any = model.talker
+        self.eos = thinker_eos_id
+        self.codec_eos = (int(model.talker.codec_pad_token), int(model.talker.codec_eos_token))
+        self.codec_bos = int(model.talker.codec_bos_token)
+        self.text_eos = int(model.talker.text_eos_token)
+        self.text_pad = int(model.talker.text_pad_token)
+        suppressed = torch.zeros(int(model.talker.codebook_size), dtype=torch.bool)
+        suppressed[self.codec_bos] = True  # generate() suppresses the codec bos token
+        self.suppressed: Tensor
+        self.register_buffer("suppressed", suppressed, persistent=False)
+
+    @walk
+    def speak(
+        self, input_ids: Tensor, max_new_tokens: int, max_audio_tokens: int, text_bos_id: int
+    ) -> dict[str, Tensor]:
+        # 1. thinker prefill, and the step feeding t0 (its hidden state primes the talker).
+        out = self.thinker(input_ids=input_ids, use_cache=True, output_hidden_states=True)
+        cache = _read_now(out.cache)
+        prompt_part = out.hidden_states[-1] + out.hidden_states[0]  # [B, P, D]
+        first = out.logits[:, -1:].argmax(-1)  # [B, 1]: t0
+        out = self.thinker(input_ids=first, cache=cache, use_cache=True, output_hidden_states=True)
+        cache = _read_now(out.cache)
+        reply0 = out.hidden_states[-1] + out.hidden_states[0]  # [B, 1, D]
+        token = second = out.logits[:, -1:].argmax(-1)  # [B, 1]: t1
+        count = token * 0 + 2
+        tokens, replies = [], []
+        for _ in iterations(max_new_tokens):
+            cache, token, count, reply, done = self.think_step(cache, token, count, max_new_tokens)
+            tokens.append(token)
+            replies.append(reply)
+            if done:
+                break
+        text_tokens = torch.cat(tokens, dim=1)  # [B, n - 2]
+        reply_items = torch.cat(replies, dim=1)  # [B, n - 2, D + 1]: reply, last flag
+
+        # 2. talker prefill on the prompt, the speaker's text bos and reply0.
+        embed = self.thinker.get_input_embeddings()
+        zero = first * 0  # [B, 1]
+        specials = torch.cat([zero + text_bos_id, zero + self.text_eos, zero + self.text_pad], 1)
+        bos_embed, eos_embed, pad_embed = embed(specials).chunk(3, dim=1)  # 3 x [1, 1, D]
+        prompt = torch.cat([prompt_part, bos_embed, reply0], dim=1)  # [B, P + 2, D]
+        # generate() gives the talker no attention mask: default positions, and no codec
+        # bos / pad embeddings added by the forward (it adds them only with a mask).
+        talk = self.talker(inputs_embeds=prompt, use_cache=True)
+        talk_cache = _read_now(talk.cache)
+        code = self._pick_code(talk.logits[:, -1:])  # [B, 1]: c0
+        first_code, codes, n_codes = code, [], code * 0 + 1
+        for item in stream(reply_items, FixedChunk(1), dim=1):  # item: [B, 1, D + 1]
+            talk_cache, code, n_codes, new, stop = self.talk_item(
+                talk_cache, code, n_codes, item, eos_embed, pad_embed, max_audio_tokens
+            )
+            codes.append(new)
+            if stop:
+                break
+        return {
+            "first_token": first,
+            "second_token": second,
+            "text_tokens": text_tokens,
+            "first_code": first_code,
+            "codes": torch.cat(codes, dim=1),  # [B, m - 1]
+        }
+
+    def _pick_code(self, logits: Tensor) -> Tensor:  # [B, 1, V] -> [B, 1]
+        return logits.masked_fill(self.suppressed, float("-inf")).argmax(-1)
+
+    def _ended(self, code: Tensor, n_codes: Tensor, limit: int) -> Tensor:
+        return (code == self.codec_eos[0]) | (code == self.codec_eos[1]) | (n_codes >= limit)
+
+    @loop(max_iters="max_new_tokens")
+    def think_step(
+        self, cache: Any, token: Tensor, count: Tensor, max_new_tokens: int
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
+        out = self.thinker(input_ids=token, cache=cache, use_cache=True, output_hidden_states=True)
+        cache = _read_now(out.cache)
+        reply = out.hidden_states[-1] + out.hidden_states[0]  # [B, 1, D]: of the token fed
+        token = out.logits[:, -1:].argmax(-1)  # [B, 1]
+        count = count + 1
+        last = (token == self.eos) | (count >= max_new_tokens)  # [B, 1]
+        item = torch.cat([reply, last.unsqueeze(-1).to(reply.dtype)], dim=-1)  # [B, 1, D + 1]
+        return cache, token, count, item, last.all()
+
+    @loop(max_iters=MAX_THINKER_STEPS, speculative=False)
+    def talk_item(
+        self,
+        cache: Any,
+        code: Tensor,
+        n_codes: Tensor,
+        item: Tensor,
+        eos_embed: Tensor,
+        pad_embed: Tensor,
+        limit: int,
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
+        """The talker steps of one reply item: one, or after the last item's step, more on the
+        text-EOS, then text-pad embedding until the talker ends."""
+        k = n_codes * 0  # steps taken for this item
+        new = []
+        for _ in range(MAX_TALKER_STEPS):
+            cache, code, n_codes, k, stop = self.talk_step(
+                cache, code, n_codes, k, item, eos_embed, pad_embed, limit
+            )
+            new.append(code)
+            if stop:
+                break
+        done = self._ended(code, n_codes, limit).all()
+        return cache, code, n_codes, torch.cat(new, dim=1), done
+
+    @loop(max_iters=MAX_TALKER_STEPS, speculative=False)
+    def talk_step(
+        self,
+        cache: Any,
+        code: Tensor,
+        n_codes: Tensor,
+        k: Tensor,
+        item: Tensor,
+        eos_embed: Tensor,
+        pad_embed: Tensor,
+        limit: int,
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
+        reply, last = item[..., :-1], item[..., -1:] > 0  # [B, 1, D], [B, 1, 1]
+        after = torch.where(k.unsqueeze(-1) == 1, eos_embed, pad_embed)  # [B, 1, D]
+        feed = torch.where(k.unsqueeze(-1) == 0, reply, after)
+        out = self.talker(input_ids=code, thinker_reply_part=feed, cache=cache, use_cache=True)
+        cache = _read_now(out.cache)
+        code = self._pick_code(out.logits[:, -1:])
+        n_codes = n_codes + 1
+        ended = self._ended(code, n_codes, limit)  # [B, 1]
+        stop = (ended | ~last[..., 0]).all()  # a reply item gets one step, the last one more
+        return cache, code, n_codes, k + 1, stop
+
+    def next_walk(
+        self, request: Mapping[str, Any], walk: str, outputs: Mapping[str, Any]
+    ) -> str | None:
+        return None
+
+
+def tiny_config() -> Any:
+    """A Qwen2.5-Omni config small enough for CPU tests (see ``reference/facts.md``)."""
+    from transformers import Qwen2_5OmniConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+    media = dict(audio_token_index=240, image_token_index=241, video_token_index=242)
+    media |= dict(audio_start_token_id=243, audio_end_token_id=238)
+    text = dict(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters=rope,
+        initializer_range=0.15,
+        max_position_embeddings=4096,
+    )
+    thinker = dict(
+        text_config=text,
+        audio_config=dict(
+            num_mel_bins=16,
+            encoder_layers=1,
+            encoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            d_model=16,
+            output_dim=32,
+            max_source_positions=100,
+            n_window=4,
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=32,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=8,
+            fullatt_block_indexes=[0],
+        ),
+        user_token_id=246,
+        vision_start_token_id=244,
+        vision_end_token_id=239,
+        initializer_range=0.15,
+        **media,
+    )
+    talker = dict(
+        vocab_size=128,
+        tts_text_start_token_id=253,
+        tts_text_end_token_id=254,
+        tts_text_pad_token_id=252,
+        tts_codec_start_token_id=120,
+        tts_codec_end_token_id=121,
+        tts_codec_pad_token_id=122,
+        tts_codec_mask_token_id=123,
+        vision_start_token_id=244,
+        vision_end_token_id=239,
+        embedding_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rope_parameters=rope,
+        initializer_range=0.15,
+        max_position_embeddings=4096,
+        **media,
+    )
+    dit = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        ff_mult=2,
+        emb_dim=16,
+        head_dim=16,
+        num_embeds=128,
+        mel_dim=16,
+        enc_emb_dim=16,
+        enc_dim=16,
+        enc_channels=[16, 16, 16, 16, 48],
+        enc_attention_channels=8,
+        enc_se_channels=8,
+        block_size=4,
+        look_ahead_layers=[1],
+        look_backward_layers=[0],
+    )
+    bigvgan = dict(
+        mel_dim=16,
+        upsample_initial_channel=128,
+        resblock_kernel_sizes=[3],
+        resblock_dilation_sizes=[[1, 3, 5]],
+        upsample_rates=[2, 2, 2, 2, 2, 2],
+        upsample_kernel_sizes=[4, 4, 4, 4, 4, 4],
+    )
+    return Qwen2_5OmniConfig(
+        thinker_config=thinker,
+        talker_config=talker,
+        token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan),
+    )
+
+
+TINY_SPEAKER_BOS = 250
+
+
+def tiny(seed: int = 0) -> tuple[Qwen25OmniWalks, dict[str, Any]]:
+    """Zero-argument factory: the tiny random model as walks, and a sample request. The
+    speaker map (normally ``spk_dict.pt``) is made by hand: one speaker, "Chelsie"."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    from walkserve.adapters.qwen3_omni import chat_prompt
+
+    torch.manual_seed(seed)
+    config = tiny_config()
+    model = Qwen2_5OmniForConditionalGeneration(config).eval().requires_grad_(False)
+    model.speaker_map = {
+        "Chelsie": {
+            "bos_token": TINY_SPEAKER_BOS,
+            "cond": torch.randn(1, 16),
+            "ref_mel": torch.randn(1, 30, 16),
+        }
+    }
+    prompt = chat_prompt(_Ids(), [10, 11, 12, 13])
+    walks = Qwen25OmniWalks(model, thinker_eos_id=251)  # <|im_end|>
+    sample = {
+        "input_ids": prompt,
+        "max_new_tokens": 12,
+        "max_audio_tokens": 30,
+        "text_bos_id": TINY_SPEAKER_BOS,
+    }
+    return walks, sample
+
+
+class _Ids:
+    """The chat-template ids of the tiny config (Qwen2.5-Omni's config does not name them)."""
+
+    im_start_token_id = 250
+    im_end_token_id = 251
+    user_token_id = 246
+    assistant_token_id = 247
+
+
+def load_qwen25_omni(
+    path: str, speaker: str = "Chelsie", thinker_eos_id: int = 151645
+) -> tuple[Qwen25OmniWalks, dict[str, Any]]:
+    """A local Qwen2.5-Omni checkpoint directory (safetensors and its ``spk_dict.pt``, which
+    upstream reads with ``torch.load(weights_only=True)``) as walks; ``<|im_end|>`` ends the
+    thinker's reply."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    model: Any = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, local_files_only=True)
+    model.eval().requires_grad_(False)
+    if speaker not in model.speaker_map:
+        raise ValueError(
+            f"unknown speaker {speaker!r}; this checkpoint has {sorted(model.speaker_map)}"
+        )
+    walks = Qwen25OmniWalks(model, thinker_eos_id)
+    vocab = int(model.config.thinker_config.text_config.vocab_size)
+    ids = [151644, 872, 9707, 151645, 198, 151644, 77091, 198]  # user: "Hello", assistant
+    if max(ids) >= vocab:
+        ids = [i % vocab for i in ids]
+    sample = {
+        "input_ids": torch.tensor([ids]),
+        "max_new_tokens": 8,
+        "max_audio_tokens": 32,
+        "text_bos_id": int(model.speaker_map[speaker]["bos_token"]),
+    }
+    return walks, sample

@@ -1,0 +1,585 @@
+"""Qwen3-Omni (``transformers.Qwen3OmniMoeForConditionalGeneration``) as walks: thinker ->
+talker (with its multi-token code predictor) -> code2wav, streamed stage to stage.
+
+The upstream thinker, talker, code predictor and code2wav are used unmodified, as components;
+this module writes the loops that upstream ``generate()`` hides, around their forward methods,
+and reproduces what ``generate()`` feeds the talker (text-only input). What crosses its
+boundary: walk inputs ``input_ids`` [1, P] int64 (a chat prompt ending with
+``<|im_start|> assistant \\n``), ``max_new_tokens`` (thinker), ``max_audio_tokens`` (talker,
+counted as upstream ``talker_max_new_tokens``) and ``speaker_id`` (a codec speaker id from
+``config.talker_config.speaker_id``); outputs ``first_token`` [1, 1] (t0, from the prefill),
+``text_tokens`` [1, n - 1] (t1 .. t{n-1}, streamed token by token), ``codes`` [1, G, frames]
+and ``waveform`` [1, 1, samples] (both streamed).
+
+    thinker  prefill -> t0; decode t1 .. t{n-1} (EOS / max_new_tokens)
+             feeds:   t1 t2 ... t{n-2} <eos>            (the item of the last token is the
+                                                         tts_eos marker, as generate() builds
+                                                         ``trailing_text_hidden``)
+    talker   prefill(user text, assistant header, t0, speaker) -> c0
+             per feed item (stream, FixedChunk(1)): one talker step; on the <eos> item, more
+             steps on tts_pad until codec EOS / max_audio_tokens. Each step first runs the code
+             predictor (G - 1 residual codes of the previous code) as a nested loop, then the
+             talker on sum(code embeddings) + text feed -> the next code.
+    code2wav stream(codes, LeftContext(L=25, C=300)) (upstream ``chunked_decode`` sizes):
+             chunk i decodes frames [max(0, 300 i - 25), 300 (i + 1)) and drops the context's
+             samples, so the joined waveform equals ``code2wav.chunked_decode(codes, 300, 25)``.
+
+Greedy throughout: equal to upstream ``generate(..., thinker_do_sample=False,
+talker_do_sample=False, talker_repetition_penalty=1.0)``. Not reproduced: audio / image / video
+inputs (the thinker encoders and the talker's multimodal projection), sampling, repetition
+penalty, batches of several rows in one request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from walkserve.capture import (
+    FixedChunk,
+    LeftContext,
+    iterations,
+    loop,
+    mark_component,
+    register_component,
+    stream,
+    walk,
+)
+
+# Feed item ids that are not thinker tokens (the thinker vocabulary is >= 0).
+FEED_EOS = -1  # the tts_eos marker after the last spoken text token
+FEED_PAD = -2  # tts_pad: the talker speaks on after the text ended
+MAX_TALKER_STEPS = 4096  # upstream talker_max_new_tokens default; the per-request bound is an input
+MAX_THINKER_STEPS = 32768
+
+
+@dataclass(frozen=True)
+class OmniTokens:
+    """The special token ids the talker's input is built from (upstream config fields)."""
+
+    im_start: int
+    assistant: int
+    user: int
+    tts_bos: int
+    tts_eos: int
+    tts_pad: int
+    codec_nothink: int
+    codec_think_bos: int
+    codec_think_eos: int
+    codec_pad: int
+    codec_bos: int
+    codec_eos: int
+
+    @staticmethod
+    def of(config: Any) -> OmniTokens:
+        t = config.talker_config
+        return OmniTokens(
+            config.im_start_token_id,
+            config.assistant_token_id,
+            config.user_token_id,
+            config.tts_bos_token_id,
+            config.tts_eos_token_id,
+            config.tts_pad_token_id,
+            t.codec_nothink_id,
+            t.codec_think_bos_id,
+            t.codec_think_eos_id,
+            t.codec_pad_id,
+            t.codec_bos_id,
+            t.codec_eos_token_id,
+        )
+
+
+def _read_now(value: Any) -> Any:
+    """``value`` (an attribute of a component's structured output, e.g. its KV cache), read at
+    this point of the walk. While capturing, fx records an attribute read lazily, at its first
+    use; a cache's first use is often the next loop, after unrelated glue, and the read would
+    join that glue's node, on that node's rank. Reading it here keeps it in the component's own
+    dispatch, on the rank where the object lives. A no-op in eager execution."""
+    if isinstance(value, torch.fx.Proxy):
+        _ = value.node  # creates the getattr node now
+    return value
+
+
+class TalkerText(nn.Module):
+    """Thinker token ids -> the talker's text input: ``text_projection(embed_tokens(ids))``;
+    feed ids ``FEED_EOS`` / ``FEED_PAD`` map to the tts_eos / tts_pad embeddings."""
+
+    def __init__(self, embed: nn.Module, projection: nn.Module, tokens: OmniTokens) -> None:
+        super().__init__()
+        self.embed, self.projection, self.tokens = embed, projection, tokens
+
+    def forward(self, ids: Tensor) -> Tensor:  # ids: [B, S] -> [B, S, D_talker]
+        ids = torch.where(ids == FEED_EOS, self.tokens.tts_eos, ids)
+        ids = torch.where(ids == FEED_PAD, self.tokens.tts_pad, ids)
+        return self.projection(self.embed(ids))
+
+
+class TalkerPrompt(nn.Module):
+    """The talker's prefill input for a text-only chat, as upstream ``generate()`` builds it:
+    the user turns' text, then the assistant header with the codec control tokens and the
+    speaker, ending with the first generated text token.
+
+        text:  user tokens ... | <im_start> assistant \\n  pad pad pad pad  tts_bos  t0
+        codec:      0     ...  |     0         0      0  nothink think_bos think_eos spk pad bos
+    """
+
+    def __init__(self, text: TalkerText, codec_embed: nn.Module, tokens: OmniTokens) -> None:
+        super().__init__()
+        self.text, self.codec_embed, self.tokens = text, codec_embed, tokens
+
+    def forward(self, input_ids: Tensor, first_token: Tensor, speaker_id: int) -> Tensor:
+        # input_ids: [B, P], first_token: [B, 1] -> [B, U + 9, D_talker]
+        tok = self.tokens
+        batch, length = input_ids.shape
+        device = input_ids.device
+        starts = torch.where(input_ids == tok.im_start, torch.arange(length, device=device), -1)
+        role_at = torch.cummax(starts, dim=-1).values.clamp_min(0) + 1
+        roles = input_ids.gather(1, role_at.clamp_max(length - 1))
+        user = roles == tok.user  # [B, P]
+        if not bool((user.sum(-1) == user[0].sum()).all()):
+            raise ValueError("rows of one request need the same number of user tokens")
+        header = (input_ids[:, :-1] == tok.im_start) & (input_ids[:, 1:] == tok.assistant)
+        if not bool(header[:, length - 3].all()):
+            raise ValueError(
+                "the prompt must end with the assistant header `<|im_start|> assistant \\n` "
+                "(three tokens), as the Qwen3-Omni chat template writes it"
+            )
+        projected = self.text(input_ids)  # [B, P, D]
+        user_part = projected[user].view(batch, -1, projected.shape[-1])  # [B, U, D]
+        specials = self.text(torch.tensor([[tok.tts_bos, tok.tts_eos, tok.tts_pad]], device=device))
+        bos, _, pad = specials.chunk(3, dim=1)  # 3 x [1, 1, D]
+        head = self.text(torch.cat([input_ids[:, -3:], first_token], dim=1))  # [B, 4, D]
+        text_part = torch.cat(
+            [head[:, :3], pad.expand(batch, 4, -1), bos.expand(batch, -1, -1), head[:, 3:]], dim=1
+        )  # [B, 9, D]
+        codec_ids = torch.tensor(
+            [
+                [
+                    tok.codec_nothink,
+                    tok.codec_think_bos,
+                    tok.codec_think_eos,
+                    speaker_id,
+                    tok.codec_pad,
+                    tok.codec_bos,
+                ]
+            ],
+            device=device,
+        ).expand(batch, -1)
+        codec_part = torch.cat(
+            [text_part.new_zeros(batch, 3, text_part.shape[-1]), self.codec_embed(codec_ids)],
+            dim=1,
+        )  # [B, 9, D]
+        return torch.cat([user_part, text_part + codec_part], dim=1)
+
+
+class StepInput(nn.Module):
+    """One talker decode input: the sum of a code frame's embeddings (the talker's own codec
+    embedding for group 0, the code predictor's for groups 1 .. G-1) plus the text feed."""
+
+    def __init__(self, codec_embed: nn.Module, residual_embeds: nn.ModuleList, text: TalkerText):
+        super().__init__()
+        self.codec_embed, self.residual_embeds, self.text = codec_embed, residual_embeds, text
+
+    def forward(self, frame: Tensor, feed: Tensor) -> Tensor:
+        # frame: [B, G, 1] int64, feed: [B, 1] -> [B, 1, D_talker]
+        parts = [self.codec_embed(frame[:, 0])]  # [B, 1, D]
+        parts += [emb(frame[:, g + 1]) for g, emb in enumerate(self.residual_embeds)]
+        return torch.cat(parts, dim=1).sum(1, keepdim=True) + self.text(feed)
+
+
+class Qwen3OmniWalks(nn.Module):
+    """Walks ``chat`` (thinker only) and ``speak`` (thinker -> talker -> code2wav) around an
+    upstream ``Qwen3OmniMoeForConditionalGeneration``."""
+
+    def __init__(
+        self,
+        model: Any,
+        thinker_eos_id: int,
+        chunk_size: int = 300,
+        left_context: int = 25,
+    ) -> None:
+        super().__init__()
+        if not getattr(model, "has_talker", False):
+            raise ValueError("the model has no talker: load it with enable_audio_output=True")
+        register_component(type(model.thinker), engine="kv_cache")
+        register_component(type(model.talker), engine="kv_cache", speculative=False)
+        register_component(type(model.talker.code_predictor), engine="kv_cache", speculative=False)
+        register_component(type(model.code2wav), engine="stateless")
+        for cls in (TalkerText, TalkerPrompt, StepInput):
+            register_component(cls, engine="stateless")
+        self.tokens = OmniTokens.of(model.config)
+        object.__setattr__(self, "upstream", model)  # for reference runs; not a submodule
+        self.eos = thinker_eos_id
+        self.groups = int(model.config.talker_config.num_code_groups)
+        self.chunk_size, self.left_context = chunk_size, left_context
+        self.upsample = int(model.code2wav.total_upsample)
+        self.thinker: Any = model.thinker  # Qwen3OmniMoeThinkerForConditionalGeneration
+        self.talker: Any = model.talker  # Qwen3OmniMoeTalkerForConditionalGeneration
+        self.code2wav: Any = model.code2wav  # Qwen3OmniMoeCode2Wav
+        codec_embed = model.talker.get_input_embeddings()
+        text = TalkerText(
+            model.thinker.get_input_embeddings(), model.talker.text_projection, self.tokens
+        )
+        self.first_code_embed = mark_component(codec_embed, engine="stateless")
+        self.talker_prompt = TalkerPrompt(text, codec_embed, self.tokens)
+        self.step_input = StepInput(
+            codec_embed, model.talker.code_predictor.get_input_embeddings(), text
+        )
+        vocab = int(model.config.talker_config.text_config.vocab_size)
+        # generate() suppresses the top 1024 talker ids (control tokens) except codec EOS.
+        suppressed = torch.zeros(vocab, dtype=torch.bool)
+        suppressed[vocab - 1024 :] = True
+        suppressed[self.tokens.codec_eos] = False
+        self.suppressed: Tensor
+        self.register_buffer("suppressed", suppressed, persistent=False)
+
+    # ------------------------------------------------------------------ thinker
+
+    @walk
+    def chat(self, input_ids: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
+        first, text_tokens, _ = self._think(input_ids, max_new_tokens)
+        return {"first_token": first, "text_tokens": text_tokens}
+
+    def _think(self, input_ids: Tensor, max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+        """-> t0 [B, 1], the decode loop's tokens t1 .. t{n-1} [B, n - 1] (a streamed channel),
+        the talker's feed items [B, n - 1]."""
+        out = self.thinker(input_ids=input_ids, use_cache=True)
+        cache = _read_now(out.cache)
+        first = token = out.logits[:, -1:].argmax(-1)  # [B, 1]: t0
+        count = token * 0 + 1  # [B, 1] (elementwise: runs in the thinker's dispatch)
+        tokens, feeds = [], []
+        for _ in iterations(max_new_tokens):
+            cache, token, count, feed, done = self.think_step(cache, token, count, max_new_tokens)
+            tokens.append(token)
+            feeds.append(feed)
+            if done:
+                break
+        return first, torch.cat(tokens, dim=1), torch.cat(feeds, dim=1)
+
+    @loop(max_iters="max_new_tokens")
+    def think_step(
+        self, cache: Any, token: Tensor, count: Tensor, max_new_tokens: int
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
+        out = self.thinker(input_ids=token, cache=cache, use_cache=True)
+        cache = _read_now(out.cache)
+        token = out.logits[:, -1:].argmax(-1)  # [B, 1]
+        count = count + 1
+        last = (token == self.eos) | (count >= max_new_tokens)  # [B, 1]
+        feed = token - (token - FEED_EOS) * last  # the talker's text item: FEED_EOS if last
+        return cache, token, count, feed, last.all()
+
+    # ------------------------------------------------------------------ speech
+
+    @walk
+    def speak(
+        self, input_ids: Tensor, max_new_tokens: int, max_audio_tokens: int, speaker_id: int
+    ) -> dict[str, Tensor]:
+        first, text_tokens, feeds = self._think(input_ids, max_new_tokens)
+
+        prompt = self.talker_prompt(input_ids, first, speaker_id)  # [B, U + 9, D]
+        out = self.talker(inputs_embeds=prompt, use_cache=True, output_hidden_states=True)
+        cache = _read_now(out.cache)
+        hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]: last layer, last position
+        code = self._pick_code(out.logits[:, -1:])  # [B, 1]: c0
+        count = torch.ones_like(code)
+        frames = []
+        for item in stream(feeds, FixedChunk(1), dim=1):  # item: [B, 1]
+            cache, code, hidden, count, new, done = self.talk_item(
+                cache, code, hidden, count, item, max_audio_tokens
+            )
+            frames.append(new)
+            if done:
+                break
+        codes = torch.cat(frames, dim=2)  # [B, G, frames]
+
+        pieces = []
+        for chunk, n_ctx in stream(codes, LeftContext(self.left_context, self.chunk_size), dim=2):
+            pieces.append(self.decode_chunk(chunk, n_ctx))
+        waveform = torch.cat(pieces, dim=-1)  # [B, 1, samples]
+        return {
+            "first_token": first,
+            "text_tokens": text_tokens,
+            "codes": codes,
+            "waveform": waveform,
+        }
+
+    def _pick_code(self, logits: Tensor) -> Tensor:  # logits: [B, 1, V] -> [B, 1]
+        return logits.masked_fill(self.suppressed, float("-inf")).argmax(-1)
+
+    @loop(max_iters=MAX_THINKER_STEPS, speculative=False)
+    def talk_item(
+        self, cache: Any, code: Tensor, hidden: Tensor, count: Tensor, item: Tensor, limit: int
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The talker steps of one text item: one, or for the <eos> item, on until codec EOS."""
+        feed = item
+        frames = []
+        for _ in range(MAX_TALKER_STEPS):
+            cache, code, hidden, count, feed, frame, stop = self.talk_step(
+                cache, code, hidden, count, feed, item, limit
+            )
+            frames.append(frame)
+            if stop:
+                break
+        done = ((code == self.tokens.codec_eos) | (count >= limit)).all()
+        return cache, code, hidden, count, torch.cat(frames, dim=2), done
+
+    @loop(max_iters=MAX_TALKER_STEPS, speculative=False)
+    def talk_step(
+        self,
+        cache: Any,
+        code: Tensor,
+        hidden: Tensor,
+        count: Tensor,
+        feed: Tensor,
+        item: Tensor,
+        limit: int,
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        frame = self.predict_residuals(hidden, code)  # [B, G, 1]: the frame of `code`
+        embeds = self.step_input(frame, feed)  # [B, 1, D]
+        out = self.talker(
+            inputs_embeds=embeds,
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=True,
+            generation_step=0,  # only echoed back (+1) by the upstream forward
+        )
+        cache = _read_now(out.cache)
+        hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]
+        code = self._pick_code(out.logits[:, -1:])
+        count = count + 1
+        ended = (code == self.tokens.codec_eos) | (count >= limit)  # [B, 1]
+        stop = (ended | (item != FEED_EOS)).all()  # a text item gets one step, <eos> the rest
+        pad = torch.full_like(feed, FEED_PAD)
+        return cache, code, hidden, count, pad, frame, stop
+
+    def predict_residuals(self, hidden: Tensor, code: Tensor) -> Tensor:
+        """The code predictor's greedy residual codes of ``code`` -> the frame [B, G, 1]."""
+        first = self.first_code_embed(code)  # [B, 1, D]
+        predictor = self.talker.code_predictor
+        out = predictor(inputs_embeds=torch.cat([hidden, first], dim=1), use_cache=True)
+        cache = _read_now(out.cache)
+        residual = out.logits[:, -1:].argmax(-1)  # [B, 1]: group 1
+        residuals = [residual]
+        for g in range(1, self.groups - 1):
+            cache, residual = self.predict_step(cache, residual, g)
+            residuals.append(residual)
+        residual_codes = torch.cat(residuals, dim=1)  # [B, G - 1]
+        return torch.cat([code, residual_codes], dim=1).unsqueeze(-1)
+
+    @loop
+    def predict_step(self, cache: Any, residual: Tensor, g: int) -> tuple[Any, Tensor]:
+        out = self.talker.code_predictor(
+            input_ids=residual, cache=cache, use_cache=True, generation_steps=g
+        )
+        cache = _read_now(out.cache)
+        return cache, out.logits[:, -1:].argmax(-1)
+
+    @loop
+    def decode_chunk(self, chunk: Tensor, n_ctx: int) -> Tensor:
+        wav = self.code2wav(chunk)  # [B, 1, (n_ctx + new) * upsample - lost]
+        return wav[..., n_ctx * self.upsample :]  # the context's samples dropped
+
+    def next_walk(
+        self, request: Mapping[str, Any], walk: str, outputs: Mapping[str, Any]
+    ) -> str | None:
+        return None
+
+
+# ---------------------------------------------------------------------- instances
+
+TINY_VOCAB = 256  # thinker vocabulary; special ids at its top
+TINY_CODEBOOK = 64  # codec ids 0 .. 63; talker vocabulary 1024 + 64 (generate() reserves 1024)
+TINY_SPEAKER = 1070
+TINY_CHUNK, TINY_CONTEXT = 8, 4  # small code2wav chunks, so that tiny requests stream audio
+
+
+def tiny_config() -> Any:
+    """A Qwen3-Omni config small enough for CPU tests (see ``reference/facts.md``)."""
+    from transformers import Qwen3OmniMoeConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    stack = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        rope_parameters=rope,
+        initializer_range=0.15,
+        max_position_embeddings=8192,
+    )
+    media = dict(audio_token_id=240, image_token_id=241, video_token_id=242)
+    media |= dict(audio_start_token_id=243, vision_start_token_id=244)
+    thinker = dict(
+        text_config=dict(stack, vocab_size=TINY_VOCAB),
+        audio_config=dict(
+            num_mel_bins=16,
+            encoder_layers=1,
+            encoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            d_model=16,
+            output_dim=32,
+            downsample_hidden_size=8,
+            max_source_positions=100,
+            n_window=4,
+            n_window_infer=8,
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=32,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0],
+        ),
+        user_token_id=246,
+        vision_end_token_id=239,
+        audio_end_token_id=238,
+        initializer_range=0.15,
+        **media,
+    )
+    predictor = dict(
+        vocab_size=TINY_CODEBOOK,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_code_groups=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        initializer_range=0.15,
+    )
+    talker = dict(
+        text_config=dict(
+            stack, vocab_size=1024 + TINY_CODEBOOK, shared_expert_intermediate_size=32
+        ),
+        code_predictor_config=predictor,
+        num_code_groups=4,
+        thinker_hidden_size=32,
+        accept_hidden_layer=1,
+        codec_eos_token_id=1060,
+        codec_nothink_id=1061,
+        codec_think_bos_id=1062,
+        codec_think_eos_id=1063,
+        codec_pad_id=1064,
+        codec_bos_id=1065,
+        speaker_id={"ethan": TINY_SPEAKER, "chelsie": TINY_SPEAKER + 1},
+        spatial_merge_size=2,
+        initializer_range=0.15,
+        **media,
+    )
+    code2wav = dict(
+        codebook_size=TINY_CODEBOOK,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_quantizers=4,
+        upsample_rates=[2, 2],
+        upsampling_ratios=[2, 2],
+        decoder_dim=32,
+        sliding_window=72,
+        max_position_embeddings=8192,
+    )
+    return Qwen3OmniMoeConfig(
+        thinker_config=thinker,
+        talker_config=talker,
+        code2wav_config=code2wav,
+        im_start_token_id=250,
+        im_end_token_id=251,
+        tts_pad_token_id=252,
+        tts_bos_token_id=253,
+        tts_eos_token_id=254,
+        system_token_id=245,
+        user_token_id=246,
+        assistant_token_id=247,
+    )
+
+
+def chat_prompt(config: Any, user_ids: list[int], newline: int = 9) -> Tensor:
+    """``<|im_start|> user ... <|im_end|> \\n <|im_start|> assistant \\n`` as ids [1, P]."""
+    start, end = config.im_start_token_id, config.im_end_token_id
+    ids = [start, config.user_token_id, *user_ids, end, newline, start, config.assistant_token_id]
+    return torch.tensor([[*ids, newline]])
+
+
+def tiny_upstream(seed: int = 0) -> Any:
+    """The upstream model with the tiny config and seeded random weights."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = tiny_config()
+    model = Qwen3OmniMoeForConditionalGeneration(config).eval().requires_grad_(False)
+    # Upstream's weight init skips the talker's MoE experts (left as torch.empty: whatever the
+    # allocator hands out, different between processes): initialize them from the seed.
+    g = torch.Generator().manual_seed(seed)
+    std = config.talker_config.text_config.initializer_range
+    for name, param in model.talker.named_parameters():
+        if ".experts." in name:
+            param.normal_(0.0, std, generator=g)
+    return model
+
+
+def tiny_eos(model: Any, prompt: Tensor) -> int:
+    """A thinker EOS id that ends the sample prompt's greedy reply after a few tokens: the
+    first token, at step 6 or later, that the reply has not emitted before (random weights
+    never learn to end a turn)."""
+    out = model.thinker.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    reply = out[0, prompt.shape[1] :].tolist()
+    for step in range(6, len(reply)):
+        if reply[step] not in reply[:step]:
+            return int(reply[step])
+    return int(model.config.im_end_token_id)
+
+
+def tiny(seed: int = 0) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
+    """Zero-argument factory: the tiny random model as walks, and a sample request."""
+    model = tiny_upstream(seed)
+    prompt = chat_prompt(model.config, [10, 11, 12, 13, 14])
+    walks = Qwen3OmniWalks(model, tiny_eos(model, prompt), TINY_CHUNK, TINY_CONTEXT)
+    sample = {
+        "input_ids": prompt,
+        "max_new_tokens": 16,
+        "max_audio_tokens": 40,
+        "speaker_id": TINY_SPEAKER,
+    }
+    return walks, sample
+
+
+def load_qwen3_omni(path: str, speaker: str = "ethan") -> tuple[Qwen3OmniWalks, dict[str, Any]]:
+    """A local Qwen3-Omni checkpoint directory (safetensors, no downloads) as walks, with
+    upstream chunk sizes and ``<|im_end|>`` as the thinker's EOS."""
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    config: Any = Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
+    speakers = config.talker_config.speaker_id or {}
+    if speaker.lower() not in speakers:
+        raise ValueError(f"unknown speaker {speaker!r}; this checkpoint has {sorted(speakers)}")
+    model: Any = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        path, config=config, local_files_only=True
+    )
+    model.eval().requires_grad_(False)
+    walks = Qwen3OmniWalks(model, int(model.config.im_end_token_id))
+    vocab = int(model.config.thinker_config.text_config.vocab_size)
+    hello, newline = (9707, 198) if vocab > 9707 else (vocab // 2, 9)  # Qwen tokenizer ids
+    sample = {
+        "input_ids": chat_prompt(model.config, [hello], newline=newline),
+        "max_new_tokens": 8,
+        "max_audio_tokens": 32,
+        "speaker_id": int(speakers[speaker.lower()]),
+    }
+    return walks, sample
