@@ -37,6 +37,34 @@ def main(argv: list[str] | None = None) -> int:
         help="admit at most N requests at once; more get 503 with Retry-After",
     )
     sv.add_argument("--seed", type=int, default=0, help="weights seed of built-in models")
+    sv.add_argument(
+        "--bind",
+        metavar="tcp://HOST:PORT",
+        help="control sockets on TCP with CURVE keys (PORT and PORT+1); needed by --remote-ranks",
+    )
+    sv.add_argument(
+        "--remote-ranks",
+        metavar="R,R",
+        default="",
+        help="ranks not started here: they join with 'walkserve worker' from other hosts",
+    )
+    sv.add_argument(
+        "--keys", metavar="DIR", help="CURVE key files (made where missing; 0700 directory)"
+    )
+
+    wk = sub.add_parser("worker", help="join a server as one rank (from another host)")
+    wk.add_argument("--conductor", required=True, metavar="tcp://HOST:PORT")
+    wk.add_argument("--rank", type=int, required=True)
+    wk.add_argument(
+        "--keys",
+        required=True,
+        metavar="DIR",
+        help="holds server.public, rank-R.public and rank-R.secret (from the server's --keys)",
+    )
+    wk.add_argument("--threads", type=int, help="torch threads (default: the usable cores)")
+    wk.add_argument(
+        "--setup-timeout", type=float, default=300.0, help="seconds to wait for keys and setup"
+    )
 
     p = sub.add_parser("trace", help="capture a model and print its Walk Graph")
     p.add_argument(
@@ -84,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "worker":
+            return _worker(args)
         return _demo(args)
     except (ValueError, KeyError, OSError) as e:
         print(f"walkserve: error: {e}", file=sys.stderr)
@@ -187,7 +217,16 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         profile = profile_for(args.model)
         captured = capture_model(args.model, args.seed, on_stage=progress.stage)
-        server = serve(captured, args.placement, seed=args.seed, on_stage=progress.stage)
+        remote = [int(r) for r in args.remote_ranks.split(",") if r.strip()]
+        server = serve(
+            captured,
+            args.placement,
+            seed=args.seed,
+            on_stage=progress.stage,
+            bind=args.bind,
+            remote_ranks=remote,
+            keys_dir=args.keys,
+        )
     except BaseException:
         progress.abandon()
         raise
@@ -214,6 +253,17 @@ def _serve(args: argparse.Namespace) -> int:
         server.close()  # every worker process shuts down
         print("walkserve: stopped", flush=True)
     return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import logging
+
+    from walkserve.runtime.net.remote import run_remote_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return run_remote_worker(
+        args.conductor, args.rank, args.keys, args.threads, setup_timeout_s=args.setup_timeout
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -24,11 +24,12 @@ rank; requests that need only other ranks go on (there is no restart yet).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -290,13 +291,22 @@ def serve(
     stream_buffer_limit: int = 64,
     pool_config: PoolConfig | None = None,
     on_stage: Callable[[str], None] | None = None,
+    bind: str | None = None,
+    remote_ranks: Sequence[int] = (),
+    keys_dir: str | os.PathLike[str] | None = None,
 ) -> Server:
     """Start serving ``model``: a name ``adapters.registry`` knows (a built-in model, a local
     checkpoint directory, ``module:factory``), or a ``CapturedModel`` made by
     ``registry.capture_model`` (it remembers its name and seed). The model is lowered for
     ``placement`` (a ``Placement``, a YAML/JSON file, or None for everything on one rank) and
     one worker process per rank is started; workers load the same weights themselves.
-    ``on_stage`` is told as each step begins ("lowering", "starting N workers")."""
+    ``on_stage`` is told as each step begins ("lowering", "starting N workers").
+
+    Beyond one host (``runtime.net``): ``bind="tcp://HOST:PORT"`` puts the control sockets on
+    TCP with CURVE authentication; ``remote_ranks`` are not spawned here but awaited from
+    ``walkserve worker --conductor tcp://HOST:PORT --rank R --keys KEYS_DIR`` (their keys are
+    written to ``keys_dir``); their tensors travel inline over the encrypted control socket.
+    These override the same fields of ``pool_config``."""
     from walkserve.adapters.registry import capture_model
     from walkserve.lowering.lower import lower
 
@@ -326,6 +336,13 @@ def serve(
         max_batch=max_batch,
         check_capture=device != "cpu",
     )
+    if bind is not None or remote_ranks or keys_dir is not None:
+        pool_config = dataclasses.replace(
+            pool_config or PoolConfig(),
+            bind=bind if bind is not None else (pool_config.bind if pool_config else None),
+            remote_ranks=tuple(remote_ranks),
+            keys_dir=None if keys_dir is None else os.fspath(keys_dir),
+        )
     stage(f"starting {placement.ranks} worker{'s' if placement.ranks != 1 else ''}")
     pool = WorkerPool(
         name, seed, captured, plan, placement.ranks, threads=threads, config=pool_config

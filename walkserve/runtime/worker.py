@@ -121,6 +121,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shm_max_slot_bytes: int = 256 * MiB
     shm_slots_per_class: int = 8
     forbid_pickle: bool = False
+    # CURVE (Z85 keys; empty: none): set by ``net`` when the conductor listens on TCP
+    curve_server_key: str = ""
+    curve_public_key: str = ""
+    curve_secret_key: str = ""
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -415,11 +419,13 @@ class Worker:
         rx = ctx.socket(zmq.DEALER)  # commands; the io thread's alone once it runs
         rx.setsockopt(zmq.LINGER, 0)
         rx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
+        self._secure(rx)
         rx.connect(self.config.commands_addr)
         self._tx = ctx.socket(zmq.DEALER)  # reports; any thread, under _tx_lock
         self._tx.setsockopt(zmq.LINGER, 1000)  # let the last replies out
         self._tx.setsockopt(zmq.SNDTIMEO, 10_000)  # never block forever on a gone conductor
         self._tx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
+        self._secure(self._tx)
         self._tx.connect(self.address)
         built = False
         try:
@@ -451,6 +457,13 @@ class Worker:
             rx.close()
             self._tx.close()
             ctx.term()
+
+    def _secure(self, sock: zmq.Socket[bytes]) -> None:
+        """A CURVE client of the conductor when the config names keys (``runtime.net``)."""
+        if self.config.curve_server_key:
+            sock.curve_serverkey = self.config.curve_server_key.encode("ascii")
+            sock.curve_publickey = self.config.curve_public_key.encode("ascii")
+            sock.curve_secretkey = self.config.curve_secret_key.encode("ascii")
 
     def _send(self, msg: Message) -> None:
         """Send on the report socket; a message that cannot leave within its send timeout

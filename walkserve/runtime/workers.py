@@ -75,6 +75,7 @@ from walkserve.runtime.messages import (
     decode,
     encode,
 )
+from walkserve.runtime.net.remote import INLINE_ALL, RemoteProcess
 from walkserve.runtime.shm import (
     PoolStats,
     ShmError,
@@ -143,6 +144,14 @@ class PoolConfig:
     inline_max_bytes: int = INLINE_MAX_BYTES
     shm: ShmPoolConfig = field(default_factory=ShmPoolConfig)
     forbid_pickle: bool = False
+    # Beyond one host (``runtime.net``): ``bind`` ``tcp://HOST:PORT`` puts both ROUTERs on TCP
+    # (reports at PORT, commands at PORT+1; PORT 0: free ports) as CURVE servers that admit
+    # only known keys; ``remote_ranks`` are not spawned but awaited (``walkserve worker``),
+    # their tensors travel inline (no shared memory between hosts); ``keys_dir`` holds the
+    # server's and the remote ranks' key files (made where missing).
+    bind: str | None = None
+    remote_ranks: tuple[int, ...] = ()
+    keys_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("start_timeout_s", "stop_timeout_s", "heartbeat_s", "unresponsive_after_s"):
@@ -152,6 +161,15 @@ class PoolConfig:
             raise ValueError(f"address must be 'ipc' or 'tcp', got {self.address!r}")
         if self.inline_max_bytes < 0:
             raise ValueError(f"inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
+        if self.bind is not None:
+            from walkserve.runtime.net.remote import parse_tcp
+
+            parse_tcp(self.bind)
+        if self.remote_ranks and (self.bind is None or self.keys_dir is None):
+            raise ValueError(
+                "remote_ranks need bind='tcp://HOST:PORT' (where remote workers connect) and "
+                "keys_dir (where their CURVE keys are written)"
+            )
 
 
 # ------------------------------------------------------------------------------ results
@@ -262,7 +280,10 @@ class WorkerPool:
         self._commands.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable: an error, not a drop
         self._commands.setsockopt(zmq.LINGER, 0)
         self._send_lock = threading.Lock()
-        if self.config.address == "ipc" and zmq.has("ipc"):
+        curve = ("", "", "")  # server public, worker public, worker secret (Z85)
+        if self.config.bind is not None:
+            commands, curve = self._secure_tcp(ranks)
+        elif self.config.address == "ipc" and zmq.has("ipc"):
             self._tmpdir = tempfile.mkdtemp(prefix="walkserve-")  # mode 0700: ours alone
             weakref.finalize(self, shutil.rmtree, self._tmpdir, True)  # if never closed
             self.address = f"ipc://{self._tmpdir}/reports"
@@ -281,6 +302,9 @@ class WorkerPool:
             setup_timeout_s=self.config.start_timeout_s,
             inline_max_bytes=self.config.inline_max_bytes,
             forbid_pickle=self.config.forbid_pickle,
+            curve_server_key=curve[0],
+            curve_public_key=curve[1],
+            curve_secret_key=curve[2],
         )
         self._wake_rx = self._ctx.socket(zmq.PULL)  # close() stops the io thread through it
         self._wake_rx.bind("inproc://wake")
@@ -293,9 +317,13 @@ class WorkerPool:
         self._transport = ShmTransport(
             self._shm, self._reader, inline_max_bytes=self.config.inline_max_bytes
         )
+        self._inline_transport = ShmTransport(self._shm, self._reader, inline_max_bytes=INLINE_ALL)
         spawn = mp.get_context("spawn")
         config_json = worker_config.to_json()
         for rank in range(ranks):
+            if rank in self.config.remote_ranks:
+                self._ranks[rank] = self._remote_rank(rank)
+                continue
             process = spawn.Process(
                 target=worker_main,
                 args=(rank, self.address, config_json),
@@ -325,6 +353,47 @@ class WorkerPool:
         if failed:
             reasons = "; ".join(f"rank {s.rank}: {self._start_failure(s)}" for s in failed)
             raise WorkerStartError(f"workers did not start: {reasons}", failed[0].rank)
+
+    def _secure_tcp(self, ranks: int) -> tuple[str, tuple[str, str, str]]:
+        """Bind both ROUTERs at ``config.bind`` as CURVE servers (``net.auth``); returns the
+        command socket's address and the keys of the spawned (local) workers."""
+        from walkserve.runtime.net.auth import ControlGuard, KeyPair, ensure_keys
+        from walkserve.runtime.net.remote import bind_pair
+
+        assert self.config.bind is not None
+        bad = [r for r in self.config.remote_ranks if not 0 <= r < ranks]
+        if bad:
+            raise ValueError(f"remote_ranks {bad} are not ranks of this pool (0..{ranks - 1})")
+        if self.config.keys_dir is not None:
+            keys = ensure_keys(self.config.keys_dir, self.config.remote_ranks)
+            server, clients = keys.server, list(keys.clients.values())
+        else:
+            server, clients = KeyPair.generate(), []
+        local = KeyPair.generate()
+        self._guard = ControlGuard(self._ctx, server, [*clients, local.public])
+        self._guard.secure(self._reports, "reports")
+        self._guard.secure(self._commands, "commands")
+        self.address, commands = bind_pair(self._reports, self._commands, self.config.bind)
+        self._guard.start()
+        return commands, (server.public, local.public, local.secret)
+
+    def _remote_rank(self, rank: int) -> _Rank:
+        holder: list[_Rank] = []
+        process = RemoteProcess(
+            rank,
+            closing=lambda: self._closed,
+            last_seen=lambda: holder[0].last_seen if holder else None,
+            dead_after_s=max(self.config.unresponsive_after_s, 3 * self.config.heartbeat_s),
+        )
+        state = _Rank(rank, process, routing_id(rank), pid=None)  # type: ignore[arg-type]
+        holder.append(state)
+        return state
+
+    def _transport_for(self, rank: int) -> ShmTransport:
+        """Shared memory within the host; inline over the control socket to a remote rank."""
+        if rank in self.config.remote_ranks:
+            return self._inline_transport
+        return self._transport
 
     def _start_failure(self, state: _Rank) -> str:
         if state.error is not None:
@@ -377,7 +446,7 @@ class WorkerPool:
                 seen.add(item)
                 values: dict[str, Value] = {}
                 for name, value in inputs.items():
-                    values[name] = payload = self._transport.send(value, request_id)
+                    values[name] = payload = self._transport_for(rank).send(value, request_id)
                     handles += shm_handles(payload)
                 batch_items.append(BatchItem(item, request_id, values))
             batch = next(self._batch_ids)
@@ -478,6 +547,9 @@ class WorkerPool:
             _fail(
                 p.future, WorkerPoolClosed(f"the pool closed with batch {batch} in flight", p.rank)
             )
+        guard = getattr(self, "_guard", None)
+        if guard is not None:
+            guard.close()
         for name in ("_wake", "_wake_rx", "_reports", "_commands"):
             sock = getattr(self, name, None)
             if sock is not None:
@@ -565,6 +637,11 @@ class WorkerPool:
         handler(state, msg)
 
     def _on_join(self, state: _Rank, msg: Join) -> None:
+        if state.rank in self.config.remote_ranks and state.pid is None:
+            state.pid = msg.pid  # a remote worker: its pid on its host
+            if isinstance(state.process, RemoteProcess):
+                state.process.pid = msg.pid
+            log.info("remote rank %d joined (pid %d)", state.rank, msg.pid)
         if msg.pid != state.process.pid:
             log.warning("rank %d: Join from pid %d, expected %s", state.rank, msg.pid, state.pid)
             return
@@ -670,7 +747,7 @@ class WorkerPool:
             mine = [b for b, p in self._pending.items() if p.rank == state.rank]
         if not clean:
             log.error("worker rank %d died (%s)", state.rank, _describe_exit(state.exitcode))
-            if state.spec is not None:
+            if state.spec is not None and state.rank not in self.config.remote_ranks:
                 _unlink_segments(state.spec)
         for batch in mine:
             pending = self._take(batch)
