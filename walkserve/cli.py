@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument(
         "--keys", metavar="DIR", help="CURVE key files (made where missing; 0700 directory)"
     )
+    sv.add_argument(
+        "--remote-data",
+        choices=("inline", "mooncake"),
+        default="inline",
+        help="tensors to and from remote ranks: inline on the control socket, or Mooncake",
+    )
 
     wk = sub.add_parser("worker", help="join a server as one rank (from another host)")
     wk.add_argument("--conductor", required=True, metavar="tcp://HOST:PORT")
@@ -64,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     wk.add_argument("--threads", type=int, help="torch threads (default: the usable cores)")
     wk.add_argument(
         "--setup-timeout", type=float, default=300.0, help="seconds to wait for keys and setup"
+    )
+    wk.add_argument(
+        "--inline-max-bytes",
+        type=int,
+        default=64 << 10,
+        help="with Mooncake, smaller tensors still travel inline (default 65536)",
     )
 
     p = sub.add_parser("trace", help="capture a model and print its Walk Graph")
@@ -226,6 +238,7 @@ def _serve(args: argparse.Namespace) -> int:
             bind=args.bind,
             remote_ranks=remote,
             keys_dir=args.keys,
+            remote_data=args.remote_data,
         )
     except BaseException:
         progress.abandon()
@@ -262,7 +275,12 @@ def _worker(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     return run_remote_worker(
-        args.conductor, args.rank, args.keys, args.threads, setup_timeout_s=args.setup_timeout
+        args.conductor,
+        args.rank,
+        args.keys,
+        args.threads,
+        setup_timeout_s=args.setup_timeout,
+        inline_max_bytes=args.inline_max_bytes,
     )
 
 

@@ -32,8 +32,11 @@ from walkserve.adapters.examples import example_placement
 from walkserve.adapters.registry import load_model
 from walkserve.runtime.messages import Join, encode
 from walkserve.runtime.net.auth import KeyPair, load_worker_keys
+from walkserve.runtime.net.mooncake import MooncakeTransport
+from walkserve.runtime.net.mooncake import available as mooncake_available
 from walkserve.runtime.server import Server, serve
 from walkserve.runtime.worker import routing_id
+from walkserve.runtime.workers import PoolConfig
 from walkserve.testing import assert_outputs_match, mixed_requests
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,7 +92,9 @@ def hosts() -> Iterator[Hosts]:
 _PORTS = iter(range(41000 + (os.getpid() % 400) * 20, 10**6, 2))
 
 
-def start_workers(hosts: Hosts, port: int, ranks: list[int], keys: Path) -> list[Any]:
+def start_workers(
+    hosts: Hosts, port: int, ranks: list[int], keys: Path, extra: list[str] | None = None
+) -> list[Any]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE")
     return [
         subprocess.Popen(
@@ -109,6 +114,7 @@ def start_workers(hosts: Hosts, port: int, ranks: list[int], keys: Path) -> list
                 "1",
                 "--setup-timeout",
                 "120",
+                *(extra or []),
             ],
             env=env,
         )
@@ -159,7 +165,7 @@ def test_cfg_branches_on_two_hosts_and_intruders_refused(
         ) as server:
             health = server.health()
             assert health[1].status == "ready" and health[1].pid == workers[0].pid
-            check_walks(server, name, 6)
+            check_walks(server, name, 4)
             assert (tmp_path / "rank-1.secret").stat().st_mode & 0o077 == 0
 
             ctx = zmq.Context()
@@ -187,7 +193,7 @@ def test_cfg_branches_on_two_hosts_and_intruders_refused(
             finally:
                 ctx.destroy(linger=0)
             assert server.health()[0].status == "ready"
-            check_walks(server, name, 2)  # still serving
+            check_walks(server, name, 1)  # still serving
     finally:
         codes = stop(workers)
     assert codes == [0], f"remote worker exit codes {codes} ({hosts.how})"
@@ -197,11 +203,20 @@ def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
 
 
-def test_speech_stages_on_another_host_without_shared_memory(hosts: Hosts, tmp_path: Path) -> None:
+@pytest.mark.parametrize("data", ["inline", "mooncake"])
+def test_speech_stages_on_another_host_without_shared_memory(
+    hosts: Hosts, tmp_path: Path, data: str
+) -> None:
     """Speech: thinker (rank 0) and talker + codec (rank 1) both remote, so every tensor
-    crosses the (encrypted) control socket inline; the conductor's pool makes no segment."""
+    crosses hosts: inline on the (encrypted) control socket, or every tensor, however small,
+    through Mooncake TCP transfers. The conductor's shared-memory pool makes no segment."""
+    if data == "mooncake":
+        ok, why = mooncake_available()
+        if not ok:
+            pytest.skip(f"mooncake-transfer-engine does not import here: {why}")
     name, port = "example-speech", next(_PORTS)
-    workers = start_workers(hosts, port, [0, 1], tmp_path)
+    extra = ["--inline-max-bytes", "0"] if data == "mooncake" else []
+    workers = start_workers(hosts, port, [0, 1], tmp_path, extra)
     try:
         with serve(
             name,
@@ -209,10 +224,23 @@ def test_speech_stages_on_another_host_without_shared_memory(hosts: Hosts, tmp_p
             bind=f"tcp://{hosts.server_ip}:{port}",
             remote_ranks=[0, 1],
             keys_dir=tmp_path,
+            remote_data=data,
+            pool_config=PoolConfig(inline_max_bytes=0 if data == "mooncake" else 64 << 10),
         ) as server:
-            check_walks(server, name, 8)
+            check_walks(server, name, 4)
             assert segments_created(server) == 0
             assert {r: h.status for r, h in server.health().items()} == {0: "ready", 1: "ready"}
+            transport = server.pool.remote_transport
+            if data == "mooncake":
+                assert isinstance(transport, MooncakeTransport)
+                assert transport.reads > 0 and transport.writes > 0, (
+                    transport.reads,
+                    transport.writes,
+                )
+                deadline = time.monotonic() + 5.0
+                while transport.held and time.monotonic() < deadline:  # the last Acks
+                    time.sleep(0.05)
+                assert transport.held == 0
     finally:
         codes = stop(workers)
     assert codes == [0, 0], f"remote worker exit codes {codes} ({hosts.how})"

@@ -294,6 +294,7 @@ def serve(
     bind: str | None = None,
     remote_ranks: Sequence[int] = (),
     keys_dir: str | os.PathLike[str] | None = None,
+    remote_data: str | None = None,
 ) -> Server:
     """Start serving ``model``: a name ``adapters.registry`` knows (a built-in model, a local
     checkpoint directory, ``module:factory``), or a ``CapturedModel`` made by
@@ -305,7 +306,8 @@ def serve(
     Beyond one host (``runtime.net``): ``bind="tcp://HOST:PORT"`` puts the control sockets on
     TCP with CURVE authentication; ``remote_ranks`` are not spawned here but awaited from
     ``walkserve worker --conductor tcp://HOST:PORT --rank R --keys KEYS_DIR`` (their keys are
-    written to ``keys_dir``); their tensors travel inline over the encrypted control socket.
+    written to ``keys_dir``); their tensors travel inline over the encrypted control socket
+    (``remote_data="inline"``, the default) or through Mooncake (``"mooncake"``).
     These override the same fields of ``pool_config``."""
     from walkserve.adapters.registry import capture_model
     from walkserve.lowering.lower import lower
@@ -336,12 +338,14 @@ def serve(
         max_batch=max_batch,
         check_capture=device != "cpu",
     )
-    if bind is not None or remote_ranks or keys_dir is not None:
+    if bind is not None or remote_ranks or keys_dir is not None or remote_data is not None:
+        base = pool_config or PoolConfig()
         pool_config = dataclasses.replace(
-            pool_config or PoolConfig(),
-            bind=bind if bind is not None else (pool_config.bind if pool_config else None),
-            remote_ranks=tuple(remote_ranks),
-            keys_dir=None if keys_dir is None else os.fspath(keys_dir),
+            base,
+            remote_data=remote_data or base.remote_data,  # type: ignore[arg-type]
+            bind=bind if bind is not None else base.bind,
+            remote_ranks=tuple(remote_ranks) or base.remote_ranks,
+            keys_dir=os.fspath(keys_dir) if keys_dir is not None else base.keys_dir,
         )
     stage(f"starting {placement.ranks} worker{'s' if placement.ranks != 1 else ''}")
     pool = WorkerPool(

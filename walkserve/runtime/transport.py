@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from walkserve.runtime.messages import Inline, ObjectRef, Seq, Value
+from walkserve.runtime.net.handles import MooncakeHandle
 from walkserve.runtime.shm import KiB, ShmHandle, ShmPool, ShmReader
 from walkserve.runtime.tensorcodec import DTYPES, TensorHeader, to_bytes
 
@@ -261,9 +262,13 @@ def from_inline(ref: Inline) -> torch.Tensor:
     return out
 
 
-def shm_handles(payload: Any) -> list[ShmHandle]:
-    """Every ``ShmHandle`` in a payload (the slots a consumer will ack)."""
-    if isinstance(payload, ShmHandle):
+Token = ShmHandle | MooncakeHandle  # what a consumer acks to a producer
+
+
+def shm_handles(payload: Any) -> list[Token]:
+    """Every ``ShmHandle`` (or ``MooncakeHandle``: the tokens a payload holds) in a payload
+    (the slots a consumer will ack)."""
+    if isinstance(payload, (ShmHandle, MooncakeHandle)):
         return [payload]
     if isinstance(payload, Seq):
         return [h for v in payload.items for h in shm_handles(v)]

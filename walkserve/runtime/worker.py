@@ -531,6 +531,12 @@ class Worker:
             inline_max_bytes=self.config.inline_max_bytes,
             objects=self.objects,
         )
+        if setup.data != "shm":  # a worker on another host (runtime.net)
+            from walkserve.runtime.net.remote import remote_transport
+
+            self.transport = remote_transport(
+                setup.data, self.address, self.objects, self.config.inline_max_bytes
+            )
 
     # ------------------------------------------------------------------ main thread
 

@@ -75,17 +75,24 @@ from walkserve.runtime.messages import (
     decode,
     encode,
 )
+from walkserve.runtime.net.handles import MooncakeHandle
 from walkserve.runtime.net.remote import INLINE_ALL, RemoteProcess
 from walkserve.runtime.shm import (
     PoolStats,
     ShmError,
-    ShmHandle,
     ShmPool,
     ShmPoolConfig,
     ShmPoolSpec,
     ShmReader,
 )
-from walkserve.runtime.transport import INLINE_MAX_BYTES, ShmTransport, shm_handles
+from walkserve.runtime.transport import (
+    INLINE_MAX_BYTES,
+    ShmTransport,
+    Token,
+    Transport,
+    TransportError,
+    shm_handles,
+)
 from walkserve.runtime.worker import WorkerConfig, default_threads, routing_id, worker_main
 
 log = logging.getLogger("walkserve.workers")
@@ -148,10 +155,12 @@ class PoolConfig:
     # (reports at PORT, commands at PORT+1; PORT 0: free ports) as CURVE servers that admit
     # only known keys; ``remote_ranks`` are not spawned but awaited (``walkserve worker``),
     # their tensors travel inline (no shared memory between hosts); ``keys_dir`` holds the
-    # server's and the remote ranks' key files (made where missing).
+    # server's and the remote ranks' key files (made where missing). ``remote_data``: how
+    # tensors travel to and from remote ranks: inline in the messages, or Mooncake transfers.
     bind: str | None = None
     remote_ranks: tuple[int, ...] = ()
     keys_dir: str | None = None
+    remote_data: Literal["inline", "mooncake"] = "inline"
 
     def __post_init__(self) -> None:
         for name in ("start_timeout_s", "stop_timeout_s", "heartbeat_s", "unresponsive_after_s"):
@@ -165,6 +174,10 @@ class PoolConfig:
             from walkserve.runtime.net.remote import parse_tcp
 
             parse_tcp(self.bind)
+        if self.remote_data not in ("inline", "mooncake"):
+            raise ValueError(
+                f"remote_data must be 'inline' or 'mooncake', got {self.remote_data!r}"
+            )
         if self.remote_ranks and (self.bind is None or self.keys_dir is None):
             raise ValueError(
                 "remote_ranks need bind='tcp://HOST:PORT' (where remote workers connect) and "
@@ -204,7 +217,7 @@ class _Pending:
     node: str
     items: list[int]
     future: Future[BatchResult]
-    handles: set[ShmHandle]  # input slots the worker has not acked yet
+    handles: set[Token]  # input slots the worker has not acked yet
 
 
 @dataclass(eq=False)
@@ -255,7 +268,7 @@ class WorkerPool:
         self._model = (model_name, seed, ir_to_json(captured.graph), plan.to_json())
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
-        self._handle_batch: dict[ShmHandle, int] = {}
+        self._handle_batch: dict[Token, int] = {}
         self._batch_ids = itertools.count()
         self._closed = False
         self._tmpdir: str | None = None
@@ -317,7 +330,22 @@ class WorkerPool:
         self._transport = ShmTransport(
             self._shm, self._reader, inline_max_bytes=self.config.inline_max_bytes
         )
-        self._inline_transport = ShmTransport(self._shm, self._reader, inline_max_bytes=INLINE_ALL)
+        self._remote_transport: Transport = ShmTransport(
+            self._shm, self._reader, inline_max_bytes=INLINE_ALL
+        )
+        if self.config.remote_ranks and self.config.remote_data == "mooncake":
+            from walkserve.runtime.net.mooncake import (
+                MooncakeConfig,
+                MooncakeEngine,
+                MooncakeTransport,
+            )
+            from walkserve.runtime.net.remote import parse_tcp
+
+            assert self.config.bind is not None
+            engine = MooncakeEngine(MooncakeConfig(host=parse_tcp(self.config.bind)[0]))
+            self._remote_transport = MooncakeTransport(
+                engine, inline_max_bytes=self.config.inline_max_bytes
+            )
         spawn = mp.get_context("spawn")
         config_json = worker_config.to_json()
         for rank in range(ranks):
@@ -389,10 +417,16 @@ class WorkerPool:
         holder.append(state)
         return state
 
-    def _transport_for(self, rank: int) -> ShmTransport:
-        """Shared memory within the host; inline over the control socket to a remote rank."""
+    @property
+    def remote_transport(self) -> Transport:
+        """The transport of the remote ranks (``config.remote_data``)."""
+        return self._remote_transport
+
+    def _transport_for(self, rank: int) -> Transport:
+        """Shared memory within the host; to a remote rank, inline over the control socket
+        or Mooncake (``config.remote_data``)."""
         if rank in self.config.remote_ranks:
-            return self._inline_transport
+            return self._remote_transport
         return self._transport
 
     def _start_failure(self, state: _Rank) -> str:
@@ -437,7 +471,7 @@ class WorkerPool:
         state = self._rank(rank)
         future: Future[BatchResult] = Future()
         batch_items: list[BatchItem] = []
-        handles: list[ShmHandle] = []
+        handles: list[Token] = []
         seen: set[int] = set()
         try:
             for item, request_id, inputs in items:
@@ -473,11 +507,11 @@ class WorkerPool:
                 for h in handles:
                     self._handle_batch[h] = batch
         except WorkerDied as e:
-            self._transport.release(handles)
+            self._transport_for(rank).release(handles)
             future.set_exception(e)
             return future
         except BaseException:
-            self._transport.release(handles)
+            self._transport_for(rank).release(handles)
             raise
         try:
             self._send(state, data)
@@ -646,7 +680,9 @@ class WorkerPool:
             log.warning("rank %d: Join from pid %d, expected %s", state.rank, msg.pid, state.pid)
             return
         model, seed, ir, plan = self._model
-        setup = WorkerSetup(model, seed, ir, plan, state.rank, self._shm.spec)
+        remote = state.rank in self.config.remote_ranks
+        data = self.config.remote_data if remote else "shm"
+        setup = WorkerSetup(model, seed, ir, plan, state.rank, self._shm.spec, data)
         self._send_setup(state, encode(setup))
 
     def _on_attach(self, state: _Rank, msg: AttachPools) -> None:
@@ -688,7 +724,7 @@ class WorkerPool:
             outputs: dict[int, dict[str, Any]] = {}
             for out in msg.outputs:
                 outputs[out.item] = {
-                    name: self._transport.receive(payload, "")[0]
+                    name: self._transport_for(state.rank).receive(payload, "")[0]
                     for name, payload in out.values.items()
                 }
         except Exception as e:
@@ -767,10 +803,13 @@ class WorkerPool:
             _fail(pending.future, error)
         state.settled.set()
 
-    def _release(self, handle: ShmHandle) -> None:
+    def _release(self, handle: Token) -> None:
         try:
-            self._transport.release([handle])
-        except ShmError as e:
+            if isinstance(handle, MooncakeHandle):
+                self._remote_transport.release([handle])
+            else:
+                self._transport.release([handle])
+        except (ShmError, TransportError) as e:
             log.warning("could not release an input slot: %s", e)
 
 

@@ -23,6 +23,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import zmq
 
@@ -136,6 +137,32 @@ class RemoteProcess:
         self._read = self._write = -1
 
 
+def remote_transport(
+    data: str, conductor: str, objects: Any, inline_max_bytes: int = 64 << 10
+) -> Any:
+    """The transport of a worker whose conductor is on another host: ``inline`` (every tensor
+    in the messages) or ``mooncake`` (an engine at this host's address towards the
+    conductor; tensors under ``inline_max_bytes`` still travel inline)."""
+    from walkserve.runtime.transport import ShmTransport
+
+    if data == "inline":
+        return ShmTransport(
+            cast(Any, None), cast(Any, None), inline_max_bytes=INLINE_ALL, objects=objects
+        )
+    if data == "mooncake":
+        from walkserve.runtime.net.mooncake import (
+            MooncakeConfig,
+            MooncakeEngine,
+            MooncakeTransport,
+            local_ip_towards,
+        )
+
+        host, _ = parse_tcp(conductor)
+        engine = MooncakeEngine(MooncakeConfig(host=local_ip_towards(host)))
+        return MooncakeTransport(engine, inline_max_bytes=inline_max_bytes, objects=objects)
+    raise ValueError(f"data path must be 'shm', 'inline' or 'mooncake', got {data!r}")
+
+
 def run_remote_worker(
     conductor: str,
     rank: int,
@@ -143,6 +170,7 @@ def run_remote_worker(
     threads: int | None = None,
     setup_timeout_s: float = 120.0,
     heartbeat_s: float = 1.0,
+    inline_max_bytes: int = 64 << 10,
 ) -> int:
     """Join the conductor at ``conductor`` (its report socket, ``tcp://HOST:PORT``) as rank
     ``rank``; serve until it sends Shutdown. Returns the exit code (0: clean)."""
@@ -163,7 +191,7 @@ def run_remote_worker(
         commands_addr=commands,
         heartbeat_s=heartbeat_s,
         setup_timeout_s=setup_timeout_s,
-        inline_max_bytes=INLINE_ALL,
+        inline_max_bytes=inline_max_bytes,  # for Mooncake; the conductor may say "inline"
         curve_server_key=server_key,
         curve_public_key=pair.public,
         curve_secret_key=pair.secret,
