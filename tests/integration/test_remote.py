@@ -13,6 +13,7 @@ Outputs are compared with the reference interpreter by ``walkserve.testing.asser
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -30,6 +31,7 @@ import zmq
 from walkserve import capture
 from walkserve.adapters.examples import example_placement
 from walkserve.adapters.registry import load_model
+from walkserve.lowering.placement import Placement
 from walkserve.runtime.messages import Join, encode
 from walkserve.runtime.net.auth import KeyPair, load_worker_keys
 from walkserve.runtime.net.mooncake import MooncakeTransport
@@ -150,21 +152,28 @@ def segments_created(server: Server) -> int:
 def test_cfg_branches_on_two_hosts_and_intruders_refused(
     hosts: Hosts, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """CFG branches: rank 0 here, rank 1 on the other host. Then a peer without CURVE and one
-    with a key the server does not know are refused (logged, never answered) while the
-    server goes on serving."""
+    """CFG branches: rank 0 here, rank 1 on the other host (the placement names it; the
+    server awaits it instead of spawning it, measures its link and reports the edges that
+    cross hosts). Then a peer without CURVE and one with a key the server does not know are
+    refused (logged, never answered) while the server goes on serving."""
     name, port = "example-cfg-image", next(_PORTS)
+    base = Placement.from_file(example_placement(name, 2))
+    placement = dataclasses.replace(base, hosts={1: "host-b"})
     workers = start_workers(hosts, port, [1], tmp_path)
     try:
         with serve(
-            name,
-            example_placement(name, 2),
-            bind=f"tcp://{hosts.server_ip}:{port}",
-            remote_ranks=[1],
-            keys_dir=tmp_path,
+            name, placement, bind=f"tcp://{hosts.server_ip}:{port}", keys_dir=tmp_path
         ) as server:
             health = server.health()
             assert health[1].status == "ready" and health[1].pid == workers[0].pid
+            assert server.pool.config.remote_ranks == (1,)
+            link = server.pool.links[1]
+            assert link.alpha_s < 0.5 and link.beta_bytes_per_s > 1e5, link
+            edges = server.cross_host_edges
+            assert edges and {e.dst_host for e in edges} >= {"host-b"}, edges
+            for e in edges:
+                hops = (e.src_host == "host-b") + (e.dst_host == "host-b")
+                assert e.seconds == pytest.approx(hops * link.seconds(e.nbytes)), e
             check_walks(server, name, 4)
             assert (tmp_path / "rank-1.secret").stat().st_mode & 0o077 == 0
 

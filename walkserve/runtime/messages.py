@@ -249,6 +249,19 @@ class BatchFailed(_Msg, frozen=True):
     errors: list[ItemError]
 
 
+class Probe(_Msg, frozen=True):
+    """A link measurement (``runtime.net.link``): the worker reads ``value`` through its
+    transport and answers ``ProbeReply``; the conductor releases what ``value`` held."""
+
+    seq: NonNegInt
+    value: Value
+
+
+class ProbeReply(_Msg, frozen=True):
+    seq: NonNegInt
+    rank: NonNegInt
+
+
 Message: TypeAlias = (
     Hello
     | AttachPools
@@ -265,6 +278,8 @@ Message: TypeAlias = (
     | RunBatch
     | BatchDone
     | BatchFailed
+    | Probe
+    | ProbeReply
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -38,7 +39,7 @@ from typeguard import typechecked
 
 from walkserve.capture import ir
 from walkserve.capture.model import CapturedModel
-from walkserve.lowering.placement import Placement
+from walkserve.lowering.placement import LOCAL_HOST, Placement
 from walkserve.lowering.plan import ExecutablePlan, NodePlan
 from walkserve.runtime.conductor import (
     Conductor,
@@ -51,6 +52,8 @@ from walkserve.runtime.conductor import (
     WorkItem,
 )
 from walkserve.runtime.workers import BatchResult, PoolConfig, RankHealth, WorkerPool
+
+log = logging.getLogger("walkserve.server")
 
 _STOP = object()
 
@@ -141,6 +144,7 @@ class Server:
         self._round_robin = itertools.count()
         self._closed = False
         self.batch_sizes: dict[int, int] = {}
+        self.cross_host_edges: list[Any] = []  # runtime.net.link.CrossHostEdge
         self._thread = threading.Thread(target=self._loop, name="walkserve-conductor", daemon=True)
         self._thread.start()
 
@@ -338,6 +342,9 @@ def serve(
         max_batch=max_batch,
         check_capture=device != "cpu",
     )
+    if placement.hosts and bind is not None and not remote_ranks:
+        # ranks the placement puts on another host are awaited, not spawned
+        remote_ranks = [r for r in range(placement.ranks) if placement.host_of(r) != LOCAL_HOST]
     if bind is not None or remote_ranks or keys_dir is not None or remote_data is not None:
         base = pool_config or PoolConfig()
         pool_config = dataclasses.replace(
@@ -352,9 +359,16 @@ def serve(
         name, seed, captured, plan, placement.ranks, threads=threads, config=pool_config
     )
     try:
-        return Server(
+        server = Server(
             captured, plan, pool, speculate=speculate, stream_buffer_limit=stream_buffer_limit
         )
+        if placement.hosts:
+            from walkserve.runtime.net.link import cross_host_edges, format_edges
+
+            server.cross_host_edges = cross_host_edges(captured, plan, placement, pool.links)
+            if server.cross_host_edges:
+                log.warning("edges that cross hosts:\n%s", format_edges(server.cross_host_edges))
+        return server
     except BaseException:
         pool.close()
         raise

@@ -613,6 +613,7 @@ class Worker:
             Cancel,
             Heartbeat,
             MessageError,
+            Probe,
             RunBatch,
             Shutdown,
             decode,
@@ -623,6 +624,7 @@ class Worker:
             Ack: self._on_ack,
             Cancel: lambda m: self.objects.drop(m.request_id),
             Shutdown: lambda m: self._stop(),
+            Probe: self._on_probe,
         }
         beat = self.config.heartbeat_s
         next_beat = time.monotonic()
@@ -700,6 +702,16 @@ class Worker:
     def _finished(self) -> None:
         with self._backlog_lock:
             self._backlog -= 1
+
+    def _on_probe(self, msg: Any) -> None:
+        """A link measurement (``runtime.net.link``): read the value, then say so."""
+        from walkserve.runtime.messages import ProbeReply
+
+        try:
+            self.transport.receive(msg.value, "probe")
+        except Exception as e:  # the conductor's timing is off, nothing else
+            log.warning("rank %d: unreadable probe: %s", self.rank, e)
+        self._send(ProbeReply(msg.seq, self.rank))
 
     def _on_ack(self, msg: Any) -> None:
         from walkserve.runtime.shm import ShmError

@@ -68,6 +68,8 @@ from walkserve.runtime.messages import (
     Join,
     Message,
     MessageError,
+    Probe,
+    ProbeReply,
     RunBatch,
     Shutdown,
     Value,
@@ -76,6 +78,7 @@ from walkserve.runtime.messages import (
     encode,
 )
 from walkserve.runtime.net.handles import MooncakeHandle
+from walkserve.runtime.net.link import PROBE_SIZES, LinkModel, fit_link
 from walkserve.runtime.net.remote import INLINE_ALL, RemoteProcess
 from walkserve.runtime.shm import (
     PoolStats,
@@ -370,7 +373,11 @@ class WorkerPool:
             BatchFailed: self._on_failed,
             Ack: self._on_ack,
             Fatal: self._on_fatal,
+            ProbeReply: self._on_probe_reply,
         }
+        self._probes: dict[int, threading.Event] = {}
+        self._probe_ids = itertools.count()
+        self.links: dict[int, LinkModel] = {}  # remote rank -> measured at start-up
         self._io = threading.Thread(target=self._io_loop, name="walkserve-pool-io", daemon=True)
         self._io.start()
 
@@ -381,6 +388,9 @@ class WorkerPool:
         if failed:
             reasons = "; ".join(f"rank {s.rank}: {self._start_failure(s)}" for s in failed)
             raise WorkerStartError(f"workers did not start: {reasons}", failed[0].rank)
+        for rank in self.config.remote_ranks:
+            self.links[rank] = self.measure_link(rank)
+            log.info("link to remote rank %d: %s", rank, self.links[rank])
 
     def _secure_tcp(self, ranks: int) -> tuple[str, tuple[str, str, str]]:
         """Bind both ROUTERs at ``config.bind`` as CURVE servers (``net.auth``); returns the
@@ -416,6 +426,38 @@ class WorkerPool:
         state = _Rank(rank, process, routing_id(rank), pid=None)  # type: ignore[arg-type]
         holder.append(state)
         return state
+
+    def measure_link(
+        self, rank: int, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 3
+    ) -> LinkModel:
+        """Time ``repeats`` round trips per size in ``sizes`` (a tensor to ``rank`` through its
+        transport, a short reply back) and fit ``alpha + bytes / beta`` (review eq. 8)."""
+        import torch
+
+        transport = self._transport_for(rank)
+        state = self._rank(rank)
+        samples: list[tuple[int, float]] = []
+        for nbytes in sizes:
+            tensor = torch.ones(nbytes, dtype=torch.uint8)
+            for _ in range(repeats):
+                seq = next(self._probe_ids)
+                done = self._probes[seq] = threading.Event()
+                start = time.perf_counter()
+                payload = transport.send(tensor, "probe")
+                try:
+                    self._send(state, encode(Probe(seq, payload)))
+                    if not done.wait(self.config.unresponsive_after_s):
+                        raise WorkerError(f"rank {rank} did not answer a link probe", rank)
+                    samples.append((nbytes, time.perf_counter() - start))
+                finally:
+                    self._probes.pop(seq, None)
+                    transport.release(shm_handles(payload))
+        return fit_link(samples)
+
+    def _on_probe_reply(self, state: _Rank, msg: ProbeReply) -> None:
+        done = self._probes.get(msg.seq)
+        if done is not None:
+            done.set()
 
     @property
     def remote_transport(self) -> Transport:
