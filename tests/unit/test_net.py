@@ -61,17 +61,20 @@ def test_handles_and_probes_travel_as_messages() -> None:
     assert decode(encode(Probe(1, Seq("tuple", [h, 2])))) == Probe(1, Seq("tuple", [h, 2]))
 
 
-def test_link_fit_matches_least_squares() -> None:
+def test_link_fit_matches_relative_least_squares() -> None:
     g = torch.Generator().manual_seed(0)
     sizes = [1 << 10, 64 << 10, 1 << 20, 8 << 20] * 3
     secs = [50e-6 + n / 2e9 + 1e-6 * float(torch.rand((), generator=g)) for n in sizes]
     link = fit_link(list(zip(sizes, secs)))
-    a = torch.tensor([[1.0, float(n)] for n in sizes], dtype=torch.float64)
-    b = torch.tensor(secs, dtype=torch.float64).unsqueeze(1)
+    # rows scaled by 1 / t: least squares of the relative error
+    a = torch.tensor([[1.0 / t, n / t] for n, t in zip(sizes, secs)], dtype=torch.float64)
+    b = torch.ones(len(sizes), 1, dtype=torch.float64)
     intercept, slope = torch.linalg.lstsq(a, b).solution.squeeze(1).tolist()
     assert link.alpha_s == pytest.approx(intercept, rel=1e-6)
     assert link.beta_bytes_per_s == pytest.approx(1 / slope, rel=1e-6)
     assert link.seconds(1 << 20) == pytest.approx(intercept + slope * (1 << 20), rel=1e-6)
+    assert link.alpha_s == pytest.approx(50e-6, rel=0.05)  # what the samples were made from
+    assert link.beta_bytes_per_s == pytest.approx(2e9, rel=0.05)
     with pytest.raises(ValueError, match="two sizes"):
         fit_link([(10, 1.0), (10, 2.0)])
 

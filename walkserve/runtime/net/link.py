@@ -47,22 +47,30 @@ class LinkModel:
 
 
 def fit_link(samples: Sequence[tuple[int, float]]) -> LinkModel:
-    """Least-squares ``seconds = alpha + bytes / beta`` over (bytes, seconds) samples of at
-    least two sizes. A negative intercept is clipped to 0; a flat or falling slope (noise
-    swamping the bytes) gives beta from the largest sample alone."""
+    """``seconds = alpha + bytes / beta`` over (bytes, seconds) samples of at least two sizes,
+    by least squares of the *relative* error (each sample weighted by 1 / seconds): sizes span
+    orders of magnitude, and a plain fit would let the largest transfer decide alpha too.
+    A negative alpha is clipped to 0; a flat or falling slope (noise swamping the bytes)
+    gives beta from the largest sample alone."""
     sizes = {n for n, _ in samples}
     if len(sizes) < 2:
         raise ValueError(f"fitting alpha and beta needs samples of two sizes, got {sorted(sizes)}")
-    n = len(samples)
-    mx = sum(b for b, _ in samples) / n
-    my = sum(t for _, t in samples) / n
-    sxx = sum((b - mx) ** 2 for b, _ in samples)
-    slope = sum((b - mx) * (t - my) for b, t in samples) / sxx
+    if any(t <= 0 for _, t in samples):
+        raise ValueError("transfer times must be positive")
+    # normal equations of min sum((alpha + slope * n - t) / t)^2
+    w = [1.0 / (t * t) for _, t in samples]
+    s00 = sum(w)
+    s01 = sum(wi * n for wi, (n, _) in zip(w, samples))
+    s11 = sum(wi * n * n for wi, (n, _) in zip(w, samples))
+    r0 = sum(wi * t for wi, (_, t) in zip(w, samples))
+    r1 = sum(wi * n * t for wi, (n, t) in zip(w, samples))
+    det = s00 * s11 - s01 * s01
+    alpha = (s11 * r0 - s01 * r1) / det
+    slope = (s00 * r1 - s01 * r0) / det
     if slope <= 0:
         big = max(samples)
         return LinkModel(max(0.0, min(t for _, t in samples)), big[0] / max(big[1], 1e-9))
-    alpha = max(0.0, my - slope * mx)
-    return LinkModel(alpha, 1.0 / slope)
+    return LinkModel(max(0.0, alpha), 1.0 / slope)
 
 
 @dataclass(frozen=True)
