@@ -29,6 +29,7 @@ import itertools
 import logging
 import os
 import queue
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -145,6 +146,7 @@ class Server:
         self._closed = False
         self.batch_sizes: dict[int, int] = {}
         self.cross_host_edges: list[Any] = []  # runtime.net.link.CrossHostEdge
+        self.closers: list[Callable[[], None]] = []  # run after the pool closed (a launcher)
         self._thread = threading.Thread(target=self._loop, name="walkserve-conductor", daemon=True)
         self._thread.start()
 
@@ -200,6 +202,8 @@ class Server:
         self._inbox.put(_STOP)
         self._thread.join(timeout=30)
         self.pool.close()
+        for closer in self.closers:
+            closer()
         for handle in self._handles.values():
             handle._finish("the server closed")
 
@@ -299,6 +303,8 @@ def serve(
     remote_ranks: Sequence[int] = (),
     keys_dir: str | os.PathLike[str] | None = None,
     remote_data: str | None = None,
+    backend: str = "processes",
+    ray_address: str | None = None,
 ) -> Server:
     """Start serving ``model``: a name ``adapters.registry`` knows (a built-in model, a local
     checkpoint directory, ``module:factory``), or a ``CapturedModel`` made by
@@ -312,7 +318,11 @@ def serve(
     ``walkserve worker --conductor tcp://HOST:PORT --rank R --keys KEYS_DIR`` (their keys are
     written to ``keys_dir``); their tensors travel inline over the encrypted control socket
     (``remote_data="inline"``, the default) or through Mooncake (``"mooncake"``).
-    These override the same fields of ``pool_config``."""
+    These override the same fields of ``pool_config``.
+
+    ``backend="ray"``: every rank is a Ray actor (``runtime.net.ray_backend``) on the running
+    cluster at ``ray_address`` (None: a local one, started if needed; then ``bind`` defaults
+    to ``tcp://127.0.0.1:0``; with an address, give a ``bind`` the cluster can reach)."""
     from walkserve.adapters.registry import capture_model
     from walkserve.lowering.lower import lower
 
@@ -342,6 +352,22 @@ def serve(
         max_batch=max_batch,
         check_capture=device != "cpu",
     )
+    if backend not in ("processes", "ray"):
+        raise ValueError(f"backend must be 'processes' or 'ray', got {backend!r}")
+    launcher: Any = None
+    if backend == "ray":
+        from walkserve.runtime.net.ray_backend import RayLauncher
+
+        if bind is None and ray_address is not None:
+            raise ValueError(
+                "backend='ray' with a ray_address needs bind='tcp://HOST:0' with a HOST the "
+                "cluster's nodes can reach (the default binds 127.0.0.1 only)"
+            )
+        bind = bind or "tcp://127.0.0.1:0"
+        remote_ranks = list(range(placement.ranks))
+        if keys_dir is None:
+            keys_dir = tempfile.mkdtemp(prefix="walkserve-keys-")
+        launcher = RayLauncher(keys_dir, ray_address)
     if placement.hosts and bind is not None and not remote_ranks:
         # ranks the placement puts on another host are awaited, not spawned
         remote_ranks = [r for r in range(placement.ranks) if placement.host_of(r) != LOCAL_HOST]
@@ -355,13 +381,27 @@ def serve(
             keys_dir=os.fspath(keys_dir) if keys_dir is not None else base.keys_dir,
         )
     stage(f"starting {placement.ranks} worker{'s' if placement.ranks != 1 else ''}")
-    pool = WorkerPool(
-        name, seed, captured, plan, placement.ranks, threads=threads, config=pool_config
-    )
+    try:
+        pool = WorkerPool(
+            name,
+            seed,
+            captured,
+            plan,
+            placement.ranks,
+            threads=threads,
+            config=pool_config,
+            on_listening=None if launcher is None else launcher.launch,
+        )
+    except BaseException:
+        if launcher is not None:
+            launcher.close()
+        raise
     try:
         server = Server(
             captured, plan, pool, speculate=speculate, stream_buffer_limit=stream_buffer_limit
         )
+        if launcher is not None:
+            server.closers.append(launcher.close)
         if placement.hosts:
             from walkserve.runtime.net.link import cross_host_edges, format_edges
 
@@ -371,4 +411,6 @@ def serve(
         return server
     except BaseException:
         pool.close()
+        if launcher is not None:
+            launcher.close()
         raise

@@ -101,6 +101,7 @@ from walkserve.runtime.worker import WorkerConfig, default_threads, routing_id, 
 log = logging.getLogger("walkserve.workers")
 
 Item = tuple[int, str, Mapping[str, Any]]  # (item id, request id, {input name: value})
+DataPath = Literal["shm", "inline", "mooncake"]  # how tensors reach a worker
 Status = Literal["starting", "ready", "unresponsive", "dead", "closed"]
 
 
@@ -253,7 +254,10 @@ class WorkerPool:
         ranks: int,
         threads: int | None = None,
         config: PoolConfig | None = None,
+        on_listening: Callable[[WorkerPool], None] | None = None,
     ) -> None:
+        """``on_listening(pool)``: called once the control sockets are bound (``pool.address``)
+        and before waiting for the workers; a launcher of remote ranks starts them there."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         for walk in plan.walks:
@@ -278,6 +282,8 @@ class WorkerPool:
         self._io: threading.Thread | None = None
         self._ranks: dict[int, _Rank] = {}
         self._ctx = zmq.Context()
+        self._on_listening = on_listening
+        self._remote_data: dict[int, DataPath] = {}  # remote rank -> data path, when not config's
         try:
             self._start(ranks)
         except BaseException:
@@ -380,6 +386,8 @@ class WorkerPool:
         self.links: dict[int, LinkModel] = {}  # remote rank -> measured at start-up
         self._io = threading.Thread(target=self._io_loop, name="walkserve-pool-io", daemon=True)
         self._io.start()
+        if self._on_listening is not None:
+            self._on_listening(self)
 
         deadline = time.monotonic() + self.config.start_timeout_s
         for state in self._ranks.values():
@@ -467,9 +475,25 @@ class WorkerPool:
     def _transport_for(self, rank: int) -> Transport:
         """Shared memory within the host; to a remote rank, inline over the control socket
         or Mooncake (``config.remote_data``)."""
-        if rank in self.config.remote_ranks:
+        if rank in self.config.remote_ranks and self.remote_data(rank) != "shm":
             return self._remote_transport
         return self._transport
+
+    def remote_data(self, rank: int) -> DataPath:
+        """How tensors travel to and from remote rank ``rank``."""
+        return self._remote_data.get(rank, self.config.remote_data)
+
+    def set_remote_data(self, rank: int, data: DataPath) -> None:
+        """Before remote rank ``rank`` joins: ``shm`` when it turned out to run on this host
+        (a launcher knows), else inline or Mooncake (only ``config.remote_data``'s)."""
+        if rank not in self.config.remote_ranks:
+            raise ValueError(f"rank {rank} is not a remote rank")
+        if data not in ("shm", self.config.remote_data):
+            raise ValueError(
+                f"remote rank {rank} can use 'shm' (same host) or the pool's remote_data "
+                f"{self.config.remote_data!r}, not {data!r}"
+            )
+        self._remote_data[rank] = data
 
     def _start_failure(self, state: _Rank) -> str:
         if state.error is not None:
@@ -723,7 +747,7 @@ class WorkerPool:
             return
         model, seed, ir, plan = self._model
         remote = state.rank in self.config.remote_ranks
-        data = self.config.remote_data if remote else "shm"
+        data = self.remote_data(state.rank) if remote else "shm"
         setup = WorkerSetup(model, seed, ir, plan, state.rank, self._shm.spec, data)
         self._send_setup(state, encode(setup))
 
