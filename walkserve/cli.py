@@ -58,6 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         help="tensors to and from remote ranks: inline on the control socket, or Mooncake",
     )
 
+    sv.add_argument(
+        "--backend",
+        choices=("processes", "ray"),
+        default="processes",
+        help="workers as local processes, or as Ray actors (one per rank)",
+    )
+    sv.add_argument("--ray-address", help="a running Ray cluster (default: start a local one)")
+
     wk = sub.add_parser("worker", help="join a server as one rank (from another host)")
     wk.add_argument("--conductor", required=True, metavar="tcp://HOST:PORT")
     wk.add_argument("--rank", type=int, required=True)
@@ -239,6 +247,8 @@ def _serve(args: argparse.Namespace) -> int:
             remote_ranks=remote,
             keys_dir=args.keys,
             remote_data=args.remote_data,
+            backend=args.backend,
+            ray_address=args.ray_address,
         )
     except BaseException:
         progress.abandon()

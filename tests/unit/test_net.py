@@ -55,6 +55,15 @@ def test_control_addresses() -> None:
         PoolConfig(remote_data="pigeon")  # type: ignore[arg-type]
 
 
+def test_worker_command_refuses_a_bad_conductor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from walkserve.cli import main
+
+    assert main(["worker", "--conductor", "ipc:///x", "--rank", "1", "--keys", str(tmp_path)]) == 2
+    assert "tcp://HOST:PORT" in capsys.readouterr().err
+
+
 def test_handles_and_probes_travel_as_messages() -> None:
     h = MooncakeHandle("10.0.0.2:15000", 140000000, 3, TensorHeader("float32", (2, 3), 24))
     assert decode(encode(Ack([h]))) == Ack([h])

@@ -23,7 +23,7 @@ Payloads are pulled: ``send`` needs no destination, because whoever receives the
 reads the bytes (one host: copies them out of the producer's segment). The control plane
 decides where a payload goes; ``WorkerPool.submit_batch(rank, ...)`` sends to a rank.
 
-A network transport (Mooncake, a later issue) plugs in as a third ``Transport``: ``send``
+A network transport plugs in as a third ``Transport`` (``runtime.net.mooncake``): ``send``
 registers the tensor with the transfer engine and returns a new tagged handle struct added to
 ``messages.Value`` (segment, offset, ``TensorHeader``); ``receive`` reads it from the remote
 host into a local tensor (an RDMA read) and returns the handle as its token; ``release`` frees

@@ -31,6 +31,12 @@ it held are released, its pool's segments are unlinked (a killed process cannot)
 ``health()`` reports it ``dead``; the other ranks keep serving. There is no restart yet.
 ``close()`` sends ``Shutdown``, waits ``stop_timeout_s``, kills what is left, reaps every
 process (no zombies) and removes its sockets' directory.
+
+Beyond one host (``runtime.net``): with ``PoolConfig.bind`` both ROUTERs listen on TCP as
+CURVE servers admitting only known keys; ``remote_ranks`` are not spawned but awaited (a
+``RemoteProcess`` stands in for their process: given up when silent too long), their tensors
+travel inline, through Mooncake or (same host, ``set_remote_data``) shared memory, and the
+link to each is measured at start-up (``links``, ``measure_link``).
 """
 
 from __future__ import annotations
