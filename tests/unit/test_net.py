@@ -64,6 +64,14 @@ def test_worker_command_refuses_a_bad_conductor(
     assert "tcp://HOST:PORT" in capsys.readouterr().err
 
 
+def test_a_placement_with_other_hosts_needs_a_bind() -> None:
+    from walkserve.runtime.server import serve
+
+    placement = Placement.from_dict({"ranks": 2, "hosts": {1: "node-b"}})
+    with pytest.raises(ValueError, match=r"ranks \[1\] on other hosts.*bind="):
+        serve("example-cfg-image", placement)
+
+
 def test_handles_and_probes_travel_as_messages() -> None:
     h = MooncakeHandle("10.0.0.2:15000", 140000000, 3, TensorHeader("float32", (2, 3), 24))
     assert decode(encode(Ack([h]))) == Ack([h])

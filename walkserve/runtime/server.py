@@ -368,6 +368,13 @@ def serve(
         if keys_dir is None:
             keys_dir = tempfile.mkdtemp(prefix="walkserve-keys-")
         launcher = RayLauncher(keys_dir, ray_address)
+    away = {r: placement.host_of(r) for r in range(placement.ranks)}
+    away = {r: h for r, h in away.items() if h != LOCAL_HOST}
+    if away and bind is None:
+        raise ValueError(
+            f"the placement puts ranks {sorted(away)} on other hosts ({sorted(set(away.values()))}); "
+            "serve with bind='tcp://HOST:PORT' and start 'walkserve worker' there, or drop 'hosts'"
+        )
     if placement.hosts and bind is not None and not remote_ranks:
         # ranks the placement puts on another host are awaited, not spawned
         remote_ranks = [r for r in range(placement.ranks) if placement.host_of(r) != LOCAL_HOST]
