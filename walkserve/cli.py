@@ -49,6 +49,54 @@ def main(argv: list[str] | None = None) -> int:
         help="paged KV pool of each text model, in tokens (default: the model's, e.g. 16384)",
     )
     sv.add_argument("--kv-page-size", type=int, metavar="N", help="tokens per KV page (16)")
+    sv.add_argument(
+        "--bind",
+        metavar="tcp://HOST:PORT",
+        help="control sockets on TCP with CURVE keys (PORT and PORT+1); needed by --remote-ranks",
+    )
+    sv.add_argument(
+        "--remote-ranks",
+        metavar="R,R",
+        default="",
+        help="ranks not started here: they join with 'walkserve worker' from other hosts",
+    )
+    sv.add_argument(
+        "--keys", metavar="DIR", help="CURVE key files (made where missing; 0700 directory)"
+    )
+    sv.add_argument(
+        "--remote-data",
+        choices=("inline", "mooncake"),
+        default="inline",
+        help="tensors to and from remote ranks: inline on the control socket, or Mooncake",
+    )
+
+    sv.add_argument(
+        "--backend",
+        choices=("processes", "ray"),
+        default="processes",
+        help="workers as local processes, or as Ray actors (one per rank)",
+    )
+    sv.add_argument("--ray-address", help="a running Ray cluster (default: start a local one)")
+
+    wk = sub.add_parser("worker", help="join a server as one rank (from another host)")
+    wk.add_argument("--conductor", required=True, metavar="tcp://HOST:PORT")
+    wk.add_argument("--rank", type=int, required=True)
+    wk.add_argument(
+        "--keys",
+        required=True,
+        metavar="DIR",
+        help="holds server.public, rank-R.public and rank-R.secret (from the server's --keys)",
+    )
+    wk.add_argument("--threads", type=int, help="torch threads (default: the usable cores)")
+    wk.add_argument(
+        "--setup-timeout", type=float, default=300.0, help="seconds to wait for keys and setup"
+    )
+    wk.add_argument(
+        "--inline-max-bytes",
+        type=int,
+        default=64 << 10,
+        help="with Mooncake, smaller tensors still travel inline (default 65536)",
+    )
 
     p = sub.add_parser("trace", help="capture a model and print its Walk Graph")
     p.add_argument(
@@ -101,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "worker":
+            return _worker(args)
         return _demo(args)
     except (ValueError, KeyError, OSError) as e:
         print(f"walkserve: error: {e}", file=sys.stderr)
@@ -227,8 +277,19 @@ def _serve(args: argparse.Namespace) -> int:
         profile = profile_for(args.model)
         captured = capture_model(args.model, args.seed, on_stage=progress.stage)
         pool = PoolConfig(kv_pool_tokens=args.kv_pool_tokens, kv_page_size=args.kv_page_size)
+        remote = [int(r) for r in args.remote_ranks.split(",") if r.strip()]
         server = serve(
-            captured, args.placement, seed=args.seed, pool_config=pool, on_stage=progress.stage
+            captured,
+            args.placement,
+            seed=args.seed,
+            pool_config=pool,
+            on_stage=progress.stage,
+            bind=args.bind,
+            remote_ranks=remote,
+            keys_dir=args.keys,
+            remote_data=args.remote_data,
+            backend=args.backend,
+            ray_address=args.ray_address,
         )
     except BaseException:
         progress.abandon()
@@ -256,6 +317,22 @@ def _serve(args: argparse.Namespace) -> int:
         server.close()  # every worker process shuts down
         print("walkserve: stopped", flush=True)
     return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import logging
+
+    from walkserve.runtime.net.remote import run_remote_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return run_remote_worker(
+        args.conductor,
+        args.rank,
+        args.keys,
+        args.threads,
+        setup_timeout_s=args.setup_timeout,
+        inline_max_bytes=args.inline_max_bytes,
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:

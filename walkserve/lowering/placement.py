@@ -21,6 +21,8 @@ File format::
     concurrent:                               # optional: branches of one Parallel group
       - [generate:euler_step/denoiser, generate:euler_step/denoiser_1]   # to run at once
     memory_budget: {0: 2GiB, 1: 2GiB}         # optional: bytes, or a size with a unit
+    hosts: {1: gpu-node-b}                    # optional: the host (or Ray node label) of a
+                                              #   rank; unnamed ranks run on the conductor's
 
 Resolution, per walk and per op node (loop bodies included; a loop node itself is not placed,
 the nodes of its body are)::
@@ -144,6 +146,8 @@ class Placement:
     ``tensor_parallel`` ranks (recorded and validated; sharding is the model's job).
     ``concurrent`` lists sets of ``walk:node`` keys that should run at the same time;
     ``memory_budget_bytes`` is a budget per rank (ranks not named are unchecked).
+    ``hosts`` names the host of a rank (unnamed: ``LOCAL_HOST``, the conductor's);
+    ``runtime.net.link`` reports the edges that cross hosts and their estimated times.
     """
 
     ranks: int
@@ -152,6 +156,7 @@ class Placement:
     replicas: Mapping[str, int] = field(default_factory=dict)
     concurrent: Sequence[Sequence[str]] = ()
     memory_budget_bytes: Mapping[int, int] | None = None
+    hosts: Mapping[int, str] | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -165,6 +170,7 @@ class Placement:
                 if self.memory_budget_bytes
                 else None
             ),
+            "hosts": MappingProxyType(dict(self.hosts)) if self.hosts else None,
         }
         for name, value in frozen.items():
             object.__setattr__(self, name, value)
@@ -188,6 +194,12 @@ class Placement:
             self._check_rank(f"memory_budget[{rank}]", rank)
             if budget <= 0:
                 raise PlacementError(f"memory_budget[{rank}] must be positive, got {budget}")
+        for rank, host in (self.hosts or {}).items():
+            self._check_rank(f"hosts[{rank}]", rank)
+            if not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]{1,253}", host):
+                raise PlacementError(
+                    f"hosts[{rank}] = {host!r} is not a host name (letters, digits, '.-_:')"
+                )
 
     def _check_rank(self, where: str, rank: int) -> None:
         if isinstance(rank, bool) or not 0 <= rank < self.ranks:
@@ -239,6 +251,10 @@ class Placement:
     def tensor_parallel_of(self, key: str) -> int:
         return self.tensor_parallel.get(key, 1)
 
+    def host_of(self, rank: int) -> str:
+        """The host of ``rank`` (``LOCAL_HOST`` unless ``hosts`` names one)."""
+        return (self.hosts or {}).get(rank, LOCAL_HOST)
+
     def replicas_of(self, key: str) -> int:
         return self.replicas.get(key, len(self.rules[key]) // self.tensor_parallel_of(key))
 
@@ -262,6 +278,7 @@ class Placement:
         if "ranks" not in data:
             raise PlacementError("a placement needs 'ranks' (the number of worker ranks)")
         budget = data.get("memory_budget")
+        hosts = data.get("hosts")
         return cls(
             ranks=_as_int(data["ranks"], "ranks"),
             rules={
@@ -275,6 +292,7 @@ class Placement:
                 for entry in _as_list(data.get("concurrent", []), "concurrent")
             ],
             memory_budget_bytes=None if budget is None else _budget(budget),
+            hosts=None if hosts is None else _hosts(hosts),
         )
 
     @classmethod
@@ -308,6 +326,8 @@ class Placement:
             out["concurrent"] = [list(entry) for entry in self.concurrent]
         if self.memory_budget_bytes:
             out["memory_budget"] = dict(self.memory_budget_bytes)
+        if self.hosts:
+            out["hosts"] = dict(self.hosts)
         return out
 
     def to_file(self, path: str | os.PathLike[str]) -> None:
@@ -320,7 +340,16 @@ class Placement:
             path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-_FILE_KEYS = ("ranks", "nodes", "tensor_parallel", "replicas", "concurrent", "memory_budget")
+_FILE_KEYS = (
+    "ranks",
+    "nodes",
+    "tensor_parallel",
+    "replicas",
+    "concurrent",
+    "memory_budget",
+    "hosts",
+)
+LOCAL_HOST = "local"  # the conductor's host, where ranks without a named host run
 
 
 def check_field_types(obj: Any) -> None:
@@ -383,6 +412,17 @@ def _as_str_mapping(value: Any, where: str) -> dict[str, Any]:
 
 def _int_values(value: Any, where: str) -> dict[str, int]:
     return {k: _as_int(v, f"{where}[{k!r}]") for k, v in _as_str_mapping(value, where).items()}
+
+
+def _hosts(value: Any) -> dict[int, str]:
+    if not isinstance(value, Mapping):
+        raise PlacementError(f"hosts: expected a mapping rank -> host name, got {value!r}")
+    out = {}
+    for rank, host in value.items():
+        if isinstance(rank, str) and rank.isdigit():  # JSON object keys are strings
+            rank = int(rank)
+        out[_as_int(rank, "hosts rank")] = _as_str(host, f"hosts[{rank}]")
+    return out
 
 
 def _budget(value: Any) -> dict[int, int]:

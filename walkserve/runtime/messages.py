@@ -35,6 +35,7 @@ from typing import Annotated, Literal, TypeAlias
 
 import msgspec
 
+from walkserve.runtime.net.handles import MooncakeHandle
 from walkserve.runtime.shm import ShmHandle, ShmPoolSpec
 from walkserve.runtime.tensorcodec import TensorHeader
 
@@ -87,7 +88,9 @@ class Seq(msgspec.Struct, frozen=True, tag="seq", tag_field="type"):
 
 
 # Any value a node reads or produces, on the wire. bool before int: msgpack keeps them apart.
-Value: TypeAlias = Inline | ShmHandle | ObjectRef | Seq | bool | int | float | str | None
+Value: TypeAlias = (
+    Inline | ShmHandle | MooncakeHandle | ObjectRef | Seq | bool | int | float | str | None
+)
 
 
 class BatchItem(msgspec.Struct, frozen=True):
@@ -194,7 +197,7 @@ class Cancel(_Msg, frozen=True):
 class Ack(_Msg, frozen=True):
     """The sender is done reading these handles; their slots may be reused."""
 
-    handles: list[ShmHandle]
+    handles: list[ShmHandle | MooncakeHandle]
 
 
 class Join(_Msg, frozen=True):
@@ -208,7 +211,9 @@ class WorkerSetup(_Msg, frozen=True):
     """Everything a worker builds its part of the plan from. The worker loads the weights
     itself (``registry.load_model(model, seed)``); ``ir`` is ``serialize.to_json`` of the
     captured graph, ``plan`` is ``ExecutablePlan.to_json``; ``pool`` is the conductor's
-    shared-memory pool, whose handles the worker will receive."""
+    shared-memory pool, whose handles the worker will receive. ``data``: how tensors travel
+    between this worker and the conductor: ``shm`` (one host), ``inline`` (all in the
+    messages) or ``mooncake`` (``runtime.net``: a worker on another host)."""
 
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
     seed: int
@@ -216,6 +221,7 @@ class WorkerSetup(_Msg, frozen=True):
     plan: str
     rank: NonNegInt
     pool: ShmPoolSpec
+    data: Literal["shm", "inline", "mooncake"] = "shm"
 
 
 class Fatal(_Msg, frozen=True):
@@ -259,6 +265,19 @@ class BatchFailed(_Msg, frozen=True):
     errors: list[ItemError]
 
 
+class Probe(_Msg, frozen=True):
+    """A link measurement (``runtime.net.link``): the worker reads ``value`` through its
+    transport and answers ``ProbeReply``; the conductor releases what ``value`` held."""
+
+    seq: NonNegInt
+    value: Value
+
+
+class ProbeReply(_Msg, frozen=True):
+    seq: NonNegInt
+    rank: NonNegInt
+
+
 Message: TypeAlias = (
     Hello
     | AttachPools
@@ -275,6 +294,8 @@ Message: TypeAlias = (
     | RunBatch
     | BatchDone
     | BatchFailed
+    | Probe
+    | ProbeReply
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import logging
 import os
 import queue
+import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +42,7 @@ from typeguard import typechecked
 
 from walkserve.capture import ir
 from walkserve.capture.model import CapturedModel
-from walkserve.lowering.placement import Placement
+from walkserve.lowering.placement import LOCAL_HOST, Placement
 from walkserve.lowering.plan import ExecutablePlan, NodePlan
 from walkserve.runtime.conductor import (
     Conductor,
@@ -54,6 +57,8 @@ from walkserve.runtime.conductor import (
 from walkserve.runtime.kv.paged_lm import PagedLM
 from walkserve.runtime.messages import KVStats
 from walkserve.runtime.workers import BatchResult, PoolConfig, RankHealth, WorkerPool
+
+log = logging.getLogger("walkserve.server")
 
 _STOP = object()
 
@@ -192,6 +197,8 @@ class Server:
         self._round_robin = itertools.count()
         self._closed = False
         self.batch_sizes: dict[int, int] = {}
+        self.cross_host_edges: list[Any] = []  # runtime.net.link.CrossHostEdge
+        self.closers: list[Callable[[], None]] = []  # run after the pool closed (a launcher)
         self._thread = threading.Thread(target=self._loop, name="walkserve-conductor", daemon=True)
         self._thread.start()
 
@@ -264,6 +271,8 @@ class Server:
         self._inbox.put(_STOP)
         self._thread.join(timeout=30)
         self.pool.close()
+        for closer in self.closers:
+            closer()
         for handle in self._handles.values():
             handle._finish("the server closed")
 
@@ -364,13 +373,30 @@ def serve(
     stream_buffer_limit: int = 64,
     pool_config: PoolConfig | None = None,
     on_stage: Callable[[str], None] | None = None,
+    bind: str | None = None,
+    remote_ranks: Sequence[int] = (),
+    keys_dir: str | os.PathLike[str] | None = None,
+    remote_data: str | None = None,
+    backend: str = "processes",
+    ray_address: str | None = None,
 ) -> Server:
     """Start serving ``model``: a name ``adapters.registry`` knows (a built-in model, a local
     checkpoint directory, ``module:factory``), or a ``CapturedModel`` made by
     ``registry.capture_model`` (it remembers its name and seed). The model is lowered for
     ``placement`` (a ``Placement``, a YAML/JSON file, or None for everything on one rank) and
     one worker process per rank is started; workers load the same weights themselves.
-    ``on_stage`` is told as each step begins ("lowering", "starting N workers")."""
+    ``on_stage`` is told as each step begins ("lowering", "starting N workers").
+
+    Beyond one host (``runtime.net``): ``bind="tcp://HOST:PORT"`` puts the control sockets on
+    TCP with CURVE authentication; ``remote_ranks`` are not spawned here but awaited from
+    ``walkserve worker --conductor tcp://HOST:PORT --rank R --keys KEYS_DIR`` (their keys are
+    written to ``keys_dir``); their tensors travel inline over the encrypted control socket
+    (``remote_data="inline"``, the default) or through Mooncake (``"mooncake"``).
+    These override the same fields of ``pool_config``.
+
+    ``backend="ray"``: every rank is a Ray actor (``runtime.net.ray_backend``) on the running
+    cluster at ``ray_address`` (None: a local one, started if needed; then ``bind`` defaults
+    to ``tcp://127.0.0.1:0``; with an address, give a ``bind`` the cluster can reach)."""
     from walkserve.adapters.registry import capture_model
     from walkserve.lowering.lower import lower
 
@@ -403,14 +429,72 @@ def serve(
     for module in captured.model.modules():  # lowering ran the model: drop its KV pools here
         if isinstance(module, PagedLM):
             module.release_kv()
+    if backend not in ("processes", "ray"):
+        raise ValueError(f"backend must be 'processes' or 'ray', got {backend!r}")
+    launcher: Any = None
+    if backend == "ray":
+        from walkserve.runtime.net.ray_backend import RayLauncher
+
+        if bind is None and ray_address is not None:
+            raise ValueError(
+                "backend='ray' with a ray_address needs bind='tcp://HOST:0' with a HOST the "
+                "cluster's nodes can reach (the default binds 127.0.0.1 only)"
+            )
+        bind = bind or "tcp://127.0.0.1:0"
+        remote_ranks = list(range(placement.ranks))
+        if keys_dir is None:
+            keys_dir = tempfile.mkdtemp(prefix="walkserve-keys-")
+        launcher = RayLauncher(keys_dir, ray_address)
+    away = {r: placement.host_of(r) for r in range(placement.ranks)}
+    away = {r: h for r, h in away.items() if h != LOCAL_HOST}
+    if away and bind is None:
+        raise ValueError(
+            f"the placement puts ranks {sorted(away)} on other hosts ({sorted(set(away.values()))}); "
+            "serve with bind='tcp://HOST:PORT' and start 'walkserve worker' there, or drop 'hosts'"
+        )
+    if placement.hosts and bind is not None and not remote_ranks:
+        # ranks the placement puts on another host are awaited, not spawned
+        remote_ranks = [r for r in range(placement.ranks) if placement.host_of(r) != LOCAL_HOST]
+    if bind is not None or remote_ranks or keys_dir is not None or remote_data is not None:
+        base = pool_config or PoolConfig()
+        pool_config = dataclasses.replace(
+            base,
+            remote_data=remote_data or base.remote_data,  # type: ignore[arg-type]
+            bind=bind if bind is not None else base.bind,
+            remote_ranks=tuple(remote_ranks) or base.remote_ranks,
+            keys_dir=os.fspath(keys_dir) if keys_dir is not None else base.keys_dir,
+        )
     stage(f"starting {placement.ranks} worker{'s' if placement.ranks != 1 else ''}")
-    pool = WorkerPool(
-        name, seed, captured, plan, placement.ranks, threads=threads, config=pool_config
-    )
     try:
-        return Server(
-            captured, plan, pool, speculate=speculate, stream_buffer_limit=stream_buffer_limit
+        pool = WorkerPool(
+            name,
+            seed,
+            captured,
+            plan,
+            placement.ranks,
+            threads=threads,
+            config=pool_config,
+            on_listening=None if launcher is None else launcher.launch,
         )
     except BaseException:
+        if launcher is not None:
+            launcher.close()
+        raise
+    try:
+        server = Server(
+            captured, plan, pool, speculate=speculate, stream_buffer_limit=stream_buffer_limit
+        )
+        if launcher is not None:
+            server.closers.append(launcher.close)
+        if placement.hosts:
+            from walkserve.runtime.net.link import cross_host_edges, format_edges
+
+            server.cross_host_edges = cross_host_edges(captured, plan, placement, pool.links)
+            if server.cross_host_edges:
+                log.warning("edges that cross hosts:\n%s", format_edges(server.cross_host_edges))
+        return server
+    except BaseException:
         pool.close()
+        if launcher is not None:
+            launcher.close()
         raise

@@ -23,7 +23,7 @@ Payloads are pulled: ``send`` needs no destination, because whoever receives the
 reads the bytes (one host: copies them out of the producer's segment). The control plane
 decides where a payload goes; ``WorkerPool.submit_batch(rank, ...)`` sends to a rank.
 
-A network transport (Mooncake, a later issue) plugs in as a third ``Transport``: ``send``
+A network transport plugs in as a third ``Transport`` (``runtime.net.mooncake``): ``send``
 registers the tensor with the transfer engine and returns a new tagged handle struct added to
 ``messages.Value`` (segment, offset, ``TensorHeader``); ``receive`` reads it from the remote
 host into a local tensor (an RDMA read) and returns the handle as its token; ``release`` frees
@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from walkserve.runtime.messages import Inline, ObjectRef, Seq, Value
+from walkserve.runtime.net.handles import MooncakeHandle
 from walkserve.runtime.shm import KiB, ShmHandle, ShmPool, ShmReader
 from walkserve.runtime.tensorcodec import DTYPES, TensorHeader, to_bytes
 
@@ -280,9 +281,13 @@ def from_inline(ref: Inline) -> torch.Tensor:
     return out
 
 
-def shm_handles(payload: Any) -> list[ShmHandle]:
-    """Every ``ShmHandle`` in a payload (the slots a consumer will ack)."""
-    if isinstance(payload, ShmHandle):
+Token = ShmHandle | MooncakeHandle  # what a consumer acks to a producer
+
+
+def shm_handles(payload: Any) -> list[Token]:
+    """Every ``ShmHandle`` (or ``MooncakeHandle``: the tokens a payload holds) in a payload
+    (the slots a consumer will ack)."""
+    if isinstance(payload, (ShmHandle, MooncakeHandle)):
         return [payload]
     if isinstance(payload, Seq):
         return [h for v in payload.items for h in shm_handles(v)]

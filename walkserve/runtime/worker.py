@@ -125,6 +125,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     forbid_pickle: bool = False
     kv_pool_tokens: int | None = None  # PagedLM pools: capacity in tokens (None: the model's)
     kv_page_size: int | None = None
+    # CURVE (Z85 keys; empty: none): set by ``net`` when the conductor listens on TCP
+    curve_server_key: str = ""
+    curve_public_key: str = ""
+    curve_secret_key: str = ""
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -455,11 +459,13 @@ class Worker:
         rx = ctx.socket(zmq.DEALER)  # commands; the io thread's alone once it runs
         rx.setsockopt(zmq.LINGER, 0)
         rx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
+        self._secure(rx)
         rx.connect(self.config.commands_addr)
         self._tx = ctx.socket(zmq.DEALER)  # reports; any thread, under _tx_lock
         self._tx.setsockopt(zmq.LINGER, 1000)  # let the last replies out
         self._tx.setsockopt(zmq.SNDTIMEO, 10_000)  # never block forever on a gone conductor
         self._tx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
+        self._secure(self._tx)
         self._tx.connect(self.address)
         built = False
         try:
@@ -491,6 +497,13 @@ class Worker:
             rx.close()
             self._tx.close()
             ctx.term()
+
+    def _secure(self, sock: zmq.Socket[bytes]) -> None:
+        """A CURVE client of the conductor when the config names keys (``runtime.net``)."""
+        if self.config.curve_server_key:
+            sock.curve_serverkey = self.config.curve_server_key.encode("ascii")
+            sock.curve_publickey = self.config.curve_public_key.encode("ascii")
+            sock.curve_secretkey = self.config.curve_secret_key.encode("ascii")
 
     def _send(self, msg: Message) -> None:
         """Send on the report socket; a message that cannot leave within its send timeout
@@ -559,6 +572,12 @@ class Worker:
             inline_max_bytes=self.config.inline_max_bytes,
             objects=self.objects,
         )
+        if setup.data != "shm":  # a worker on another host (runtime.net)
+            from walkserve.runtime.net.remote import remote_transport
+
+            self.transport = remote_transport(
+                setup.data, self.address, self.objects, self.config.inline_max_bytes
+            )
 
     # ------------------------------------------------------------------ main thread
 
@@ -641,6 +660,7 @@ class Worker:
             Cancel,
             Heartbeat,
             MessageError,
+            Probe,
             RunBatch,
             Shutdown,
             decode,
@@ -651,6 +671,7 @@ class Worker:
             Ack: self._on_ack,
             Cancel: lambda m: self.objects.drop(m.request_id),
             Shutdown: lambda m: self._stop(),
+            Probe: self._on_probe,
         }
         beat = self.config.heartbeat_s
         next_beat = time.monotonic()
@@ -746,6 +767,16 @@ class Worker:
     def _finished(self) -> None:
         with self._backlog_lock:
             self._backlog -= 1
+
+    def _on_probe(self, msg: Any) -> None:
+        """A link measurement (``runtime.net.link``): read the value, then say so."""
+        from walkserve.runtime.messages import ProbeReply
+
+        try:
+            self.transport.receive(msg.value, "probe")
+        except Exception as e:  # the conductor's timing is off, nothing else
+            log.warning("rank %d: unreadable probe: %s", self.rank, e)
+        self._send(ProbeReply(msg.seq, self.rank))
 
     def _on_ack(self, msg: Any) -> None:
         from walkserve.runtime.shm import ShmError

@@ -31,6 +31,12 @@ it held are released, its pool's segments are unlinked (a killed process cannot)
 ``health()`` reports it ``dead``; the other ranks keep serving. There is no restart yet.
 ``close()`` sends ``Shutdown``, waits ``stop_timeout_s``, kills what is left, reaps every
 process (no zombies) and removes its sockets' directory.
+
+Beyond one host (``runtime.net``): with ``PoolConfig.bind`` both ROUTERs listen on TCP as
+CURVE servers admitting only known keys; ``remote_ranks`` are not spawned but awaited (a
+``RemoteProcess`` stands in for their process: given up when silent too long), their tensors
+travel inline, through Mooncake or (same host, ``set_remote_data``) shared memory, and the
+link to each is measured at start-up (``links``, ``measure_link``).
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ from walkserve.runtime.messages import (
     KVStats,
     Message,
     MessageError,
+    Probe,
+    ProbeReply,
     RunBatch,
     Shutdown,
     Value,
@@ -77,21 +85,31 @@ from walkserve.runtime.messages import (
     decode,
     encode,
 )
+from walkserve.runtime.net.handles import MooncakeHandle
+from walkserve.runtime.net.link import PROBE_SIZES, LinkModel, fit_link
+from walkserve.runtime.net.remote import INLINE_ALL, RemoteProcess
 from walkserve.runtime.shm import (
     PoolStats,
     ShmError,
-    ShmHandle,
     ShmPool,
     ShmPoolConfig,
     ShmPoolSpec,
     ShmReader,
 )
-from walkserve.runtime.transport import INLINE_MAX_BYTES, ShmTransport, shm_handles
+from walkserve.runtime.transport import (
+    INLINE_MAX_BYTES,
+    ShmTransport,
+    Token,
+    Transport,
+    TransportError,
+    shm_handles,
+)
 from walkserve.runtime.worker import WorkerConfig, default_threads, routing_id, worker_main
 
 log = logging.getLogger("walkserve.workers")
 
 Item = tuple[int, str, Mapping[str, Any]]  # (item id, request id, {input name: value})
+DataPath = Literal["shm", "inline", "mooncake"]  # how tensors reach a worker
 Status = Literal["starting", "ready", "unresponsive", "dead", "closed"]
 
 
@@ -150,6 +168,16 @@ class PoolConfig:
     kv_pool_tokens: int | None = None  # paged KV pools (PagedLM): tokens each (None: default)
     kv_page_size: int | None = None
     worker_shm_slots_per_class: int = 8  # each worker's output pool: slots per size class
+    # Beyond one host (``runtime.net``): ``bind`` ``tcp://HOST:PORT`` puts both ROUTERs on TCP
+    # (reports at PORT, commands at PORT+1; PORT 0: free ports) as CURVE servers that admit
+    # only known keys; ``remote_ranks`` are not spawned but awaited (``walkserve worker``),
+    # their tensors travel inline (no shared memory between hosts); ``keys_dir`` holds the
+    # server's and the remote ranks' key files (made where missing). ``remote_data``: how
+    # tensors travel to and from remote ranks: inline in the messages, or Mooncake transfers.
+    bind: str | None = None
+    remote_ranks: tuple[int, ...] = ()
+    keys_dir: str | None = None
+    remote_data: Literal["inline", "mooncake"] = "inline"
 
     def __post_init__(self) -> None:
         if self.kv_page_size is not None and self.kv_page_size < 1:
@@ -168,6 +196,19 @@ class PoolConfig:
         if self.worker_shm_slots_per_class < 1:
             raise ValueError(
                 f"worker_shm_slots_per_class must be >= 1, got {self.worker_shm_slots_per_class}"
+            )
+        if self.bind is not None:
+            from walkserve.runtime.net.remote import parse_tcp
+
+            parse_tcp(self.bind)
+        if self.remote_data not in ("inline", "mooncake"):
+            raise ValueError(
+                f"remote_data must be 'inline' or 'mooncake', got {self.remote_data!r}"
+            )
+        if self.remote_ranks and (self.bind is None or self.keys_dir is None):
+            raise ValueError(
+                "remote_ranks need bind='tcp://HOST:PORT' (where remote workers connect) and "
+                "keys_dir (where their CURVE keys are written)"
             )
 
 
@@ -204,7 +245,7 @@ class _Pending:
     node: str
     items: list[int]
     future: Future[BatchResult]
-    handles: set[ShmHandle]  # input slots the worker has not acked yet
+    handles: set[Token]  # input slots the worker has not acked yet
 
 
 @dataclass(eq=False)
@@ -238,7 +279,10 @@ class WorkerPool:
         ranks: int,
         threads: int | None = None,
         config: PoolConfig | None = None,
+        on_listening: Callable[[WorkerPool], None] | None = None,
     ) -> None:
+        """``on_listening(pool)``: called once the control sockets are bound (``pool.address``)
+        and before waiting for the workers; a launcher of remote ranks starts them there."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         for walk in plan.walks:
@@ -256,13 +300,15 @@ class WorkerPool:
         self._model = (model_name, seed, ir_to_json(captured.graph), plan.to_json())
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
-        self._handle_batch: dict[ShmHandle, int] = {}
+        self._handle_batch: dict[Token, int] = {}
         self._batch_ids = itertools.count()
         self._closed = False
         self._tmpdir: str | None = None
         self._io: threading.Thread | None = None
         self._ranks: dict[int, _Rank] = {}
         self._ctx = zmq.Context()
+        self._on_listening = on_listening
+        self._remote_data: dict[int, DataPath] = {}  # remote rank -> data path, when not config's
         try:
             self._start(ranks)
         except BaseException:
@@ -281,7 +327,10 @@ class WorkerPool:
         self._commands.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable: an error, not a drop
         self._commands.setsockopt(zmq.LINGER, 0)
         self._send_lock = threading.Lock()
-        if self.config.address == "ipc" and zmq.has("ipc"):
+        curve = ("", "", "")  # server public, worker public, worker secret (Z85)
+        if self.config.bind is not None:
+            commands, curve = self._secure_tcp(ranks)
+        elif self.config.address == "ipc" and zmq.has("ipc"):
             self._tmpdir = tempfile.mkdtemp(prefix="walkserve-")  # mode 0700: ours alone
             weakref.finalize(self, shutil.rmtree, self._tmpdir, True)  # if never closed
             self.address = f"ipc://{self._tmpdir}/reports"
@@ -303,6 +352,9 @@ class WorkerPool:
             forbid_pickle=self.config.forbid_pickle,
             kv_pool_tokens=self.config.kv_pool_tokens,
             kv_page_size=self.config.kv_page_size,
+            curve_server_key=curve[0],
+            curve_public_key=curve[1],
+            curve_secret_key=curve[2],
         )
         self._wake_rx = self._ctx.socket(zmq.PULL)  # close() stops the io thread through it
         self._wake_rx.bind("inproc://wake")
@@ -315,9 +367,28 @@ class WorkerPool:
         self._transport = ShmTransport(
             self._shm, self._reader, inline_max_bytes=self.config.inline_max_bytes
         )
+        self._remote_transport: Transport = ShmTransport(
+            self._shm, self._reader, inline_max_bytes=INLINE_ALL
+        )
+        if self.config.remote_ranks and self.config.remote_data == "mooncake":
+            from walkserve.runtime.net.mooncake import (
+                MooncakeConfig,
+                MooncakeEngine,
+                MooncakeTransport,
+            )
+            from walkserve.runtime.net.remote import parse_tcp
+
+            assert self.config.bind is not None
+            engine = MooncakeEngine(MooncakeConfig(host=parse_tcp(self.config.bind)[0]))
+            self._remote_transport = MooncakeTransport(
+                engine, inline_max_bytes=self.config.inline_max_bytes
+            )
         spawn = mp.get_context("spawn")
         config_json = worker_config.to_json()
         for rank in range(ranks):
+            if rank in self.config.remote_ranks:
+                self._ranks[rank] = self._remote_rank(rank)
+                continue
             process = spawn.Process(
                 target=worker_main,
                 args=(rank, self.address, config_json),
@@ -336,9 +407,15 @@ class WorkerPool:
             BatchFailed: self._on_failed,
             Ack: self._on_ack,
             Fatal: self._on_fatal,
+            ProbeReply: self._on_probe_reply,
         }
+        self._probes: dict[int, threading.Event] = {}
+        self._probe_ids = itertools.count()
+        self.links: dict[int, LinkModel] = {}  # remote rank -> measured at start-up
         self._io = threading.Thread(target=self._io_loop, name="walkserve-pool-io", daemon=True)
         self._io.start()
+        if self._on_listening is not None:
+            self._on_listening(self)
 
         deadline = time.monotonic() + self.config.start_timeout_s
         for state in self._ranks.values():
@@ -347,6 +424,104 @@ class WorkerPool:
         if failed:
             reasons = "; ".join(f"rank {s.rank}: {self._start_failure(s)}" for s in failed)
             raise WorkerStartError(f"workers did not start: {reasons}", failed[0].rank)
+        for rank in self.config.remote_ranks:
+            self.links[rank] = self.measure_link(rank)
+            log.info("link to remote rank %d: %s", rank, self.links[rank])
+
+    def _secure_tcp(self, ranks: int) -> tuple[str, tuple[str, str, str]]:
+        """Bind both ROUTERs at ``config.bind`` as CURVE servers (``net.auth``); returns the
+        command socket's address and the keys of the spawned (local) workers."""
+        from walkserve.runtime.net.auth import ControlGuard, KeyPair, ensure_keys
+        from walkserve.runtime.net.remote import bind_pair
+
+        assert self.config.bind is not None
+        bad = [r for r in self.config.remote_ranks if not 0 <= r < ranks]
+        if bad:
+            raise ValueError(f"remote_ranks {bad} are not ranks of this pool (0..{ranks - 1})")
+        if self.config.keys_dir is not None:
+            keys = ensure_keys(self.config.keys_dir, self.config.remote_ranks)
+            server, clients = keys.server, list(keys.clients.values())
+        else:
+            server, clients = KeyPair.generate(), []
+        local = KeyPair.generate()
+        self._guard = ControlGuard(self._ctx, server, [*clients, local.public])
+        self._guard.secure(self._reports, "reports")
+        self._guard.secure(self._commands, "commands")
+        self.address, commands = bind_pair(self._reports, self._commands, self.config.bind)
+        self._guard.start()
+        return commands, (server.public, local.public, local.secret)
+
+    def _remote_rank(self, rank: int) -> _Rank:
+        holder: list[_Rank] = []
+        process = RemoteProcess(
+            rank,
+            closing=lambda: self._closed,
+            last_seen=lambda: holder[0].last_seen if holder else None,
+            dead_after_s=max(self.config.unresponsive_after_s, 3 * self.config.heartbeat_s),
+        )
+        state = _Rank(rank, process, routing_id(rank), pid=None)  # type: ignore[arg-type]
+        holder.append(state)
+        return state
+
+    def measure_link(
+        self, rank: int, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 3
+    ) -> LinkModel:
+        """Time ``repeats`` round trips per size in ``sizes`` (a tensor to ``rank`` through its
+        transport, a short reply back) and fit ``alpha + bytes / beta`` (review eq. 8)."""
+        import torch
+
+        transport = self._transport_for(rank)
+        state = self._rank(rank)
+        samples: list[tuple[int, float]] = []
+        for nbytes in sizes:
+            tensor = torch.ones(nbytes, dtype=torch.uint8)
+            for _ in range(repeats):
+                seq = next(self._probe_ids)
+                done = self._probes[seq] = threading.Event()
+                start = time.perf_counter()
+                payload = transport.send(tensor, "probe")
+                try:
+                    self._send(state, encode(Probe(seq, payload)))
+                    if not done.wait(self.config.unresponsive_after_s):
+                        raise WorkerError(f"rank {rank} did not answer a link probe", rank)
+                    samples.append((nbytes, time.perf_counter() - start))
+                finally:
+                    self._probes.pop(seq, None)
+                    transport.release(shm_handles(payload))
+        return fit_link(samples)
+
+    def _on_probe_reply(self, state: _Rank, msg: ProbeReply) -> None:
+        done = self._probes.get(msg.seq)
+        if done is not None:
+            done.set()
+
+    @property
+    def remote_transport(self) -> Transport:
+        """The transport of the remote ranks (``config.remote_data``)."""
+        return self._remote_transport
+
+    def _transport_for(self, rank: int) -> Transport:
+        """Shared memory within the host; to a remote rank, inline over the control socket
+        or Mooncake (``config.remote_data``)."""
+        if rank in self.config.remote_ranks and self.remote_data(rank) != "shm":
+            return self._remote_transport
+        return self._transport
+
+    def remote_data(self, rank: int) -> DataPath:
+        """How tensors travel to and from remote rank ``rank``."""
+        return self._remote_data.get(rank, self.config.remote_data)
+
+    def set_remote_data(self, rank: int, data: DataPath) -> None:
+        """Before remote rank ``rank`` joins: ``shm`` when it turned out to run on this host
+        (a launcher knows), else inline or Mooncake (only ``config.remote_data``'s)."""
+        if rank not in self.config.remote_ranks:
+            raise ValueError(f"rank {rank} is not a remote rank")
+        if data not in ("shm", self.config.remote_data):
+            raise ValueError(
+                f"remote rank {rank} can use 'shm' (same host) or the pool's remote_data "
+                f"{self.config.remote_data!r}, not {data!r}"
+            )
+        self._remote_data[rank] = data
 
     def _start_failure(self, state: _Rank) -> str:
         if state.error is not None:
@@ -390,7 +565,7 @@ class WorkerPool:
         state = self._rank(rank)
         future: Future[BatchResult] = Future()
         batch_items: list[BatchItem] = []
-        handles: list[ShmHandle] = []
+        handles: list[Token] = []
         seen: set[int] = set()
         try:
             for item, request_id, inputs in items:
@@ -399,7 +574,7 @@ class WorkerPool:
                 seen.add(item)
                 values: dict[str, Value] = {}
                 for name, value in inputs.items():
-                    values[name] = payload = self._transport.send(value, request_id)
+                    values[name] = payload = self._transport_for(rank).send(value, request_id)
                     handles += shm_handles(payload)
                 batch_items.append(BatchItem(item, request_id, values))
             batch = next(self._batch_ids)
@@ -426,11 +601,11 @@ class WorkerPool:
                 for h in handles:
                     self._handle_batch[h] = batch
         except WorkerDied as e:
-            self._transport.release(handles)
+            self._transport_for(rank).release(handles)
             future.set_exception(e)
             return future
         except BaseException:
-            self._transport.release(handles)
+            self._transport_for(rank).release(handles)
             raise
         try:
             self._send(state, data)
@@ -510,6 +685,9 @@ class WorkerPool:
             _fail(
                 p.future, WorkerPoolClosed(f"the pool closed with batch {batch} in flight", p.rank)
             )
+        guard = getattr(self, "_guard", None)
+        if guard is not None:
+            guard.close()
         for name in ("_wake", "_wake_rx", "_reports", "_commands"):
             sock = getattr(self, name, None)
             if sock is not None:
@@ -597,11 +775,18 @@ class WorkerPool:
         handler(state, msg)
 
     def _on_join(self, state: _Rank, msg: Join) -> None:
+        if state.rank in self.config.remote_ranks and state.pid is None:
+            state.pid = msg.pid  # a remote worker: its pid on its host
+            if isinstance(state.process, RemoteProcess):
+                state.process.pid = msg.pid
+            log.info("remote rank %d joined (pid %d)", state.rank, msg.pid)
         if msg.pid != state.process.pid:
             log.warning("rank %d: Join from pid %d, expected %s", state.rank, msg.pid, state.pid)
             return
         model, seed, ir, plan = self._model
-        setup = WorkerSetup(model, seed, ir, plan, state.rank, self._shm.spec)
+        remote = state.rank in self.config.remote_ranks
+        data = self.remote_data(state.rank) if remote else "shm"
+        setup = WorkerSetup(model, seed, ir, plan, state.rank, self._shm.spec, data)
         self._send_setup(state, encode(setup))
 
     def _on_heartbeat(self, state: _Rank, msg: Heartbeat) -> None:
@@ -651,7 +836,7 @@ class WorkerPool:
             outputs: dict[int, dict[str, Any]] = {}
             for out in msg.outputs:
                 outputs[out.item] = {
-                    name: self._transport.receive(payload, "")[0]
+                    name: self._transport_for(state.rank).receive(payload, "")[0]
                     for name, payload in out.values.items()
                 }
         except Exception as e:
@@ -711,7 +896,7 @@ class WorkerPool:
             mine = [b for b, p in self._pending.items() if p.rank == state.rank]
         if not clean:
             log.error("worker rank %d died (%s)", state.rank, _describe_exit(state.exitcode))
-            if state.spec is not None:
+            if state.spec is not None and state.rank not in self.config.remote_ranks:
                 _unlink_segments(state.spec)
         for batch in mine:
             pending = self._take(batch)
@@ -731,10 +916,13 @@ class WorkerPool:
             _fail(pending.future, error)
         state.settled.set()
 
-    def _release(self, handle: ShmHandle) -> None:
+    def _release(self, handle: Token) -> None:
         try:
-            self._transport.release([handle])
-        except ShmError as e:
+            if isinstance(handle, MooncakeHandle):
+                self._remote_transport.release([handle])
+            else:
+                self._transport.release([handle])
+        except (ShmError, TransportError) as e:
             log.warning("could not release an input slot: %s", e)
 
 

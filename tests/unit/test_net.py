@@ -1,0 +1,165 @@
+"""``runtime.net`` without worker processes: key files, control addresses, the link model fit
+(against torch's least squares), host names in placements, cross-host edges, and the Mooncake
+transport between two engines of this process (skipped when mooncake does not import)."""
+
+from __future__ import annotations
+
+import math
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from walkserve import capture
+from walkserve.adapters.examples import example_placement
+from walkserve.adapters.registry import load_model
+from walkserve.lowering.lower import lower
+from walkserve.lowering.placement import LOCAL_HOST, Placement, PlacementError
+from walkserve.runtime.messages import Ack, Probe, Seq, decode, encode
+from walkserve.runtime.net.auth import KeyPair, ensure_keys, load_worker_keys
+from walkserve.runtime.net.handles import MooncakeHandle
+from walkserve.runtime.net.link import LinkModel, cross_host_edges, fit_link
+from walkserve.runtime.net.mooncake import available as mooncake_available
+from walkserve.runtime.net.remote import commands_address, parse_tcp
+from walkserve.runtime.tensorcodec import TensorHeader
+from walkserve.runtime.workers import PoolConfig
+
+
+def test_keys_are_made_once_with_private_secrets(tmp_path: Path) -> None:
+    keys = ensure_keys(tmp_path / "k", [1, 3])
+    assert sorted(keys.clients) == [1, 3]
+    root = tmp_path / "k"
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    for name in ("server.secret", "rank-1.secret", "rank-3.secret"):
+        assert stat.S_IMODE((root / name).stat().st_mode) == 0o600
+    again = ensure_keys(root, [1, 3])
+    assert again == keys  # reused, not regenerated
+    server_public, pair = load_worker_keys(root, 3)
+    assert server_public == keys.server.public and pair.public == keys.clients[3]
+    with pytest.raises(ValueError, match=r"rank-2\.public"):
+        load_worker_keys(root, 2)
+    with pytest.raises(ValueError, match="40 Z85"):
+        KeyPair("short", "short")
+
+
+def test_control_addresses() -> None:
+    assert parse_tcp("tcp://10.0.0.7:5555") == ("10.0.0.7", 5555)
+    assert commands_address("tcp://h:5555") == "tcp://h:5556"
+    for bad in ("ipc:///tmp/x", "tcp://h", "tcp://h:65535", "h:1"):
+        with pytest.raises(ValueError, match=r"tcp://HOST:PORT|port must"):
+            parse_tcp(bad)
+    with pytest.raises(ValueError, match="keys_dir"):
+        PoolConfig(bind="tcp://127.0.0.1:0", remote_ranks=(1,))
+    with pytest.raises(ValueError, match="remote_data"):
+        PoolConfig(remote_data="pigeon")  # type: ignore[arg-type]
+
+
+def test_worker_command_refuses_a_bad_conductor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from walkserve.cli import main
+
+    assert main(["worker", "--conductor", "ipc:///x", "--rank", "1", "--keys", str(tmp_path)]) == 2
+    assert "tcp://HOST:PORT" in capsys.readouterr().err
+
+
+def test_a_placement_with_other_hosts_needs_a_bind() -> None:
+    from walkserve.runtime.server import serve
+
+    placement = Placement.from_dict({"ranks": 2, "hosts": {1: "node-b"}})
+    with pytest.raises(ValueError, match=r"ranks \[1\] on other hosts.*bind="):
+        serve("example-cfg-image", placement)
+
+
+def test_handles_and_probes_travel_as_messages() -> None:
+    h = MooncakeHandle("10.0.0.2:15000", 140000000, 3, TensorHeader("float32", (2, 3), 24))
+    assert decode(encode(Ack([h]))) == Ack([h])
+    assert decode(encode(Probe(1, Seq("tuple", [h, 2])))) == Probe(1, Seq("tuple", [h, 2]))
+
+
+def test_link_fit_matches_relative_least_squares() -> None:
+    g = torch.Generator().manual_seed(0)
+    sizes = [1 << 10, 64 << 10, 1 << 20, 8 << 20] * 3
+    secs = [50e-6 + n / 2e9 + 1e-6 * float(torch.rand((), generator=g)) for n in sizes]
+    link = fit_link(list(zip(sizes, secs)))
+    # rows scaled by 1 / t: least squares of the relative error
+    a = torch.tensor([[1.0 / t, n / t] for n, t in zip(sizes, secs)], dtype=torch.float64)
+    b = torch.ones(len(sizes), 1, dtype=torch.float64)
+    intercept, slope = torch.linalg.lstsq(a, b).solution.squeeze(1).tolist()
+    assert link.alpha_s == pytest.approx(intercept, rel=1e-6)
+    assert link.beta_bytes_per_s == pytest.approx(1 / slope, rel=1e-6)
+    assert link.seconds(1 << 20) == pytest.approx(intercept + slope * (1 << 20), rel=1e-6)
+    assert link.alpha_s == pytest.approx(50e-6, rel=0.05)  # what the samples were made from
+    assert link.beta_bytes_per_s == pytest.approx(2e9, rel=0.05)
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_link([(10, 1.0), (10, 2.0)])
+
+
+def test_placement_hosts_round_trip_and_validation() -> None:
+    p = Placement.from_dict({"ranks": 2, "hosts": {"1": "node-b"}})  # JSON keys are strings
+    assert p.host_of(0) == LOCAL_HOST and p.host_of(1) == "node-b"
+    assert Placement.from_dict(p.to_dict()) == p
+    with pytest.raises(PlacementError, match="hosts\\[2\\] names rank 2"):
+        Placement(ranks=2, hosts={2: "x"})
+    with pytest.raises(PlacementError, match="not a host name"):
+        Placement(ranks=2, hosts={1: "bad host"})
+
+
+def test_cross_host_edges_of_cfg_branches() -> None:
+    name = "example-cfg-image"
+    model, sample = load_model(name)
+    captured = capture.trace(model, sample)
+    base = Placement.from_file(example_placement(name, 2))
+    plan = lower(captured, sample, base, check_capture=False)
+    assert cross_host_edges(captured, plan, base, {}) == []  # one host: nothing crosses
+    split = Placement.from_dict({**base.to_dict(), "hosts": {1: "b"}})
+    link = LinkModel(1e-4, 1e9)
+    edges = cross_host_edges(captured, plan, split, {1: link})
+    assert edges
+    on_b = {n.name for w in plan.walks for n in plan.nodes(w) if n.ranks[0] == 1}
+    for e in edges:
+        assert e.consumer in on_b or e.producer in on_b
+        hops = (e.src_host == "b") + (e.dst_host == "b")
+        assert e.seconds == pytest.approx(hops * link.seconds(e.nbytes))
+    assert all(math.isnan(e.seconds) for e in cross_host_edges(captured, plan, split, {}))
+
+
+@pytest.fixture(scope="module")
+def engines():  # type: ignore[no-untyped-def]
+    ok, why = mooncake_available()
+    if not ok:
+        pytest.skip(f"mooncake-transfer-engine does not import here: {why}")
+    from walkserve.runtime.net.mooncake import MooncakeConfig, MooncakeEngine
+
+    small = MooncakeConfig(send_bytes=4 << 20, recv_bytes=4 << 20)
+    return MooncakeEngine(small), MooncakeEngine(small)
+
+
+def test_mooncake_transport_round_trip_reuses_registered_buffers(engines) -> None:  # type: ignore[no-untyped-def]
+    from walkserve.runtime.net.mooncake import MooncakeTransport
+
+    a, b = engines
+    producer = MooncakeTransport(a, inline_max_bytes=1024)
+    consumer = MooncakeTransport(b, inline_max_bytes=1024)
+    g = torch.Generator().manual_seed(1)
+    value = (
+        torch.randn(300, 7, generator=g),  # 8400 B: through the engine
+        torch.arange(10),  # 80 B: inline
+        [torch.randint(0, 9, (64, 64), generator=g, dtype=torch.int32).t(), 3.5, None],
+    )
+    registered = (a.send_arena.base, b.recv_arena.base)
+    for _ in range(3):  # the same blocks, again and again
+        payload = producer.send(value, "r")
+        got, tokens = consumer.receive(payload, "r")
+        assert len(tokens) == 2 and all(isinstance(t, MooncakeHandle) for t in tokens)
+        assert torch.equal(got[0], value[0]) and torch.equal(got[1], value[1])
+        assert torch.equal(got[2][0], value[2][0]) and got[2][1:] == [3.5, None]
+        assert producer.held == 2
+        producer.release(tokens)
+        assert producer.held == 0 and b.recv_arena.in_use == 0
+    assert (a.send_arena.base, b.recv_arena.base) == registered
+    huge = torch.zeros(5 << 20, dtype=torch.uint8)  # larger than the send buffer: inline
+    payload = producer.send(huge, "r")
+    assert not isinstance(payload, MooncakeHandle)
+    assert torch.equal(consumer.receive(payload, "r")[0], huge)
