@@ -115,7 +115,7 @@ class Workload:
 
     @staticmethod
     def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
-        """``"text=0.6,speech=0.2,image=0.2,walk:prefill=1"``; a bare kind weighs 1."""
+        """``"text=0.6,speech=0.2,image=0.2,walk:speak=1"``; a bare kind weighs 1."""
         out = []
         for item in text.split(","):
             if not item.strip():
@@ -718,7 +718,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--burstiness", type=float, default=1.0, help="gamma shape of gaps (1: Poisson)"
     )
     parser.add_argument(
-        "--mix", default="text=1", help="e.g. text=0.6,speech=0.2,image=0.2,walk:prefill=1"
+        "--mix", default="text=1", help="e.g. text=0.6,speech=0.2,image=0.2,walk:speak=1"
     )
     parser.add_argument("--prompt-len", default="16:64", help="text prompt tokens: N or LO:HI")
     parser.add_argument("--output-len", default="16:64", help="text max_tokens: N or LO:HI")
@@ -733,7 +733,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="WALK=JSON",
-        help="inputs of walk requests, e.g. prefill='{\"prompt_ids\": [[5, 6]]}'",
+        help='inputs of walk requests, e.g. speak=\'{"prompt_ids": [[5, 6]], "max_new_tokens": 8}\'',
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo", help="service targets, e.g. ttft=0.5,tpot=0.1,image=5")

@@ -11,7 +11,8 @@ Which rows a result gives:
     "readme_rows": [{"benchmark": ..., "machine": ..., "result": ...}, ...]
                    in the JSON itself: used as written (any bench_*.py can say its own rows)
     a known ``benchmark`` name (text, text_suite, mixed, http, shm, dispatch, loadgen,
-                   CUDA graphs): the formatter below
+                   CUDA graphs, world_vjepa2, image_janus, image_diffusers, speech_orpheus,
+                   speech_omni, net): the formatter below
     anything else: its top-level numbers, named
 
 ``--check`` exits 1 when the README's table is not what the results give (for CI).
@@ -181,6 +182,267 @@ def _cuda_graphs(data: dict[str, Any], src: str) -> list[Row]:
     ]
 
 
+def _quick(data: dict[str, Any]) -> str:
+    return " --quick" if data.get("quick") else ""
+
+
+def _script(data: dict[str, Any], src: str, script: str) -> str:
+    """'`benchmarks/<script>`, `<src>`' (and ' --quick' for a quick run): the cell's source."""
+    return f"`benchmarks/{script}`, `{src}`{_quick(data)}"
+
+
+def _model(data: dict[str, Any]) -> str:
+    """The model's config, 'walkserve.adapters.janus:small' -> 'janus:small' ('?' when unsaid)."""
+    return str(data.get("model") or "?").rsplit(".", 1)[-1]
+
+
+def _secs(seconds: Any) -> str:
+    """A duration to 3 significant digits in us, ms or s; '-' when missing."""
+    if seconds is None:
+        return "-"
+    s = float(seconds)
+    if s < 1e-3:
+        return f"{s * 1e6:.3g} us"
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s:.3g} s"
+
+
+def _x(value: Any, digits: int = 3) -> str:
+    """A ratio: '1.48x' ('-' when missing)."""
+    return "-" if value is None else f"{float(value):.{digits}g}x"
+
+
+def _ratio(stored: Any, num: Any, den: Any) -> float | None:
+    """``stored`` when the result has it, else ``num / den`` when both are there."""
+    if stored is not None:
+        return float(stored)
+    if num is None or not den:
+        return None
+    return float(num) / float(den)
+
+
+def _by_level(d: dict[str, Any]) -> list[tuple[int, Any]]:
+    return sorted((int(k), v) for k, v in d.items())
+
+
+def _world(data: dict[str, Any], src: str) -> list[Row]:
+    served = _by_level(data["served"])
+    eager = _by_level(data.get("eager") or {})
+    if not served:
+        raise ValueError("no served horizons")
+    h = [str(k) for k, _ in served]
+    parts = [
+        f"served p50 speedup {' / '.join(_x(r['speedup']) for _, r in served)}"
+        f" at horizons {' / '.join(h)}"
+    ]
+    last_h, last = served[-1]
+    parts.append(
+        f"at horizon {last_h}: cached {_secs(last['cached_ms_p50'] / 1e3)} vs native"
+        f" {_secs(last['native_ms_p50'] / 1e3)}"
+        + (f" (target {_x(data['target_h30'])})" if last_h == 30 and "target_h30" in data else "")
+    )
+    if eager:
+        parts.append(
+            f"eager speedup {' / '.join(_x(r['speedup']) for _, r in eager)}"
+            f" at horizons {' / '.join(str(k) for k, _ in eager)}"
+        )
+    errors = [
+        r["max_rel_error_cached_vs_native"]
+        for _, r in served + eager
+        if r.get("max_rel_error_cached_vs_native") is not None
+    ]
+    if errors:
+        parts.append(f"max relative error cached vs native {max(errors):.2g}")
+    what = (
+        f"V-JEPA 2-AC rollout latency, KV-cached vs native recompute, `{_model(data)}`,"
+        f" batch {data.get('batch', '?')} ({_script(data, src, 'bench_world.py')})"
+    )
+    return [(what, machine(data), "; ".join(parts))]
+
+
+def _janus(data: dict[str, Any], src: str) -> list[Row]:
+    up, sv = data["results"]["upstream"], data["results"]["served"]
+    lat = _ratio(
+        data.get("latency_p50_served_vs_upstream"), sv["latency_p50_s"], up["latency_p50_s"]
+    )
+    ips = _ratio(
+        data.get("images_per_s_served_vs_upstream"), sv["images_per_s"], up["images_per_s"]
+    )
+    conc = data.get("concurrency", "?")
+    parts = [
+        f"latency p50 / p95 at concurrency 1: served {_secs(sv['latency_p50_s'])} /"
+        f" {_secs(sv.get('latency_p95_s'))} vs upstream {_secs(up['latency_p50_s'])} /"
+        f" {_secs(up.get('latency_p95_s'))} (p50 served/upstream {_x(lat)})",
+        f"images/s at concurrency {conc}: served {_f(sv['images_per_s'])} vs upstream"
+        f" {_f(up['images_per_s'])} (served/upstream {_x(ips)})",
+    ]
+    if data.get("served_tokens_equal_upstream"):
+        parts.append(f"served image tokens = upstream {data['served_tokens_equal_upstream']}")
+    what = (
+        f"Janus image generation, served vs upstream `generate()`, `{_model(data)}`"
+        f" ({_script(data, src, 'bench_janus.py')})"
+    )
+    return [(what, machine(data), "; ".join(parts))]
+
+
+def _diffusers(data: dict[str, Any], src: str) -> list[Row]:
+    res = data["results"]
+    pipe = res["pipeline"]
+    served = [
+        (k, label, res[k])
+        for k, label in (("served1", "1 rank"), ("served2", "2 ranks"))
+        if k in res
+    ]
+    if not served:
+        raise KeyError("served1")
+    key = "images_per_s_concurrency4"
+    ips = ", ".join(
+        f"served {label} {_f(r[key])}"
+        f" ({_x(_ratio(data.get(f'{k}_vs_pipeline_images_per_s'), r[key], pipe[key]))} pipeline)"
+        for k, label, r in served
+    )
+    parts = [f"images/s at concurrency 4: pipeline {_f(pipe[key])}, {ips}"]
+    lat = ", ".join(f"served {label} {_secs(r.get('latency_p50_s'))}" for _, label, r in served)
+    parts.append(f"latency p50: pipeline {_secs(pipe.get('latency_p50_s'))}, {lat}")
+    if "served1" in res and "served2" in res:
+        per_step = _ratio(
+            data.get("two_ranks_vs_one_rank_per_step"),
+            res["served2"].get("per_step_s"),
+            res["served1"].get("per_step_s"),
+        )
+        parts.append(f"time per step, 2 ranks / 1 rank {_x(per_step)}")
+    errors = [r["max_error_vs_pipeline"] for _, _, r in served if "max_error_vs_pipeline" in r]
+    if errors:
+        parts.append(f"max error vs pipeline {max(errors):.2g}")
+    what = (
+        f"diffusers SD3 image generation, served (1 rank, 2 ranks) vs StableDiffusion3Pipeline,"
+        f" `{_model(data)}`, {data.get('steps', '?')} steps"
+        f" ({_script(data, src, 'bench_image.py')})"
+    )
+    return [(what, machine(data), "; ".join(parts))]
+
+
+def _speech_cells(levels: list[dict[str, Any]], baseline: str) -> str:
+    """One cell from per-level dicts (c, ttfa, base_ttfa, ttfa_ratio, apw, base_apw,
+    apw_ratio, viability): TTFA, audio s per wall s and viability, levels slash-separated."""
+    if not levels:
+        raise ValueError("no concurrency levels")
+
+    def row(key: str, fmt: Callable[[Any], str]) -> str:
+        return " / ".join(fmt(lv.get(key)) for lv in levels)
+
+    def pct(v: Any) -> str:
+        return "-" if v is None else f"{float(v):.0%}"
+
+    cs = " / ".join(str(lv["c"]) for lv in levels)
+    return "; ".join(
+        [
+            f"at concurrency {cs}: time to first audio {row('ttfa', _secs)} served vs"
+            f" {row('base_ttfa', _secs)} {baseline} ({baseline}/served"
+            f" {row('ttfa_ratio', _x)})",
+            f"audio s per wall s {row('apw', _f)} served vs {row('base_apw', _f)} {baseline}"
+            f" (served/{baseline} {row('apw_ratio', _x)})",
+            f"streaming viability {row('viability', pct)}",
+        ]
+    )
+
+
+def _speech_orpheus(data: dict[str, Any], src: str) -> list[Row]:
+    res, ratios = data["results"], data.get("ratios") or {}
+    cs = sorted({int(k.rsplit("_c", 1)[1]) for k in res if k.startswith(("served_c", "native_c"))})
+    levels = []
+    for c in cs:
+        s, n, r = (
+            res.get(f"served_c{c}") or {},
+            res.get(f"native_c{c}") or {},
+            ratios.get(f"c{c}") or {},
+        )
+        levels.append(
+            {
+                "c": c,
+                "ttfa": s.get("ttfa_mean_s"),
+                "base_ttfa": n.get("ttfa_mean_s"),
+                "ttfa_ratio": _ratio(
+                    r.get("ttfa_native_over_served"), n.get("ttfa_mean_s"), s.get("ttfa_mean_s")
+                ),
+                "apw": s.get("audio_s_per_wall_s"),
+                "base_apw": n.get("audio_s_per_wall_s"),
+                "apw_ratio": _ratio(
+                    r.get("audio_per_wall_served_over_native"),
+                    s.get("audio_s_per_wall_s"),
+                    n.get("audio_s_per_wall_s"),
+                ),
+                "viability": s.get("streaming_viability"),
+            }
+        )
+    result = _speech_cells(levels, "native")
+    if data.get("served_tokens_equal_generate"):
+        result += f"; served tokens = generate() {data['served_tokens_equal_generate']}"
+    what = (
+        f"Orpheus streamed speech, served ({data.get('ranks', '?')} ranks) vs native"
+        f" `generate()` + SNAC decode, `{_model(data)}`, {data.get('tokens_per_request', '?')}"
+        f" tokens per request ({_script(data, src, 'bench_speech.py')})"
+    )
+    return [(what, machine(data), result)]
+
+
+def _speech_omni(data: dict[str, Any], src: str) -> list[Row]:
+    served, base = data["walkserve"], data.get("generate_per_request") or {}
+    ttfa_r = data.get("ttfa_ratio_generate_over_walkserve") or {}
+    apw_r = data.get("throughput_ratio_walkserve_over_generate") or {}
+    levels = []
+    for c in sorted({int(k) for k in (*served, *base)}):
+        s, b = served.get(str(c)) or {}, base.get(str(c)) or {}
+        levels.append(
+            {
+                "c": c,
+                "ttfa": s.get("ttfa_s"),
+                "base_ttfa": b.get("ttfa_s"),
+                "ttfa_ratio": _ratio(ttfa_r.get(str(c)), b.get("ttfa_s"), s.get("ttfa_s")),
+                "apw": s.get("audio_s_per_wall_s"),
+                "base_apw": b.get("audio_s_per_wall_s"),
+                "apw_ratio": _ratio(
+                    apw_r.get(str(c)), s.get("audio_s_per_wall_s"), b.get("audio_s_per_wall_s")
+                ),
+                "viability": s.get("viability"),
+            }
+        )
+    what = (
+        f"Qwen3-Omni speech, served vs per-request `generate()`, `{_model(data)}`"
+        f" ({_script(data, src, 'bench_speech_omni.py')})"
+    )
+    return [(what, machine(data), _speech_cells(levels, "generate"))]
+
+
+def _size(nbytes: int) -> str:
+    for unit, n in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= n and nbytes % n == 0:
+            return f"{nbytes // n} {unit}"
+    return f"{nbytes} B"
+
+
+def _net(data: dict[str, Any], src: str) -> list[Row]:
+    sizes = [int(n) for n in data["sizes_bytes"]]
+    parts = []
+    for name, p in data["paths"].items():
+        if "seconds" not in p:
+            parts.append(f"{name} skipped" + (f" ({p['skipped']})" if p.get("skipped") else ""))
+            continue
+        times = " / ".join(_secs(p["seconds"].get(str(n))) for n in sizes)
+        parts.append(
+            f"{name} {times}, alpha {_f(p.get('alpha_us'))} us, beta"
+            f" {_f(p.get('beta_gb_per_s'))} GB/s"
+        )
+    if not parts:
+        raise ValueError("no paths")
+    what = (
+        f"tensor transfer time by path at {' / '.join(_size(n) for n in sizes)}, fitted"
+        f" t = alpha + bytes/beta ({_script(data, src, 'bench_net.py')})"
+    )
+    return [(what, machine(data), "; ".join(parts))]
+
+
 def _generic(data: dict[str, Any], src: str) -> list[Row]:
     numbers = [
         f"{k} {_f(v)}"
@@ -197,6 +459,12 @@ FORMATTERS: dict[str, Callable[[dict[str, Any], str], list[Row]]] = {
     "mixed": _mixed,
     "http": _http,
     "loadgen": _loadgen,
+    "world_vjepa2": _world,
+    "image_janus": _janus,
+    "image_diffusers": _diffusers,
+    "speech_orpheus": _speech_orpheus,
+    "speech_omni": _speech_omni,
+    "net": _net,
 }
 
 
@@ -214,7 +482,7 @@ def rows_for(data: dict[str, Any], src: str) -> list[Row]:
             return _dispatch(data, src)
         if "us_per_call_batch8" in data:
             return _cuda_graphs(data, src)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+    except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError):
         pass  # an older or partial result: fall back to its top-level numbers
     return _generic(data, src)
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ is n
 
 from benchmarks import loadgen
 from walkserve.adapters import default
+from walkserve.adapters.hf_causal_lm import sample_request
 from walkserve.adapters.registry import capture_model
 from walkserve.adapters.tokenizer import ByteTokenizer
 
@@ -63,13 +64,13 @@ def base_url() -> Iterator[str]:
 
 def test_closed_and_open_loop_records_match_the_reference(base_url: str) -> None:
     assert loadgen.served_model(base_url) == MODEL
-    walk = json.dumps({"prompt_ids": [[5, 6, 7]], "max_new_tokens": 3})
+    walk = json.dumps({"prompt_ids": [[5, 6, 7]], "max_new_tokens": 3})  # the speech walk
     workload = loadgen.Workload(
-        mix=loadgen.Workload.parse_mix("text=2,speech=1,image=1,walk:prefill=1"),
+        mix=loadgen.Workload.parse_mix("text=2,speech=1,image=1,walk:speak=1"),
         prompt_len=loadgen.Lengths(3, 8),
         output_len=loadgen.Lengths(4, 12),
         speech_tokens=loadgen.Lengths(8, 16),
-        walk_inputs=(("prefill", walk),),
+        walk_inputs=(("speak", walk),),
         model=MODEL,
         seed=1,
     )
@@ -88,11 +89,8 @@ def test_closed_and_open_loop_records_match_the_reference(base_url: str) -> None
         p = by_index[r.index]
         assert r.first is not None and r.end is not None and r.first <= r.end
         if r.kind == "text":
-            inputs = {
-                "prompt_ids": torch.tensor([p.body["prompt"]]),
-                "max_new_tokens": p.max_tokens,
-            }
-            want = ref.run(inputs, walk="prefill")["tokens"][0].tolist()
+            out = ref.run(sample_request(p.body["prompt"], p.max_tokens), walk="prefill")
+            want = [int(out["token"])] + (out["tokens"][0].tolist() if "tokens" in out else [])
             if default.EOS_ID in want:
                 want = want[: want.index(default.EOS_ID)]
             assert r.token_ids == want

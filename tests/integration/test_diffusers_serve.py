@@ -68,8 +68,12 @@ def one_rank(reference: Any) -> Iterator[Server]:
 
 def check_concurrent(server: Server, reference: Any) -> None:
     walks, captured, reqs, edits = reference
-    handles = [server.submit(r, "generate") for r in reqs]  # all in flight at once
-    edit_handles = [server.submit(r, "edit") for r in edits]
+    # Queued together, admitted in one round of the conductor loop: all in flight at once,
+    # in phase (one by one, each would be admitted while the previous one's first node ran).
+    futures = [server.submit_future(r, "generate") for r in reqs]
+    edit_futures = [server.submit_future(r, "edit") for r in edits]
+    handles = [f.result() for f in futures]
+    edit_handles = [f.result() for f in edit_futures]
     for handle, r, (prompt, seed, steps, g) in zip(handles, reqs, REQUESTS, strict=True):
         got = handle.result(timeout=120)
         assert_outputs_match(got, captured.run(r, walk="generate"))

@@ -128,3 +128,210 @@ def test_run_all_discovers_the_bench_scripts() -> None:
     assert [p.stem for p in run_all.discover(["bench_text"])] == ["bench_text"]
     with pytest.raises(ValueError, match="no benchmark scripts"):
         run_all.discover(["bench_nope"])
+
+
+def _row(data: dict, name: str) -> str:
+    rows = report.rows_for(data, f"benchmarks/results/{name}.json")
+    assert len(rows) == 1
+    return " | ".join(rows[0])
+
+
+def _generic_row(data: dict, name: str) -> str:
+    return " | ".join(report._generic(data, f"benchmarks/results/{name}.json")[0])
+
+
+def test_world_vjepa2_row() -> None:
+    def horizon(cached_ms: float, native_ms: float, err: float) -> dict:
+        return {
+            "cached_ms_p50": cached_ms,
+            "native_ms_p50": native_ms,
+            "speedup": native_ms / cached_ms,
+            "max_rel_error_cached_vs_native": err,
+        }
+
+    data = {
+        "benchmark": "world_vjepa2",
+        "quick": True,
+        "model": "walkserve.adapters.vjepa2_ac:medium",
+        "batch": 1,
+        "served": {
+            "4": horizon(100.0, 150.0, 1e-6),
+            "15": horizon(300.0, 1200.0, 2e-6),
+            "30": horizon(600.0, 4800.0, 3.1e-6),
+        },
+        "eager": {"4": horizon(50.0, 100.0, 1e-7), "30": horizon(500.0, 3000.0, 1e-7)},
+        "target_h30": 10.0,
+        "cpu_count": 2,
+        "torch": "2.13.0+cpu",
+    }
+    row = _row(data, "world_vjepa2")
+    assert "`benchmarks/bench_world.py`, `benchmarks/results/world_vjepa2.json` --quick" in row
+    assert "vjepa2_ac:medium" in row
+    assert "served p50 speedup 1.5x / 4x / 8x at horizons 4 / 15 / 30" in row
+    assert "cached 600 ms vs native 4.8 s" in row
+    assert "eager speedup 2x / 6x at horizons 4 / 30" in row
+    assert "max relative error cached vs native 3.1e-06" in row
+    del data["served"]
+    assert _row(data, "world_vjepa2") == _generic_row(data, "world_vjepa2")
+
+
+def test_image_janus_row() -> None:
+    data = {
+        "benchmark": "image_janus",
+        "model": "walkserve.adapters.janus:small",
+        "concurrency": 4,
+        "results": {
+            "upstream": {"latency_p50_s": 5.24, "latency_p95_s": 6.72, "images_per_s": 0.2},
+            "served": {"latency_p50_s": 2.62, "latency_p95_s": 5.45, "images_per_s": 0.5},
+        },
+        "served_tokens_equal_upstream": "12/12",
+        "cpu_count": 2,
+    }
+    row = _row(data, "image_janus")
+    assert "`benchmarks/bench_janus.py`, `benchmarks/results/image_janus.json`)" in row
+    assert "janus:small" in row and "--quick" not in row
+    assert "served 2.62 s / 5.45 s vs upstream 5.24 s / 6.72 s" in row
+    assert "(p50 served/upstream 0.5x)" in row  # computed when the result has no ratio
+    assert "images/s at concurrency 4: served 0.5 vs upstream 0.2 (served/upstream 2.5x)" in row
+    assert "upstream 12/12" in row
+    del data["results"]["served"]
+    assert _row(data, "image_janus") == _generic_row(data, "image_janus")
+
+
+def test_image_diffusers_row() -> None:
+    data = {
+        "benchmark": "image_diffusers",
+        "model": "walkserve.adapters.diffusers_dit:bench",
+        "steps": 8,
+        "results": {
+            "pipeline": {
+                "latency_p50_s": 1.84,
+                "per_step_s": 0.2,
+                "images_per_s_concurrency4": 0.4,
+            },
+            "served1": {
+                "latency_p50_s": 1.52,
+                "per_step_s": 0.18,
+                "images_per_s_concurrency4": 0.8,
+                "max_error_vs_pipeline": 8e-7,
+            },
+            "served2": {
+                "latency_p50_s": 1.82,
+                "per_step_s": 0.216,
+                "images_per_s_concurrency4": 0.6,
+                "max_error_vs_pipeline": 9e-7,
+            },
+        },
+        "served1_vs_pipeline_images_per_s": 2.0,
+        "cpu_count": 2,
+    }
+    row = _row(data, "image_diffusers")
+    assert "`benchmarks/bench_image.py`, `benchmarks/results/image_diffusers.json`" in row
+    assert "8 steps" in row
+    assert (
+        "pipeline 0.4, served 1 rank 0.8 (2x pipeline), served 2 ranks 0.6 (1.5x pipeline)" in row
+    )
+    assert "latency p50: pipeline 1.84 s, served 1 rank 1.52 s, served 2 ranks 1.82 s" in row
+    assert "2 ranks / 1 rank 1.2x" in row
+    assert "max error vs pipeline 9e-07" in row
+    del data["results"]["served2"]  # one rank only: still a row, without the 2-rank figures
+    row = _row(data, "image_diffusers")
+    assert "served 1 rank 0.8 (2x pipeline)" in row and "2 ranks" not in row.split(" | ")[2]
+    del data["results"]["pipeline"]
+    assert _row(data, "image_diffusers") == _generic_row(data, "image_diffusers")
+
+
+def test_speech_orpheus_row() -> None:
+    def level(ttfa: float, apw: float, viability: float | None = None) -> dict:
+        r = {"ttfa_mean_s": ttfa, "audio_s_per_wall_s": apw}
+        if viability is not None:
+            r["streaming_viability"] = viability
+        return r
+
+    data = {
+        "benchmark": "speech_orpheus",
+        "quick": True,
+        "model": "walkserve.adapters.orpheus:bench",
+        "tokens_per_request": 42,
+        "ranks": 2,
+        "results": {
+            "native_c1": level(1.3, 0.4),
+            "native_c4": level(1.8, 0.8),
+            "served_c1": level(0.65, 0.2, 1.0),
+            "served_c4": level(3.6, 0.16, 0.5),
+            "served_c8": level(7.8, 0.18, 0.0),  # no native run at 8: shown as '-'
+        },
+        "ratios": {"c1": {"ttfa_native_over_served": 2.0}},
+        "served_tokens_equal_generate": "13/13",
+        "cpu_count": 2,
+    }
+    row = _row(data, "speech_orpheus")
+    assert "`benchmarks/bench_speech.py`, `benchmarks/results/speech_orpheus.json` --quick" in row
+    assert "2 ranks" in row and "42 tokens per request" in row
+    assert "at concurrency 1 / 4 / 8" in row
+    assert "time to first audio 650 ms / 3.6 s / 7.8 s served vs 1.3 s / 1.8 s / - native" in row
+    assert "(native/served 2x / 0.5x / -)" in row
+    assert "audio s per wall s 0.2 / 0.16 / 0.18 served vs 0.4 / 0.8 / - native" in row
+    assert "(served/native 0.5x / 0.2x / -)" in row
+    assert "streaming viability 100% / 50% / 0%" in row and "13/13" in row
+    data["results"] = {}
+    assert _row(data, "speech_orpheus") == _generic_row(data, "speech_orpheus")
+
+
+def test_speech_omni_row() -> None:
+    data = {
+        "benchmark": "speech_omni",
+        "model": "walkserve.adapters.qwen3_omni:tiny",
+        "walkserve": {
+            "1": {"ttfa_s": 0.35, "audio_s_per_wall_s": 2.5, "viability": 1.0},
+            "4": {"ttfa_s": 2.6, "audio_s_per_wall_s": 3.3, "viability": 0.944},
+        },
+        "generate_per_request": {
+            "1": {"ttfa_s": 0.7, "audio_s_per_wall_s": 3.75},
+            "4": {"ttfa_s": 2.08, "audio_s_per_wall_s": 3.3},
+        },
+        "ttfa_ratio_generate_over_walkserve": {"1": 2.0, "4": 0.8},
+        "throughput_ratio_walkserve_over_generate": {"1": 0.667, "4": 1.0},
+        "cpu_count": 2,
+    }
+    row = _row(data, "speech_omni")
+    assert "`benchmarks/bench_speech_omni.py`, `benchmarks/results/speech_omni.json`)" in row
+    assert "qwen3_omni:tiny" in row
+    assert "at concurrency 1 / 4:" in row  # a --quick-sized run has no level 8
+    assert "time to first audio 350 ms / 2.6 s served vs 700 ms / 2.08 s generate" in row
+    assert "(generate/served 2x / 0.8x)" in row
+    assert "audio s per wall s 2.5 / 3.3 served vs 3.75 / 3.3 generate" in row
+    assert "(served/generate 0.667x / 1x)" in row
+    assert "streaming viability 100% / 94%" in row
+    del data["walkserve"]
+    assert _row(data, "speech_omni") == _generic_row(data, "speech_omni")
+
+
+def test_net_row() -> None:
+    data = {
+        "benchmark": "net",
+        "quick": True,
+        "sizes_bytes": [1024, 1048576, 67108864],
+        "paths": {
+            "shm": {
+                "seconds": {"1024": 7.04e-5, "1048576": 3.58e-4, "67108864": 0.161},
+                "alpha_us": 68.4,
+                "beta_gb_per_s": 3.14,
+            },
+            "tcp-inline": {
+                "seconds": {"1024": 1.27e-4, "1048576": 0.0115, "67108864": 1.7},
+                "alpha_us": 113.0,
+                "beta_gb_per_s": 0.0764,
+            },
+            "mooncake": {"skipped": "not installed"},
+        },
+        "cpu_count": 2,
+    }
+    row = _row(data, "net")
+    assert "`benchmarks/bench_net.py`, `benchmarks/results/net.json` --quick" in row
+    assert "1 KiB / 1 MiB / 64 MiB" in row
+    assert "shm 70.4 us / 358 us / 161 ms, alpha 68.4 us, beta 3.14 GB/s" in row
+    assert "tcp-inline 127 us / 11.5 ms / 1.7 s, alpha 113 us, beta 0.0764 GB/s" in row
+    assert "mooncake skipped (not installed)" in row
+    del data["paths"]
+    assert _row(data, "net") == _generic_row(data, "net")

@@ -181,5 +181,5 @@ def test_factory_profiles_come_from_the_module_hook() -> None:
     assert profile.image.encode("hi") == [janus.TINY_IDS.bos, 107, 108, janus.TINY_IDS.boi]
     plain = "walkserve.adapters.examples.text:build"  # no api_profile: walks only
     assert profile_for(plain) == ModelProfile(plain)
-    with pytest.raises(ValueError, match="cannot load model factory"):
-        profile_for("walkserve.adapters.no_such_module:tiny")
+    # an unknown module: no tasks here (serving it fails later, saying why)
+    assert profile_for("walkserve.adapters.no_such_module:tiny").image is None

@@ -207,5 +207,5 @@ def test_factory_profiles() -> None:
     assert profile.speech.sample_rate == 24000 and profile.speech.vocab_size == T.vocab_end
     bare = profile_for("walkserve.adapters.hf_causal_lm:load_causal_lm")
     assert (bare.text, bare.speech, bare.image) == (None, None, None)
-    with pytest.raises(ValueError, match="cannot load model factory"):
-        profile_for("walkserve.adapters.no_such_module:tiny")
+    # an unknown module: no tasks here (serving it fails later, saying why)
+    assert profile_for("walkserve.adapters.no_such_module:tiny").speech is None

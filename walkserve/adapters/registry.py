@@ -3,6 +3,8 @@
 walkserve-default                          text, speech and image walks (adapters.default)
 example-cfg-image | example-speech | example-world | example-text   built-in examples
 tiny-llama | tiny-qwen2 | tiny-qwen3      tiny random-weight Hugging Face causal LMs
+tiny-orpheus | tiny-qwen3-omni | ...      tiny random-weight instances of the upstream
+                                          architectures the adapters support (``ADAPTERS``)
 /path/to/checkpoint                       a local Hugging Face causal LM directory
 package.module:factory                    your own decorated model: factory() returns
                                           (model, sample_inputs)
@@ -20,12 +22,21 @@ from torch import nn
 
 DEFAULT_MODEL = "walkserve-default"
 TINY_HF = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+#: Built-in names of the upstream-model adapters' tiny instances -> their ``module:factory``.
+ADAPTERS = {
+    "tiny-orpheus": "walkserve.adapters.orpheus:tiny",
+    "tiny-qwen3-omni": "walkserve.adapters.qwen3_omni:tiny",
+    "tiny-qwen25-omni": "walkserve.adapters.qwen25_omni:tiny",
+    "tiny-janus": "walkserve.adapters.janus:tiny",
+    "tiny-sd3": "walkserve.adapters.diffusers_dit:tiny",
+    "tiny-vjepa2-ac": "walkserve.adapters.vjepa2_ac:tiny",
+}
 
 
 def model_names() -> list[str]:
     from walkserve.adapters.examples import EXAMPLES
 
-    return [DEFAULT_MODEL, *EXAMPLES, *TINY_HF]
+    return [DEFAULT_MODEL, *EXAMPLES, *TINY_HF, *ADAPTERS]
 
 
 def load_model(name: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
@@ -40,10 +51,9 @@ def load_model(name: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
         return build_example(name, seed)
     if name in TINY_HF:
         return tiny_hf_lm(name.removeprefix("tiny-"), seed)
+    name = ADAPTERS.get(name, name)
     if os.path.isdir(name):
-        from walkserve.adapters.hf_causal_lm import load_causal_lm
-
-        return load_causal_lm(name)
+        return load_checkpoint(name)
     if ":" in name:
         module_name, _, factory = name.partition(":")
         try:
@@ -104,3 +114,52 @@ def tiny_hf_lm(arch: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     )
     lm = model_cls(config).eval()
     return CausalLMWalks(lm, 2), sample_request([1, 17, 42, 99], 8)
+
+
+def checkpoint_kind(path: str) -> str:
+    """What a local checkpoint directory holds: ``vjepa2-ac`` (``predictor_config.json``),
+    ``diffusers`` (``model_index.json``), ``qwen3-omni``, ``qwen25-omni`` or ``janus`` (by the
+    ``model_type`` of its ``config.json``), else ``causal-lm``."""
+    import json
+
+    def has(file: str) -> bool:
+        return os.path.isfile(os.path.join(path, file))
+
+    if has("predictor_config.json"):
+        return "vjepa2-ac"
+    if has("model_index.json"):
+        return "diffusers"
+    model_type = None
+    if has("config.json"):
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    kinds = {"qwen3_omni_moe": "qwen3-omni", "qwen2_5_omni": "qwen25-omni", "janus": "janus"}
+    return kinds.get(str(model_type), "causal-lm")
+
+
+def load_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
+    """A local checkpoint directory as walks, by ``checkpoint_kind``."""
+    kind = checkpoint_kind(path)
+    if kind == "vjepa2-ac":
+        from walkserve.adapters.vjepa2_ac import from_checkpoint
+
+        return from_checkpoint(path)
+    if kind == "diffusers":
+        from walkserve.adapters.diffusers_dit import load_pipeline
+
+        return load_pipeline(path)
+    if kind == "qwen3-omni":
+        from walkserve.adapters.qwen3_omni import load_qwen3_omni
+
+        return load_qwen3_omni(path)
+    if kind == "qwen25-omni":
+        from walkserve.adapters.qwen25_omni import load_qwen25_omni
+
+        return load_qwen25_omni(path)
+    if kind == "janus":
+        from walkserve.adapters.janus import load_janus
+
+        return load_janus(path)
+    from walkserve.adapters.hf_causal_lm import load_causal_lm
+
+    return load_causal_lm(path)

@@ -12,6 +12,7 @@ offers none of these tasks is still served through ``/v1/walks/{walk}``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from collections.abc import Callable, Sequence
@@ -153,11 +154,18 @@ def profile_for(name: str) -> ModelProfile:
         tok = ByteTokenizer(256)
         return ModelProfile(name, text=_hf_text(256, 2, tok.encode, tok.decode, plain_chat))
     if os.path.isdir(name):
+        from walkserve.adapters.registry import checkpoint_kind
+
+        if checkpoint_kind(name) != "causal-lm":
+            return ModelProfile(name)  # its walks, through /v1/walks/{walk}
         return ModelProfile(name, text=_checkpoint_text(name))
-    if ":" in name:
+    from walkserve.adapters.registry import ADAPTERS
+
+    target = ADAPTERS.get(name, name)  # the module:factory behind a built-in adapter name
+    if ":" in target:
         # A module:factory model may describe its tasks: <factory>_profile(name) beside the
         # factory, or a module-level api_profile(name).
-        module_name, _, factory = name.partition(":")
+        module_name, _, factory = target.partition(":")
         try:
             module = importlib.import_module(module_name)
         except ImportError:
@@ -166,10 +174,10 @@ def profile_for(name: str) -> ModelProfile:
             module, "api_profile", None
         )
         if callable(describe):
-            profile = describe(name)
+            profile = describe(target)
             if not isinstance(profile, ModelProfile):
                 raise ValueError(f"{name}: {describe.__name__}() must return a ModelProfile")
-            return profile
+            return dataclasses.replace(profile, name=name)  # clients use the name served
     return ModelProfile(name)
 
 
