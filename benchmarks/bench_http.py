@@ -1,7 +1,7 @@
 """HTTP API overhead and admission under load: ``python benchmarks/bench_http.py [--quick]``.
 
 Part 1, overhead: ``--requests`` (200) sequential requests of the default model's ``prefill``
-walk (prompt ``[[5, 6, 7]]``, ``max_new_tokens=1``: one prefill and one decode step) three ways,
+walk (prompt ``[[5, 6, 7]]``, ``max_new_tokens=1``, greedy: one prefill) three ways,
 after ``--warmup`` (20) of each:
 
     python      ``Server.run(inputs, walk="prefill")`` in this process (workers spawned here)
@@ -52,6 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "http.json"
 MODEL = "walkserve-default"
 PROMPT = [[5, 6, 7]]
+GREEDY_INPUTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}  # the text walks'
+
 MAX_QUEUED = 32
 
 
@@ -70,7 +72,7 @@ def percentiles(samples_s: list[float]) -> dict[str, float]:
 def python_api(requests: int, warmup: int) -> list[float]:
     from walkserve.runtime.server import serve
 
-    inputs = {"prompt_ids": torch.tensor(PROMPT), "max_new_tokens": 1}
+    inputs = {"input_ids": torch.tensor(PROMPT), "max_new_tokens": 1, **GREEDY_INPUTS}
     with serve(MODEL) as server:
         times = []
         for i in range(warmup + requests):
@@ -189,7 +191,7 @@ def main() -> None:
     proc = start_server(port)
     try:
         floor = percentiles(http_route(url, "/v1/models", None, args.requests, args.warmup))
-        walk_body = {"inputs": {"prompt_ids": PROMPT, "max_new_tokens": 1}}
+        walk_body = {"inputs": {"input_ids": PROMPT, "max_new_tokens": 1, **GREEDY_INPUTS}}
         walks = percentiles(
             http_route(url, "/v1/walks/prefill", walk_body, args.requests, args.warmup)
         )

@@ -476,6 +476,16 @@ def metric(base_url: str, name: str) -> float:
     raise AssertionError(f"no metric {name}")
 
 
+def test_metrics_cover_tokens_audio_and_the_kv_pool(base_url: str, client: Any) -> None:
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=6)
+    client.audio.speech.create(model=MODEL, voice="alloy", input="metrics").read()
+    assert metric(base_url, "walkserve_inter_token_latency_seconds_count") >= 5
+    assert metric(base_url, "walkserve_time_to_first_token_seconds_count") >= 1
+    assert metric(base_url, "walkserve_time_to_first_audio_seconds_count") >= 1
+    assert metric(base_url, "walkserve_real_time_factor_count") >= 1
+    assert metric(base_url, 'walkserve_kv_pages{rank="0",component="lm"}') > 0
+
+
 def test_over_max_queued_gets_503_with_retry_after(base_url: str) -> None:
     body = {"model": MODEL, "prompt": "busy", "max_tokens": 64}
     results: list[httpx.Response] = []

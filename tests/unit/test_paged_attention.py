@@ -4,7 +4,8 @@ Every result is checked against a dense reference written plainly below: per seq
 K/V concatenated in position order, an explicit loop over queries and heads, softmax over the
 positions the query may see. Batches mix prefill (no context), chunked prefill (context and
 several queries) and decode (one query), with random page sizes and shuffled page ids; pool slots
-no sequence owns, and the unfilled tail of each last page, hold NaN, so reading one shows up.
+no sequence owns hold NaN, so reading one shows up (the unfilled tail of a sequence's last page
+is zero, as ``KVPool`` hands pages out, and masked).
 """
 
 from __future__ import annotations
@@ -91,10 +92,16 @@ def make_batch(
 
 
 def new_pool(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pool of NaN with each sequence's *context* written position by position."""
+    """A pool of NaN with each sequence's *context* written position by position; the pages a
+    sequence holds are zero where nothing was written yet (``KVPool`` zeroes every page it
+    hands out), so a read of a slot outside the sequence's pages shows up as NaN."""
     c = batch.config
     shape = (batch.num_pages, c.page_size, c.num_kv_heads, c.head_dim)
     k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    for spec in batch.specs:
+        held = list(spec.block_table)  # every page of its block table
+        k_cache[held] = 0.0
+        v_cache[held] = 0.0
     for spec, k, v in zip(batch.specs, batch.k, batch.v):
         for p in range(spec.context_len):
             page, offset = spec.block_table[p // c.page_size], p % c.page_size
@@ -292,9 +299,9 @@ def snapshot(meta: AttentionMetadata[TorchPlan]) -> list[torch.Tensor]:
     plan = meta.prepared
     tensors = [meta.query_start, meta.context_len, meta.block_tables, meta.slot_mapping]
     if plan.decode is not None:
-        tensors += [plan.decode.rows, plan.decode.kv_slots, plan.decode.mask]
+        tensors += [plan.decode.rows, plan.decode.pages, plan.decode.mask]
     for piece in plan.prefills:
-        tensors += [piece.kv_slots, piece.mask]
+        tensors += [piece.pages, piece.mask]
     return [t.clone() for t in tensors]
 
 

@@ -382,13 +382,20 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             handle.cancel()
 
     def first_observer(kind: str, channel: str, t0: float) -> Callable[[StreamItem], None]:
-        seen = False
+        """Observes the time to the first item of ``channel`` (first token or audio); for
+        tokens, also the gaps between items (one decode step each): inter-token latency."""
+        last: float | None = None
 
         def on_item(item: StreamItem) -> None:
-            nonlocal seen
-            if not seen and item.channel == channel:
-                seen = True
-                metrics.observe_first(kind, time.perf_counter() - t0)
+            nonlocal last
+            if item.channel != channel:
+                return
+            now = time.perf_counter()
+            if last is None:
+                metrics.observe_first(kind, now - t0)
+            elif kind == "token":
+                metrics.observe_inter_token(now - last)
+            last = now
 
         return on_item
 
@@ -520,9 +527,13 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         texts = [TextAssembler(task, stops, max_tokens) for _ in handles]
         if not body.stream:
             try:
-                on_item = first_observer("token", task.tokens_channel, t0)
                 try:
-                    drains = asyncio.gather(*(drain(handle, on_item) for handle in handles))
+                    drains = asyncio.gather(
+                        *(
+                            drain(handle, first_observer("token", task.tokens_channel, t0))
+                            for handle in handles
+                        )
+                    )
                     results = await unless_gone(request, drains)
                 except RequestFailed as e:
                     raise ApiError(500, f"the request failed: {e}", "server_error") from None
@@ -543,11 +554,11 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
                 ticket.release()
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        first_token = first_observer("token", task.tokens_channel, t0)
 
         async def choice_events(index: int) -> AsyncIterator[bytes]:
             """One choice's SSE chunks, its finish chunk last; an error chunk if it failed."""
             handle, text = handles[index], texts[index]
+            observe = first_observer("token", task.tokens_channel, t0)
             if chat:
                 yield sse(
                     chunk(rid, profile.name, True, {"role": "assistant", "content": ""}, index)
@@ -557,7 +568,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             async for item in stream_items(handle):
                 if item.channel != task.tokens_channel:
                     continue
-                first_token(item)
+                observe(item)
                 tokens = [int(t) for t in item.value.reshape(-1).tolist()]
                 if first_name is not None and pending_first:
                     # HF: prefill's token is an output routed before decode's first item.
@@ -646,7 +657,9 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
                     raise ApiError(500, f"the request failed: {e}", "server_error") from None
                 waveform = outputs[task.waveform_channel]
                 data = media.wav(waveform, task.sample_rate) if as_wav else media.pcm16(waveform)
-                metrics.observe_latency(task.walk, time.perf_counter() - t0)
+                elapsed = time.perf_counter() - t0
+                metrics.observe_latency(task.walk, elapsed)
+                metrics.observe_real_time_factor(elapsed, waveform.shape[-1] / task.sample_rate)
                 return Response(data, media_type=media_type)
             finally:
                 handle.cancel()
@@ -655,16 +668,19 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         async def chunks() -> AsyncIterator[bytes]:
             if as_wav:
                 yield media.wav_header(task.sample_rate, None)
-            first = True
+            first, samples = True, 0
             async for item in stream_items(handle):
                 if item.channel != task.waveform_channel:
                     continue
                 if first:
                     metrics.observe_first("audio", time.perf_counter() - t0)
                     first = False
+                samples += item.value.shape[-1]
                 yield media.pcm16(item.value)
             await finish(handle)
-            metrics.observe_latency(task.walk, time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            metrics.observe_latency(task.walk, elapsed)
+            metrics.observe_real_time_factor(elapsed, samples / task.sample_rate)
 
         def close() -> None:
             cancel(handle)

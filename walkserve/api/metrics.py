@@ -52,6 +52,8 @@ class Metrics:
         self.latency: dict[str, Histogram] = {}
         self.first_token = Histogram()
         self.first_audio = Histogram()
+        self.inter_token = Histogram()
+        self.real_time_factor = Histogram()
         self.requests: dict[tuple[str, int], int] = {}
         self.rejected_full = 0
         self.cancelled = 0
@@ -63,6 +65,16 @@ class Metrics:
     def observe_first(self, kind: str, seconds: float) -> None:
         with self._lock:
             (self.first_audio if kind == "audio" else self.first_token).observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        with self._lock:
+            self.inter_token.observe(seconds)
+
+    def observe_real_time_factor(self, wall_s: float, audio_s: float) -> None:
+        """Seconds of computing per second of audio (< 1: faster than real time)."""
+        if audio_s > 0:
+            with self._lock:
+                self.real_time_factor.observe(wall_s / audio_s)
 
     def count(self, route: str, status: int) -> None:
         with self._lock:
@@ -119,6 +131,14 @@ class Metrics:
             lines += self.first_token.lines("walkserve_time_to_first_token_seconds")
             lines.append("# TYPE walkserve_time_to_first_audio_seconds histogram")
             lines += self.first_audio.lines("walkserve_time_to_first_audio_seconds")
+            lines.append("# HELP walkserve_inter_token_latency_seconds Between a request's tokens.")
+            lines.append("# TYPE walkserve_inter_token_latency_seconds histogram")
+            lines += self.inter_token.lines("walkserve_inter_token_latency_seconds")
+            lines.append(
+                "# HELP walkserve_real_time_factor Speech: request seconds per second of audio."
+            )
+            lines.append("# TYPE walkserve_real_time_factor histogram")
+            lines += self.real_time_factor.lines("walkserve_real_time_factor")
         return "\n".join(lines) + "\n"
 
 

@@ -505,12 +505,19 @@ class KVPool:
             raise PoolExhausted(needed=n_pages, free=obtainable)
 
     def _take(self, n_pages: int) -> list[int]:
-        """``n_pages`` pages with ref 1: free ones first, then evicted cached ones (LRU)."""
+        """``n_pages`` pages with ref 1: free ones first, then evicted cached ones (LRU).
+        Their K/V are zeroed (all layers): attention kernels may read a page's slots past the
+        sequence's end (masked), and those must never hold what an earlier owner left there
+        (a NaN of a broken request would poison masked sums)."""
         self._require(n_pages)
         pages = [self._free.pop() if self._free else self._prefix.evict() for _ in range(n_pages)]
         for page in pages:
             self._ref[page] = 1
         self._in_use += n_pages
+        if pages:
+            index = torch.tensor(pages, dtype=torch.int64, device=self.k.device)
+            self.k.index_fill_(1, index, 0)
+            self.v.index_fill_(1, index, 0)
         return pages
 
     def _retain(self, page: int) -> None:
