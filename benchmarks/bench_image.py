@@ -30,7 +30,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from walkserve.benchmarking import git_commit
+from walkserve.benchmarking import write_result
 
 # Idle OpenMP threads sleep instead of spinning (set before torch loads; inherited by the
 # per-method processes and their workers).
@@ -188,15 +187,8 @@ def main() -> None:
         / pipe["images_per_s_concurrency4"],
         "served1_vs_pipeline_latency_p50": one["latency_p50_s"] / pipe["latency_p50_s"],
         "two_ranks_vs_one_rank_per_step": two["per_step_s"] / one["per_step_s"],
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "git_commit": git_commit(),
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(args.out, summary, load_before)
     print(
         f"images/s at 4: served1 / pipeline = {summary['served1_vs_pipeline_images_per_s']:.2f}x, "
         f"served2 / pipeline = {summary['served2_vs_pipeline_images_per_s']:.2f}x; "

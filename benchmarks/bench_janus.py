@@ -25,7 +25,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import torch
 if importlib.util.find_spec("walkserve") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from walkserve.benchmarking import git_commit
+from walkserve.benchmarking import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 CONCURRENCY = 4
@@ -190,15 +189,8 @@ def main() -> None:
         "images_per_s_served_vs_upstream": served["images_per_s"] / upstream["images_per_s"],
         "latency_p50_served_vs_upstream": served["latency_p50_s"] / upstream["latency_p50_s"],
         "served_tokens_equal_upstream": f"{matches}/{args.requests}",
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "git_commit": git_commit(),
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(args.out, summary, load_before)
     print(
         f"served / upstream: {summary['images_per_s_served_vs_upstream']:.2f}x images/s at "
         f"concurrency {CONCURRENCY}, p50 latency ratio {summary['latency_p50_served_vs_upstream']:.2f};"

@@ -27,7 +27,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 import threading
@@ -159,7 +158,7 @@ def main() -> None:
         print(json.dumps(run_native(args.native_level, args.tokens, args.seed)))
         return
 
-    from walkserve.benchmarking import git_commit
+    from walkserve.benchmarking import write_result
     from walkserve.lowering.placement import Placement
     from walkserve.runtime.server import serve
     from walkserve.runtime.workers import PoolConfig
@@ -209,15 +208,8 @@ def main() -> None:
         "results": results,
         "ratios": ratios,
         "served_tokens_equal_generate": f"{matches}/{total}",
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "git_commit": git_commit(),
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(args.out, summary, load_before)
     for c, r in ratios.items():
         print(
             f"{c}: TTFA native/served = {r['ttfa_native_over_served']:.2f}x, audio per wall "

@@ -25,7 +25,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -40,7 +39,7 @@ import torch
 if importlib.util.find_spec("walkserve") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from walkserve.benchmarking import git_commit
+from walkserve.benchmarking import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = "walkserve.adapters.qwen3_omni:tiny"
@@ -206,15 +205,8 @@ def main() -> None:
         "throughput_ratio_walkserve_over_generate": {
             c: served[c]["audio_s_per_wall_s"] / native[c]["audio_s_per_wall_s"] for c in served
         },
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "git_commit": git_commit(),
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(args.out, summary, load_before)
     print(f"wrote {args.out}")
 
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,7 +41,7 @@ import torch
 if importlib.util.find_spec("walkserve") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from walkserve.benchmarking import git_commit
+from walkserve.benchmarking import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 HORIZONS = (4, 15, 30)
@@ -165,16 +163,8 @@ def main() -> None:
         "speedup_eager": {h: r["speedup"] for h, r in eager.items()} if eager else None,
         "review_gpu_speedup": {"4": 2.08, "15": 3.76, "30": 12.5},
         "target_h30": 10.0,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "git_commit": git_commit(),
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(args.out, summary, load_before)
     ratios = ", ".join(f"h={h}: {s:.2f}x" for h, s in summary["speedup_served"].items())
     print(f"served cached vs native: {ratios}; wrote {args.out}")
 

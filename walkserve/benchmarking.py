@@ -50,3 +50,25 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "git_commit": git_commit(),
     }
+
+
+def write_result(path: Path, result: dict[str, Any], loadavg_before: Any = None) -> None:
+    """Write ``result`` to ``path`` as JSON, with where it ran: CPU count, torch threads and
+    version, Python, git commit, and the load average when the measurement began
+    (``loadavg_before``: ``os.getloadavg()`` then) and now."""
+    import json
+
+    import torch
+
+    record = {
+        **result,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "loadavg_before": loadavg_before,
+        "loadavg_after": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")

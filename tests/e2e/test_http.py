@@ -11,8 +11,6 @@ import os
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 import zlib
@@ -40,42 +38,13 @@ SPEECH = ByteTokenizer(default.SPEECH_VOCAB)
 IMAGE = ByteTokenizer(default.IMAGE_VOCAB)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "walkserve.cli", "serve", "--port", str(port)]
-    cmd += ["--api-key", KEY, "--max-queued", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"walkserve serve exited: {proc.stdout.read() if proc.stdout else ''}"
-            )
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("walkserve serve did not become healthy in 300 s")
-        time.sleep(0.2)
-    pids = [r["pid"] for r in httpx.get(f"{url}/health", timeout=5).json()["ranks"].values()]
-    yield url
-    proc.send_signal(signal.SIGINT)  # Ctrl-C: every worker shuts down
-    try:
-        out, _ = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+def base_url(walkserve_serve: Any) -> Iterator[str]:
+    with walkserve_serve("--api-key", KEY, "--max-queued", "2") as server:
+        health = httpx.get(f"{server.url}/health", timeout=5).json()
+        pids = [r["pid"] for r in health["ranks"].values()]
+        yield server.url
+        out = server.stop()  # Ctrl-C: every worker shuts down
     assert "walkserve: stopped" in out, out
     deadline = time.monotonic() + 10
     while any(os.path.exists(f"/proc/{pid}") for pid in pids):  # every worker is gone

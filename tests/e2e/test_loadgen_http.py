@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
 import torch
 
@@ -31,35 +27,9 @@ MODEL = "walkserve-default"
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    cmd = [sys.executable, "-m", "walkserve.cli", "serve", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"walkserve serve exited: {proc.stdout.read() if proc.stdout else ''}"
-            )
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("walkserve serve did not become healthy in 120 s")
-        time.sleep(0.2)
-    yield url
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+def base_url(walkserve_serve: Any) -> Iterator[str]:
+    with walkserve_serve() as server:
+        yield server.url
 
 
 def test_closed_and_open_loop_records_match_the_reference(base_url: str) -> None:
