@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from walkserve.adapters.hf_causal_lm import GREEDY_INPUTS  # the text walks' sampling inputs
 from walkserve.benchmarking import git_commit
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by the server and workers
@@ -52,7 +53,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "http.json"
 MODEL = "walkserve-default"
 PROMPT = [[5, 6, 7]]
-GREEDY_INPUTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}  # the text walks'
 
 MAX_QUEUED = 32
 

@@ -14,9 +14,10 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
-class CompletionRequest(_Body):
+class _TextGeneration(_Body):
+    """What completions and chat completions share: limits, sampling, stops, choices, stream."""
+
     model: str
-    prompt: str | list[int]
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -27,6 +28,10 @@ class CompletionRequest(_Body):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False
+
+
+class CompletionRequest(_TextGeneration):
+    prompt: str | list[int]
 
 
 class ChatMessage(_Body):
@@ -34,20 +39,9 @@ class ChatMessage(_Body):
     content: str
 
 
-class ChatCompletionRequest(_Body):
-    model: str
+class ChatCompletionRequest(_TextGeneration):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)  # not OpenAI's; vLLM's extension
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    return_token_ids: bool = False
 
 
 class SpeechRequest(_Body):

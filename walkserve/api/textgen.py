@@ -61,13 +61,6 @@ class TextAssembler:
         out, self.sent = self.text[self.sent : end], end
         return out
 
-    def usage(self, prompt: list[int]) -> dict[str, int]:
-        return {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": self.generated,
-            "total_tokens": len(prompt) + self.generated,
-        }
-
 
 def all_tokens(task: TextTask, outputs: dict[str, Any]) -> Iterator[int]:
     if task.first_token_output is not None and task.first_token_output in outputs:

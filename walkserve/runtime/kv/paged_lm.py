@@ -215,6 +215,7 @@ class PagedLM(nn.Module):
         self.config_kv = config or PagedLMConfig()
         self._state: _State | None = None
         self._namespace = f"{type(lm).__name__}:{id(self)}"
+        self._signature = inspect.signature(self.forward)  # binds each call's arguments
 
     def forward(
         self,
@@ -236,12 +237,11 @@ class PagedLM(nn.Module):
         """Every call of one ready batch that the pool has room for, in one packed forward;
         ``DEFER`` for the others (see ``_schedule``)."""
         state = self._ensure_state()
-        signature = inspect.signature(self.forward)
         with state.lock, torch.no_grad():
             state.drain()
             units = []
             for index, (args, kwargs) in enumerate(calls):
-                bound = signature.bind(*args, **kwargs).arguments
+                bound = self._signature.bind(*args, **kwargs).arguments
                 cache = self._cache(state, bound)
                 rows = [state.rows[seq] for seq in cache.seqs]
                 ids = bound["input_ids"]
