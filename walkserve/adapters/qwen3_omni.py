@@ -201,6 +201,7 @@ class Qwen3OmniWalks(nn.Module):
         thinker_eos_id: int,
         chunk_size: int = 300,
         left_context: int = 25,
+        first_chunk: int | None = None,
     ) -> None:
         super().__init__()
         if not getattr(model, "has_talker", False):
@@ -216,6 +217,8 @@ class Qwen3OmniWalks(nn.Module):
         self.eos = thinker_eos_id
         self.groups = int(model.config.talker_config.num_code_groups)
         self.chunk_size, self.left_context = chunk_size, left_context
+        # LeftContext(L, C, first=F): the first audio after F frames, then C at a time.
+        self.first_chunk = first_chunk
         self.upsample = int(model.code2wav.total_upsample)
         self.thinker: Any = model.thinker  # Qwen3OmniMoeThinkerForConditionalGeneration
         self.talker: Any = model.talker  # Qwen3OmniMoeTalkerForConditionalGeneration
@@ -297,7 +300,8 @@ class Qwen3OmniWalks(nn.Module):
         codes = torch.cat(frames, dim=2)  # [B, G, frames]
 
         pieces = []
-        for chunk, n_ctx in stream(codes, LeftContext(self.left_context, self.chunk_size), dim=2):
+        policy = LeftContext(self.left_context, self.chunk_size, first=self.first_chunk)
+        for chunk, n_ctx in stream(codes, policy, dim=2):
             pieces.append(self.decode_chunk(chunk, n_ctx))
         waveform = torch.cat(pieces, dim=-1)  # [B, 1, samples]
         return {
@@ -395,6 +399,7 @@ TINY_VOCAB = 256  # thinker vocabulary; special ids at its top
 TINY_CODEBOOK = 64  # codec ids 0 .. 63; talker vocabulary 1024 + 64 (generate() reserves 1024)
 TINY_SPEAKER = 1070
 TINY_CHUNK, TINY_CONTEXT = 8, 4  # small code2wav chunks, so that tiny requests stream audio
+TINY_FIRST = 4  # streaming(): the first audio after 4 frames (320 ms of speech)
 
 
 def tiny_config() -> Any:
@@ -546,11 +551,11 @@ def tiny_eos(model: Any, prompt: Tensor) -> int:
     return int(model.config.im_end_token_id)
 
 
-def tiny(seed: int = 0) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
+def tiny(seed: int = 0, first_chunk: int | None = None) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
     """Zero-argument factory: the tiny random model as walks, and a sample request."""
     model = tiny_upstream(seed)
     prompt = chat_prompt(model.config, [10, 11, 12, 13, 14])
-    walks = Qwen3OmniWalks(model, tiny_eos(model, prompt), TINY_CHUNK, TINY_CONTEXT)
+    walks = Qwen3OmniWalks(model, tiny_eos(model, prompt), TINY_CHUNK, TINY_CONTEXT, first_chunk)
     sample = {
         "input_ids": prompt,
         "max_new_tokens": 16,
@@ -558,6 +563,13 @@ def tiny(seed: int = 0) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
         "speaker_id": TINY_SPEAKER,
     }
     return walks, sample
+
+
+def streaming() -> tuple[Qwen3OmniWalks, dict[str, Any]]:
+    """``tiny`` with a short first code2wav chunk (``TINY_FIRST`` frames, then ``TINY_CHUNK``):
+    the configuration a speech server streams with, so that audio starts before a whole chunk
+    of codes exists. ``serve("walkserve.adapters.qwen3_omni:streaming")``."""
+    return tiny(first_chunk=TINY_FIRST)
 
 
 def load_qwen3_omni(path: str, speaker: str = "ethan") -> tuple[Qwen3OmniWalks, dict[str, Any]]:
