@@ -119,20 +119,34 @@ class TalkerText(nn.Module):
 
 
 class TalkerPrompt(nn.Module):
-    """The talker's prefill input for a text-only chat, as upstream ``generate()`` builds it:
-    the user turns' text, then the assistant header with the codec control tokens and the
-    speaker, ending with the first generated text token.
+    """The talker's prefill input, as upstream ``generate()`` builds it: the user turns, then
+    the assistant header with the codec control tokens and the speaker, ending with the first
+    generated text token.
 
         text:  user tokens ... | <im_start> assistant \\n  pad pad pad pad  tts_bos  t0
         codec:      0     ...  |     0         0      0  nothink think_bos think_eos spk pad bos
+
+    A user token is ``text_projection(embed(id))``; with ``hidden`` (the thinker prefill's
+    hidden states of layer ``accept_hidden_layer``), a media placeholder (audio / image /
+    video token) is ``hidden_projection(hidden)`` at its position instead.
     """
 
-    def __init__(self, text: TalkerText, codec_embed: nn.Module, tokens: OmniTokens) -> None:
+    def __init__(
+        self,
+        text: TalkerText,
+        codec_embed: nn.Module,
+        tokens: OmniTokens,
+        hidden_projection: nn.Module | None = None,
+        media_ids: tuple[int, ...] = (),
+    ) -> None:
         super().__init__()
         self.text, self.codec_embed, self.tokens = text, codec_embed, tokens
+        self.hidden_projection, self.media_ids = hidden_projection, media_ids
 
-    def forward(self, input_ids: Tensor, first_token: Tensor, speaker_id: int) -> Tensor:
-        # input_ids: [B, P], first_token: [B, 1] -> [B, U + 9, D_talker]
+    def forward(
+        self, input_ids: Tensor, first_token: Tensor, speaker_id: int, hidden: Tensor | None = None
+    ) -> Tensor:
+        # input_ids: [B, P], first_token: [B, 1], hidden: [B, P, D_thinker] -> [B, U + 9, D_talker]
         tok = self.tokens
         batch, length = input_ids.shape
         device = input_ids.device
@@ -149,6 +163,12 @@ class TalkerPrompt(nn.Module):
                 "(three tokens), as the Qwen3-Omni chat template writes it"
             )
         projected = self.text(input_ids)  # [B, P, D]
+        if hidden is not None:
+            if self.hidden_projection is None:
+                raise ValueError("this TalkerPrompt was built without a hidden_projection")
+            media = torch.isin(input_ids, torch.tensor(self.media_ids, device=device))  # [B, P]
+            projected = projected.clone()
+            projected[media] = self.hidden_projection(hidden[media]).to(projected.dtype)
         user_part = projected[user].view(batch, -1, projected.shape[-1])  # [B, U, D]
         specials = self.text(torch.tensor([[tok.tts_bos, tok.tts_eos, tok.tts_pad]], device=device))
         bos, _, pad = specials.chunk(3, dim=1)  # 3 x [1, 1, D]
@@ -174,6 +194,44 @@ class TalkerPrompt(nn.Module):
             dim=1,
         )  # [B, 9, D]
         return torch.cat([user_part, text_part + codec_part], dim=1)
+
+
+def audio_token_count(frames: int | Tensor, n_window: int) -> Tensor:
+    """The number of audio placeholder tokens (= audio encoder outputs) for ``frames`` mel
+    frames (an int, or a tensor of counts): upstream's own length formula
+    (``_get_feat_extract_output_lengths``), as an int64 tensor of the same shape."""
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as upstream
+
+    count: Tensor = upstream._get_feat_extract_output_lengths(torch.as_tensor(frames), n_window)
+    return count
+
+
+class AudioPlaceholders(nn.Module):
+    """Checks that each row of a prompt holds as many audio placeholder tokens as the audio
+    encoder makes of its features (``feature_attention_mask`` counts the frames); returns the
+    prompt unchanged. Upstream would otherwise scatter the features out of place or fail deep
+    inside the thinker."""
+
+    def __init__(self, audio_token: int, n_window: int) -> None:
+        super().__init__()
+        self.audio_token, self.n_window = audio_token, n_window
+
+    def forward(self, input_ids: Tensor, feature_attention_mask: Tensor) -> Tensor:
+        # input_ids: [B, P], feature_attention_mask: [B, T] -> input_ids
+        if feature_attention_mask.shape[0] != input_ids.shape[0]:
+            raise ValueError(
+                f"{feature_attention_mask.shape[0]} audio feature rows for {input_ids.shape[0]} "
+                "prompt rows: give one audio per prompt row"
+            )
+        want = audio_token_count(feature_attention_mask.sum(-1), self.n_window)  # [B]
+        have = (input_ids == self.audio_token).sum(-1)  # [B]
+        if not bool((want == have).all()):
+            raise ValueError(
+                f"the prompt holds {have.tolist()} audio placeholder tokens but the audio "
+                f"encoder makes {want.tolist()} of the given features: lay the prompt out as "
+                "<|audio_start|> + audio_token_count(frames) x <|audio_pad|> + <|audio_end|>"
+            )
+        return input_ids
 
 
 class StepInput(nn.Module):
@@ -209,7 +267,7 @@ class Qwen3OmniWalks(nn.Module):
         register_component(type(model.talker), engine="kv_cache", speculative=False)
         register_component(type(model.talker.code_predictor), engine="kv_cache", speculative=False)
         register_component(type(model.code2wav), engine="stateless")
-        for cls in (TalkerText, TalkerPrompt, StepInput):
+        for cls in (TalkerText, TalkerPrompt, StepInput, AudioPlaceholders):
             register_component(cls, engine="stateless")
         self.tokens = OmniTokens.of(model.config)
         object.__setattr__(self, "upstream", model)  # for reference runs; not a submodule
@@ -225,7 +283,19 @@ class Qwen3OmniWalks(nn.Module):
             model.thinker.get_input_embeddings(), model.talker.text_projection, self.tokens
         )
         self.first_code_embed = mark_component(codec_embed, engine="stateless")
-        self.talker_prompt = TalkerPrompt(text, codec_embed, self.tokens)
+        thinker_config = model.config.thinker_config
+        media_ids = (
+            thinker_config.audio_token_id,
+            thinker_config.image_token_id,
+            thinker_config.video_token_id,
+        )
+        self.accept_layer = int(model.config.talker_config.accept_hidden_layer)
+        self.talker_prompt = TalkerPrompt(
+            text, codec_embed, self.tokens, model.talker.hidden_projection, media_ids
+        )
+        self.audio_placeholders = AudioPlaceholders(
+            thinker_config.audio_token_id, thinker_config.audio_config.n_window
+        )
         self.step_input = StepInput(
             codec_embed, model.talker.code_predictor.get_input_embeddings(), text
         )
@@ -241,14 +311,43 @@ class Qwen3OmniWalks(nn.Module):
 
     @walk
     def chat(self, input_ids: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
-        first, text_tokens, _ = self._think(input_ids, max_new_tokens)
+        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens)
         return {"first_token": first, "text_tokens": text_tokens}
 
-    def _think(self, input_ids: Tensor, max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+    @walk
+    def chat_audio(
+        self,
+        input_ids: Tensor,
+        input_features: Tensor,
+        feature_attention_mask: Tensor,
+        max_new_tokens: int,
+    ) -> dict[str, Tensor]:
+        """``chat`` with one audio clip per prompt row: log-mel ``input_features`` [B, mel, T]
+        and ``feature_attention_mask`` [B, T] (1 = a real frame), the prompt holding
+        ``audio_token_count(frames)`` audio placeholders between audio start and end."""
+        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
+        media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
+        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, media)
+        return {"first_token": first, "text_tokens": text_tokens}
+
+    def _think(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        media: Mapping[str, Tensor] | None = None,
+        hidden: bool = False,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """-> t0 [B, 1], the decode loop's tokens t1 .. t{n-1} [B, n - 1] (a streamed channel),
-        the talker's feed items [B, n - 1]."""
-        out = self.thinker(input_ids=input_ids, use_cache=True)
+        the talker's feed items [B, n - 1], and with ``hidden`` the prefill's hidden states of
+        layer ``accept_hidden_layer`` [B, P, D] (for the talker's media positions). ``media``:
+        the thinker's encoder inputs, given to the prefill (audio positions are plain 1D
+        positions upstream, so decode steps need no rope state)."""
+        extra: dict[str, Any] = dict(media or {})
+        if hidden:
+            extra["output_hidden_states"] = True
+        out = self.thinker(input_ids=input_ids, use_cache=True, **extra)
         cache = _read_now(out.cache)
+        accepted = out.hidden_states[self.accept_layer] if hidden else None  # [B, P, D]
         first = token = out.logits[:, -1:].argmax(-1)  # [B, 1]: t0
         count = token * 0 + 1  # [B, 1] (elementwise: runs in the thinker's dispatch)
         tokens, feeds = [], []
@@ -258,7 +357,7 @@ class Qwen3OmniWalks(nn.Module):
             feeds.append(feed)
             if done:
                 break
-        return first, torch.cat(tokens, dim=1), torch.cat(feeds, dim=1)
+        return first, torch.cat(tokens, dim=1), torch.cat(feeds, dim=1), accepted
 
     @loop(max_iters="max_new_tokens")
     def think_step(
@@ -278,9 +377,39 @@ class Qwen3OmniWalks(nn.Module):
     def speak(
         self, input_ids: Tensor, max_new_tokens: int, max_audio_tokens: int, speaker_id: int
     ) -> dict[str, Tensor]:
-        first, text_tokens, feeds = self._think(input_ids, max_new_tokens)
+        return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id)
 
-        prompt = self.talker_prompt(input_ids, first, speaker_id)  # [B, U + 9, D]
+    @walk
+    def speak_audio(
+        self,
+        input_ids: Tensor,
+        input_features: Tensor,
+        feature_attention_mask: Tensor,
+        max_new_tokens: int,
+        max_audio_tokens: int,
+        speaker_id: int,
+    ) -> dict[str, Tensor]:
+        """``speak`` with one audio clip per prompt row (inputs as in ``chat_audio``)."""
+        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
+        media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
+        return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id, media)
+
+    def _speak(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        max_audio_tokens: int,
+        speaker_id: int,
+        media: Mapping[str, Tensor] | None = None,
+    ) -> dict[str, Tensor]:
+        first, text_tokens, feeds, hidden = self._think(
+            input_ids, max_new_tokens, media, hidden=media is not None
+        )
+
+        if hidden is None:
+            prompt = self.talker_prompt(input_ids, first, speaker_id)  # [B, U + 9, D]
+        else:  # media placeholders: the talker's hidden projection of the thinker's states
+            prompt = self.talker_prompt(input_ids, first, speaker_id, hidden)
         out = self.talker(inputs_embeds=prompt, use_cache=True, output_hidden_states=True)
         cache = _read_now(out.cache)
         hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]: last layer, last position
@@ -429,8 +558,8 @@ def tiny_config() -> Any:
             output_dim=32,
             downsample_hidden_size=8,
             max_source_positions=100,
-            n_window=4,
-            n_window_infer=8,
+            n_window=50,  # upstream's output-length formula assumes 100-frame chunks (13 tokens)
+            n_window_infer=100,
         ),
         vision_config=dict(
             depth=1,
@@ -517,6 +646,41 @@ def chat_prompt(config: Any, user_ids: list[int], newline: int = 9) -> Tensor:
     return torch.tensor([[*ids, newline]])
 
 
+def audio_chat_prompt(
+    config: Any, frames: int, user_ids: list[int] | None = None, newline: int = 9
+) -> Tensor:
+    """A chat prompt whose user turn starts with one audio clip of ``frames`` mel frames, laid
+    out as upstream's processor expands ``<|audio_start|><|audio_pad|><|audio_end|>``:
+    ``<|im_start|> user <|audio_start|> <|audio_pad|> x N <|audio_end|> ... <|im_end|> \\n
+    <|im_start|> assistant \\n`` with N = ``audio_token_count(frames)``, as ids [1, P]."""
+    thinker = config.thinker_config
+    n = int(audio_token_count(frames, thinker.audio_config.n_window))
+    audio = [thinker.audio_start_token_id, *[thinker.audio_token_id] * n]
+    return chat_prompt(config, [*audio, thinker.audio_end_token_id, *(user_ids or [])], newline)
+
+
+def audio_request(
+    config: Any,
+    frames: int,
+    user_ids: list[int] | None = None,
+    padding: int = 0,
+    seed: int = 0,
+    newline: int = 9,
+) -> dict[str, Tensor]:
+    """Walk inputs of one audio clip of random log-mel features (seeded): ``input_ids`` [1, P],
+    ``input_features`` [1, mel, frames + padding], ``feature_attention_mask`` [1, frames +
+    padding] (the last ``padding`` frames masked, as a padded batch of the processor has)."""
+    g = torch.Generator().manual_seed(seed)
+    mel = int(config.thinker_config.audio_config.num_mel_bins)
+    mask = torch.zeros(1, frames + padding, dtype=torch.long)
+    mask[:, :frames] = 1
+    return {
+        "input_ids": audio_chat_prompt(config, frames, user_ids, newline),
+        "input_features": torch.randn(1, mel, frames + padding, generator=g),
+        "feature_attention_mask": mask,
+    }
+
+
 def tiny_upstream(seed: int = 0) -> Any:
     """The upstream model with the tiny config and seeded random weights."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
@@ -551,8 +715,8 @@ def tiny(seed: int = 0) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
     model = tiny_upstream(seed)
     prompt = chat_prompt(model.config, [10, 11, 12, 13, 14])
     walks = Qwen3OmniWalks(model, tiny_eos(model, prompt), TINY_CHUNK, TINY_CONTEXT)
-    sample = {
-        "input_ids": prompt,
+    sample = {  # one prompt for every walk: a user turn with audio, then the text of `prompt`
+        **audio_request(model.config, 37, [10, 11, 12, 13, 14]),
         "max_new_tokens": 16,
         "max_audio_tokens": 40,
         "speaker_id": TINY_SPEAKER,
@@ -562,7 +726,8 @@ def tiny(seed: int = 0) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
 
 def load_qwen3_omni(path: str, speaker: str = "ethan") -> tuple[Qwen3OmniWalks, dict[str, Any]]:
     """A local Qwen3-Omni checkpoint directory (safetensors, no downloads) as walks, with
-    upstream chunk sizes and ``<|im_end|>`` as the thinker's EOS."""
+    upstream chunk sizes and ``<|im_end|>`` as the thinker's EOS. The sample request (for
+    capture) holds 1.6 s of random audio features (100 mel frames per second)."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     config: Any = Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
@@ -577,7 +742,7 @@ def load_qwen3_omni(path: str, speaker: str = "ethan") -> tuple[Qwen3OmniWalks, 
     vocab = int(model.config.thinker_config.text_config.vocab_size)
     hello, newline = (9707, 198) if vocab > 9707 else (vocab // 2, 9)  # Qwen tokenizer ids
     sample = {
-        "input_ids": chat_prompt(model.config, [hello], newline=newline),
+        **audio_request(model.config, 160, [hello], newline=newline),
         "max_new_tokens": 8,
         "max_audio_tokens": 32,
         "speaker_id": int(speakers[speaker.lower()]),
