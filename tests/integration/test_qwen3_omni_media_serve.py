@@ -1,0 +1,73 @@
+"""Qwen3-Omni with audio input served by real worker processes on two ranks (thinker and its
+encoders on rank 0; talker, code predictor and code2wav on rank 1): speech and chat requests
+with audio clips of different lengths and a text-only request, submitted together, each equal
+the reference interpreter (which ``tests/unit/test_qwen3_omni_media.py`` ties to upstream
+``generate()``) and, for the speech requests, upstream ``generate()`` itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from walkserve import capture
+from walkserve.adapters import qwen3_omni as q
+from walkserve.runtime.server import serve
+from walkserve.testing import assert_outputs_match
+
+pytest.importorskip("transformers")
+
+FACTORY = "walkserve.adapters.qwen3_omni:tiny"
+PLACEMENT = Path(q.__file__).parent / "placements_omni" / "qwen3-omni.2ranks.yaml"
+CHAT_KEYS = ("input_ids", "input_features", "feature_attention_mask", "max_new_tokens")
+
+
+def test_audio_requests_of_different_lengths_served_together_on_two_ranks() -> None:
+    walks, sample = q.tiny()
+    captured = capture.trace(walks, sample)
+    config = walks.upstream.config
+    speech = [
+        {
+            **q.audio_request(config, frames, user, padding=pad, seed=i),
+            "max_new_tokens": max_new,
+            "max_audio_tokens": 30,
+            "speaker_id": q.TINY_SPEAKER + i % 2,
+        }
+        for i, (frames, pad, user, max_new) in enumerate(
+            [(230, 0, [5, 6], 9), (64, 0, [44, 45], 16), (150, 7, [120, 7], 12)]
+        )
+    ]
+    text = {
+        "input_ids": q.chat_prompt(config, [120, 7, 99, 3]),
+        "max_new_tokens": 12,
+        "max_audio_tokens": 24,
+        "speaker_id": q.TINY_SPEAKER,
+    }
+    chat = {k: speech[2][k] for k in CHAT_KEYS}
+    work: list[tuple[dict[str, Any], str]] = [(r, "speak_audio") for r in speech]
+    work += [(text, "speak"), (chat, "chat_audio")]
+    with serve(FACTORY, PLACEMENT) as server:
+        handles = [server.submit(r, walk) for r, walk in work]
+        outs = [h.result(timeout=300) for h in handles]
+        assert {r: h.status for r, h in server.health().items()} == {0: "ready", 1: "ready"}
+        stats = server.stats()
+    for (r, walk), out in zip(work, outs):
+        assert_outputs_match(out, captured.run(r, walk=walk))
+    for r, out in zip(speech, outs):
+        sequences, _ = walks.upstream.generate(
+            r["input_ids"],
+            input_features=r["input_features"],
+            feature_attention_mask=r["feature_attention_mask"],
+            speaker="chelsie" if r["speaker_id"] != q.TINY_SPEAKER else "ethan",
+            thinker_max_new_tokens=r["max_new_tokens"],
+            thinker_eos_token_id=walks.eos,
+            thinker_do_sample=False,
+            talker_max_new_tokens=r["max_audio_tokens"],
+            talker_do_sample=False,
+            talker_repetition_penalty=1.0,
+        )
+        got = torch.cat([out["first_token"], out["text_tokens"]], dim=1)
+        assert torch.equal(got, sequences[:, r["input_ids"].shape[1] :])
+    assert stats.live_requests == 0 and stats.live_values == 0
