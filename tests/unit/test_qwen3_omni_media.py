@@ -1,11 +1,15 @@
-"""Qwen3-Omni walks with audio input against the upstream model: the captured ``speak_audio``
-and ``chat_audio`` walks (reference interpreter) equal upstream ``generate()`` with the same
-``input_features`` / ``feature_attention_mask`` token for token (thinker text, talker codec
-frames; greedy), and the waveform equals upstream code2wav's ``chunked_decode`` of those codes
-with the walk's LeftContext sizes. Requests of different audio lengths run together on the
-lowered, batched callables (one dispatch per node over all requests, interleaved as a worker
-interleaves them) without disturbing each other; a text-only request still works; a prompt
-whose audio placeholders do not match the features is refused."""
+"""Qwen3-Omni walks with audio and image input against the upstream model: the captured
+``speak_audio`` / ``chat_audio`` and ``speak_image`` / ``chat_image`` walks (reference
+interpreter) equal upstream ``generate()`` with the same ``input_features`` /
+``feature_attention_mask`` or ``pixel_values`` / ``image_grid_thw`` token for token (thinker
+text, talker codec frames; greedy), and the waveform equals upstream code2wav's
+``chunked_decode`` of those codes with the walk's LeftContext sizes. Images move the rotary
+positions (upstream keeps the offset on the thinker and talker modules, ``rope_deltas``); the
+walks carry it per request instead, so requests of different audio lengths or image grids run
+together on the lowered, batched callables (one dispatch per node over all requests,
+interleaved as a worker interleaves them) without disturbing each other, and a text-only
+request is right even while upstream's module attributes hold another request's offset. A
+prompt whose placeholders do not match its media is refused."""
 
 from __future__ import annotations
 
@@ -32,6 +36,11 @@ AUDIO = [
 ]
 
 
+# (patch grid h x w, text after the image, thinker max_new_tokens). The grids shift the rotary
+# positions after the image by -18, -2 and 0 (upstream's rope_deltas).
+IMAGES = [((8, 12), [10, 11], 12), ((4, 4), [44, 45, 46], 16), ((6, 2), [7], 10)]
+
+
 @pytest.fixture(scope="module")
 def tiny() -> tuple[q.Qwen3OmniWalks, capture.CapturedModel]:
     walks, sample = q.tiny()
@@ -49,6 +58,19 @@ def audio(walks: q.Qwen3OmniWalks, i: int) -> dict[str, Any]:
     }
 
 
+def image(walks: q.Qwen3OmniWalks, i: int) -> dict[str, Any]:
+    grid, user, max_new = IMAGES[i]
+    return {
+        **q.image_request(walks.upstream.config, grid, user, seed=i),
+        "max_new_tokens": max_new,
+        "max_audio_tokens": 30,
+        "speaker_id": q.TINY_SPEAKER,
+    }
+
+
+MEDIA_KEYS = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw")
+
+
 def upstream_generate(
     walks: q.Qwen3OmniWalks, r: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,7 +84,7 @@ def upstream_generate(
         seen["codes"] = codes
         return decode(codes, **kwargs)
 
-    media = {k: r[k] for k in ("input_features", "feature_attention_mask") if k in r}
+    media = {k: r[k] for k in MEDIA_KEYS if k in r}
     model.code2wav.chunked_decode = spy
     try:
         sequences, waveform = model.generate(
@@ -152,16 +174,64 @@ def test_talker_prompt_uses_the_hidden_projection_at_audio_positions(tiny: Any) 
     )
 
 
-def test_requests_of_different_audio_lengths_run_together(tiny: Any) -> None:
+def test_speak_image_equals_upstream_generate_token_for_token(tiny: Any) -> None:
+    walks, captured = tiny
+    frames, deltas = set(), set()
+    for i in range(len(IMAGES)):
+        r = image(walks, i)
+        text, codes, _ = upstream_generate(walks, r)
+        got = captured.run(r, walk="speak_image")
+        assert torch.equal(text_of(got), text), i
+        assert torch.equal(got["codes"], codes), i
+        want = walks.code2wav.chunked_decode(
+            codes, chunk_size=q.TINY_CHUNK, left_context_size=q.TINY_CONTEXT
+        )
+        assert torch.equal(got["waveform"], want), i
+        frames.add(codes.shape[-1])
+        # The walk's carried offsets are upstream's rope_deltas (left on the modules by the
+        # generate() above): rope = (last text position, last multimodal position).
+        for positions, upstream in (
+            (walks.thinker_positions, walks.upstream.thinker.model),
+            (walks.talker_positions, walks.upstream.talker),
+        ):
+            _, rope = positions(r["input_ids"], r["image_grid_thw"])
+            assert torch.equal(rope[:, 1:] - rope[:, :1], upstream.rope_deltas.to(rope.dtype))
+        deltas.add(float(walks.upstream.thinker.model.rope_deltas))
+    assert len(frames) > 1 and len(deltas) == 3
+
+
+def test_chat_image_equals_upstream_thinker_generate(tiny: Any) -> None:
+    walks, captured = tiny
+    for i in range(len(IMAGES)):
+        r = image(walks, i)
+        want = walks.upstream.thinker.generate(
+            r["input_ids"],
+            pixel_values=r["pixel_values"],
+            image_grid_thw=r["image_grid_thw"],
+            max_new_tokens=r["max_new_tokens"],
+            eos_token_id=walks.eos,
+            do_sample=False,
+        )
+        keys = ("input_ids", "pixel_values", "image_grid_thw", "max_new_tokens")
+        got = captured.run({k: r[k] for k in keys}, walk="chat_image")
+        assert torch.equal(text_of(got), want[:, r["input_ids"].shape[1] :]), i
+
+
+@pytest.mark.parametrize("kind", ["audio", "image"])
+def test_requests_of_different_media_run_together(tiny: Any, kind: str) -> None:
     """Lowered callables, all requests in lockstep (prefills, then decode steps of every
     request interleaved): each request's tokens, codes and waveform equal upstream
-    ``generate()`` on that request alone."""
+    ``generate()`` on that request alone (audio clips of different lengths; images whose
+    rotary offsets differ)."""
     walks, captured = tiny
     sample = captured.sample_inputs
     plan = lower(captured, sample, check_capture=False)
     runner = BatchedRunner(captured, plan, build_callables(captured, plan))
-    requests = [audio(walks, i) for i in (2, 0, 3)]
-    outs = runner.run(requests, "speak_audio")
+    if kind == "audio":
+        requests = [audio(walks, i) for i in (2, 0, 3)]
+    else:
+        requests = [image(walks, i) for i in (0, 1, 2)]
+    outs = runner.run(requests, f"speak_{kind}")
     for r, got in zip(requests, outs):
         text, codes, _ = upstream_generate(walks, r)
         assert torch.equal(text_of(got), text)
@@ -173,6 +243,8 @@ def test_requests_of_different_audio_lengths_run_together(tiny: Any) -> None:
 
 
 def test_text_only_request_still_works(tiny: Any) -> None:
+    """Also while upstream's modules hold an image request's rotary offset (as a worker's
+    would, were the walks reading it): the walks read no position state off the modules."""
     walks, captured = tiny
     config = walks.upstream.config
     r = {
@@ -181,8 +253,11 @@ def test_text_only_request_still_works(tiny: Any) -> None:
         "max_audio_tokens": 24,
         "speaker_id": q.TINY_SPEAKER,
     }
-    captured.run(audio(walks, 0), walk="speak_audio")  # an audio request before it
     text, codes, _ = upstream_generate(walks, r)
+    captured.run(audio(walks, 0), walk="speak_audio")  # an audio request before it
+    upstream_generate(walks, image(walks, 0))  # leaves rope_deltas = -18 on the modules
+    assert float(walks.upstream.thinker.model.rope_deltas) == -18
+    assert float(walks.upstream.talker.rope_deltas) == -18
     got = captured.run(r, walk="speak")
     assert torch.equal(text_of(got), text)
     assert torch.equal(got["codes"], codes)
@@ -202,3 +277,15 @@ def test_placeholder_count_must_match_the_features(tiny: Any) -> None:
                 for k in ("input_ids", "input_features", "feature_attention_mask", "max_new_tokens")
             }
         )
+
+
+def test_image_placeholders_must_match_the_grid(tiny: Any) -> None:
+    walks, _ = tiny
+    r = image(walks, 1)
+    keys = ("input_ids", "pixel_values", "image_grid_thw", "max_new_tokens")
+    short = {k: r[k] for k in keys}
+    short["input_ids"] = torch.cat([r["input_ids"][:, :3], r["input_ids"][:, 4:]], dim=1)
+    with pytest.raises(ValueError, match="image placeholder tokens"):
+        walks.chat_image(**short)
+    with pytest.raises(ValueError, match="patches"):
+        walks.chat_image(**{**short, "pixel_values": r["pixel_values"][:-1]})

@@ -118,6 +118,62 @@ class TalkerText(nn.Module):
         return self.projection(self.embed(ids))
 
 
+def user_mask(input_ids: Tensor, tok: OmniTokens) -> Tensor:
+    """[B, P] bool: the tokens of user turns (from a user turn's ``<|im_start|>`` up to the next
+    ``<|im_start|>``), which upstream ``generate()`` hands the talker."""
+    length = input_ids.shape[1]
+    positions = torch.arange(length, device=input_ids.device)
+    starts = torch.where(input_ids == tok.im_start, positions, -1)
+    role_at = torch.cummax(starts, dim=-1).values.clamp_min(0) + 1
+    roles = input_ids.gather(1, role_at.clamp_max(length - 1))
+    user = roles == tok.user  # [B, P]
+    if not bool((user.sum(-1) == user[0].sum()).all()):
+        raise ValueError("rows of one request need the same number of user tokens")
+    return user
+
+
+TALKER_HEADER = 9  # assistant header + codec control tokens + t0 in the talker's prefill
+
+
+class MropePositions(nn.Module):
+    """Multimodal rotary positions of a prompt with images: upstream ``get_rope_index`` of the
+    thinker (on the prompt) or of the talker (on the talker's prefill ids: the user tokens,
+    then ``TALKER_HEADER`` tts_pad ids, as ``generate()`` lays them out). Upstream keeps the
+    resulting offset on the module (``rope_deltas``) for its decode steps; here it is returned
+    and carried by the walk's decode loop, so concurrent requests never share it.
+
+    -> ``position_ids`` [4, B, S] (the text row 0 .. S-1, then the t / h / w rows) and ``rope``
+    [B, 2]: the last position of the text row and of the t / h / w rows; decode step k (k = 1
+    for the first token after the prefill) is at ``rope + k`` (``step_positions``)."""
+
+    def __init__(self, owner: nn.Module, talker_tokens: OmniTokens | None = None) -> None:
+        super().__init__()
+        object.__setattr__(self, "owner", owner)  # the thinker or talker; not a submodule
+        self.talker_tokens = talker_tokens
+
+    def forward(self, input_ids: Tensor, image_grid_thw: Tensor) -> tuple[Tensor, Tensor]:
+        # input_ids: [B, P], image_grid_thw: [images, 3] -> ([4, B, S], [B, 2])
+        ids = input_ids
+        if self.talker_tokens is not None:
+            user = user_mask(input_ids, self.talker_tokens)
+            user_ids = input_ids[user].view(input_ids.shape[0], -1)  # [B, U]
+            pad = user_ids.new_full((ids.shape[0], TALKER_HEADER), self.talker_tokens.tts_pad)
+            ids = torch.cat([user_ids, pad], dim=1)  # [B, U + 9]
+        batch, length = ids.shape
+        owner: Any = self.owner
+        mrope, _ = owner.get_rope_index(ids, image_grid_thw, None, torch.ones_like(ids))
+        text = torch.arange(length, device=ids.device).expand(1, batch, length)
+        positions = torch.cat([text, mrope], dim=0)  # [4, B, S]
+        return positions, positions[[0, 1], :, -1].t()  # rope: [B, 2]
+
+
+def step_positions(rope: Tensor, count: Tensor) -> Tensor:
+    """``position_ids`` [4, B, 1] of a decode step: ``rope`` [B, 2] (see ``MropePositions``) +
+    ``count`` [B, 1] (tokens generated so far, the prefill's included)."""
+    at = rope + count  # [B, 2]
+    return at[:, [0, 1, 1, 1]].t().unsqueeze(-1)
+
+
 class TalkerPrompt(nn.Module):
     """The talker's prefill input, as upstream ``generate()`` builds it: the user turns, then
     the assistant header with the codec control tokens and the speaker, ending with the first
@@ -150,12 +206,7 @@ class TalkerPrompt(nn.Module):
         tok = self.tokens
         batch, length = input_ids.shape
         device = input_ids.device
-        starts = torch.where(input_ids == tok.im_start, torch.arange(length, device=device), -1)
-        role_at = torch.cummax(starts, dim=-1).values.clamp_min(0) + 1
-        roles = input_ids.gather(1, role_at.clamp_max(length - 1))
-        user = roles == tok.user  # [B, P]
-        if not bool((user.sum(-1) == user[0].sum()).all()):
-            raise ValueError("rows of one request need the same number of user tokens")
+        user = user_mask(input_ids, tok)  # [B, P]
         header = (input_ids[:, :-1] == tok.im_start) & (input_ids[:, 1:] == tok.assistant)
         if not bool(header[:, length - 3].all()):
             raise ValueError(
@@ -234,6 +285,39 @@ class AudioPlaceholders(nn.Module):
         return input_ids
 
 
+class ImagePlaceholders(nn.Module):
+    """Checks one image per prompt row, as many image placeholder tokens in the row as the
+    vision encoder makes of its patch grid (t * h * w / merge^2), and ``pixel_values`` holding
+    every patch; returns the prompt unchanged."""
+
+    def __init__(self, image_token: int, merge: int) -> None:
+        super().__init__()
+        self.image_token, self.merge = image_token, merge
+
+    def forward(self, input_ids: Tensor, pixel_values: Tensor, image_grid_thw: Tensor) -> Tensor:
+        # input_ids: [B, P], pixel_values: [patches, C * T * p * p], image_grid_thw: [B, 3]
+        if image_grid_thw.shape != (input_ids.shape[0], 3):
+            raise ValueError(
+                f"image_grid_thw has shape {tuple(image_grid_thw.shape)}; give one (t, h, w) "
+                f"row per prompt row ({input_ids.shape[0]}), one image each"
+            )
+        patches = image_grid_thw.prod(-1)  # [B]
+        if int(patches.sum()) != pixel_values.shape[0]:
+            raise ValueError(
+                f"pixel_values holds {pixel_values.shape[0]} patches but image_grid_thw says "
+                f"{int(patches.sum())}"
+            )
+        want = patches // self.merge**2
+        have = (input_ids == self.image_token).sum(-1)
+        if not bool((want == have).all()):
+            raise ValueError(
+                f"the prompt holds {have.tolist()} image placeholder tokens but the vision "
+                f"encoder makes {want.tolist()} of the given grid: lay the prompt out as "
+                "<|vision_start|> + t*h*w/merge^2 x <|image_pad|> + <|vision_end|>"
+            )
+        return input_ids
+
+
 class StepInput(nn.Module):
     """One talker decode input: the sum of a code frame's embeddings (the talker's own codec
     embedding for group 0, the code predictor's for groups 1 .. G-1) plus the text feed."""
@@ -267,7 +351,14 @@ class Qwen3OmniWalks(nn.Module):
         register_component(type(model.talker), engine="kv_cache", speculative=False)
         register_component(type(model.talker.code_predictor), engine="kv_cache", speculative=False)
         register_component(type(model.code2wav), engine="stateless")
-        for cls in (TalkerText, TalkerPrompt, StepInput, AudioPlaceholders):
+        for cls in (
+            TalkerText,
+            TalkerPrompt,
+            StepInput,
+            AudioPlaceholders,
+            ImagePlaceholders,
+            MropePositions,
+        ):
             register_component(cls, engine="stateless")
         self.tokens = OmniTokens.of(model.config)
         object.__setattr__(self, "upstream", model)  # for reference runs; not a submodule
@@ -296,6 +387,11 @@ class Qwen3OmniWalks(nn.Module):
         self.audio_placeholders = AudioPlaceholders(
             thinker_config.audio_token_id, thinker_config.audio_config.n_window
         )
+        self.image_placeholders = ImagePlaceholders(
+            thinker_config.image_token_id, thinker_config.vision_config.spatial_merge_size
+        )
+        self.thinker_positions = MropePositions(model.thinker)
+        self.talker_positions = MropePositions(model.talker, self.tokens)
         self.step_input = StepInput(
             codec_embed, model.talker.code_predictor.get_input_embeddings(), text
         )
@@ -330,6 +426,18 @@ class Qwen3OmniWalks(nn.Module):
         first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, media)
         return {"first_token": first, "text_tokens": text_tokens}
 
+    @walk
+    def chat_image(
+        self, input_ids: Tensor, pixel_values: Tensor, image_grid_thw: Tensor, max_new_tokens: int
+    ) -> dict[str, Tensor]:
+        """``chat`` with one image per prompt row: ``pixel_values`` [patches, C * T * p * p] and
+        ``image_grid_thw`` [B, 3] as upstream's image processor makes them, the prompt holding
+        t * h * w / merge^2 image placeholders between vision start and end."""
+        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
+        media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, media)
+        return {"first_token": first, "text_tokens": text_tokens}
+
     def _think(
         self,
         input_ids: Tensor,
@@ -340,9 +448,15 @@ class Qwen3OmniWalks(nn.Module):
         """-> t0 [B, 1], the decode loop's tokens t1 .. t{n-1} [B, n - 1] (a streamed channel),
         the talker's feed items [B, n - 1], and with ``hidden`` the prefill's hidden states of
         layer ``accept_hidden_layer`` [B, P, D] (for the talker's media positions). ``media``:
-        the thinker's encoder inputs, given to the prefill (audio positions are plain 1D
-        positions upstream, so decode steps need no rope state)."""
+        the thinker's encoder inputs, given to the prefill. Every decode step gets explicit
+        positions from ``rope`` [B, 2], a per-request loop input (``MropePositions``): with
+        images the multimodal positions of the prompt; else (text, audio: plain positions
+        upstream) the prompt's last position. Nothing is read from upstream's ``rope_deltas``
+        module attribute, which concurrent requests would share."""
         extra: dict[str, Any] = dict(media or {})
+        if "image_grid_thw" in extra:
+            positions = self.thinker_positions(input_ids, extra["image_grid_thw"])
+            extra["position_ids"] = positions[0]  # [4, B, P]
         if hidden:
             extra["output_hidden_states"] = True
         out = self.thinker(input_ids=input_ids, use_cache=True, **extra)
@@ -350,9 +464,15 @@ class Qwen3OmniWalks(nn.Module):
         accepted = out.hidden_states[self.accept_layer] if hidden else None  # [B, P, D]
         first = token = out.logits[:, -1:].argmax(-1)  # [B, 1]: t0
         count = token * 0 + 1  # [B, 1] (elementwise: runs in the thinker's dispatch)
+        if "position_ids" in extra:
+            rope = positions[1]  # [B, 2]
+        else:
+            rope = (token * 0).repeat(1, 2) + (input_ids.shape[1] - 1)  # [B, 2]
         tokens, feeds = [], []
         for _ in iterations(max_new_tokens):
-            cache, token, count, feed, done = self.think_step(cache, token, count, max_new_tokens)
+            cache, token, count, feed, done = self.think_step(
+                cache, token, count, rope, max_new_tokens
+            )
             tokens.append(token)
             feeds.append(feed)
             if done:
@@ -361,9 +481,10 @@ class Qwen3OmniWalks(nn.Module):
 
     @loop(max_iters="max_new_tokens")
     def think_step(
-        self, cache: Any, token: Tensor, count: Tensor, max_new_tokens: int
+        self, cache: Any, token: Tensor, count: Tensor, rope: Tensor, max_new_tokens: int
     ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
-        out = self.thinker(input_ids=token, cache=cache, use_cache=True)
+        positions = step_positions(rope, count)  # [4, B, 1]
+        out = self.thinker(input_ids=token, cache=cache, use_cache=True, position_ids=positions)
         cache = _read_now(out.cache)
         token = out.logits[:, -1:].argmax(-1)  # [B, 1]
         count = count + 1
@@ -394,6 +515,21 @@ class Qwen3OmniWalks(nn.Module):
         media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
         return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id, media)
 
+    @walk
+    def speak_image(
+        self,
+        input_ids: Tensor,
+        pixel_values: Tensor,
+        image_grid_thw: Tensor,
+        max_new_tokens: int,
+        max_audio_tokens: int,
+        speaker_id: int,
+    ) -> dict[str, Tensor]:
+        """``speak`` with one image per prompt row (inputs as in ``chat_image``)."""
+        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
+        media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+        return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id, media)
+
     def _speak(
         self,
         input_ids: Tensor,
@@ -410,15 +546,23 @@ class Qwen3OmniWalks(nn.Module):
             prompt = self.talker_prompt(input_ids, first, speaker_id)  # [B, U + 9, D]
         else:  # media placeholders: the talker's hidden projection of the thinker's states
             prompt = self.talker_prompt(input_ids, first, speaker_id, hidden)
-        out = self.talker(inputs_embeds=prompt, use_cache=True, output_hidden_states=True)
+        extra: dict[str, Any] = {}
+        if media is not None and "image_grid_thw" in media:  # the talker's own mrope positions
+            positions = self.talker_positions(input_ids, media["image_grid_thw"])
+            extra["position_ids"] = positions[0]  # [4, B, U + 9]
+        out = self.talker(inputs_embeds=prompt, use_cache=True, output_hidden_states=True, **extra)
         cache = _read_now(out.cache)
         hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]: last layer, last position
         code = self._pick_code(out.logits[:, -1:])  # [B, 1]: c0
         count = torch.ones_like(code)
+        if extra:
+            rope = positions[1]  # [B, 2]
+        else:  # plain positions (text, audio), as upstream: decode steps follow the prompt's
+            rope = (code * 0).repeat(1, 2) + (prompt.shape[1] - 1)  # [B, 2]
         frames = []
         for item in stream(feeds, FixedChunk(1), dim=1):  # item: [B, 1]
             cache, code, hidden, count, new, done = self.talk_item(
-                cache, code, hidden, count, item, max_audio_tokens
+                cache, code, hidden, count, rope, item, max_audio_tokens
             )
             frames.append(new)
             if done:
@@ -441,14 +585,21 @@ class Qwen3OmniWalks(nn.Module):
 
     @loop(max_iters=MAX_THINKER_STEPS, speculative=False)
     def talk_item(
-        self, cache: Any, code: Tensor, hidden: Tensor, count: Tensor, item: Tensor, limit: int
+        self,
+        cache: Any,
+        code: Tensor,
+        hidden: Tensor,
+        count: Tensor,
+        rope: Tensor,
+        item: Tensor,
+        limit: int,
     ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The talker steps of one text item: one, or for the <eos> item, on until codec EOS."""
         feed = item
         frames = []
         for _ in range(MAX_TALKER_STEPS):
             cache, code, hidden, count, feed, frame, stop = self.talk_step(
-                cache, code, hidden, count, feed, item, limit
+                cache, code, hidden, count, feed, rope, item, limit
             )
             frames.append(frame)
             if stop:
@@ -464,6 +615,7 @@ class Qwen3OmniWalks(nn.Module):
         hidden: Tensor,
         count: Tensor,
         feed: Tensor,
+        rope: Tensor,
         item: Tensor,
         limit: int,
     ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -473,6 +625,7 @@ class Qwen3OmniWalks(nn.Module):
             inputs_embeds=embeds,
             cache=cache,
             use_cache=True,
+            position_ids=step_positions(rope, count),  # [4, B, 1]
             output_hidden_states=True,
             generation_step=0,  # only echoed back (+1) by the upstream forward
         )
@@ -681,6 +834,56 @@ def audio_request(
     }
 
 
+def image_request(
+    config: Any,
+    grid_hw: tuple[int, int],
+    user_ids: list[int] | None = None,
+    seed: int = 0,
+    newline: int = 9,
+) -> dict[str, Tensor]:
+    """Walk inputs of one image of ``grid_hw`` patches (random pixels, seeded), as upstream's
+    image processor lays an image out (t = 1): ``input_ids`` [1, P] with ``<|vision_start|>
+    <|image_pad|> x (h * w / merge^2) <|vision_end|>`` first in the user turn,
+    ``pixel_values`` [h * w, C * T * p * p], ``image_grid_thw`` [[1, h, w]]."""
+    thinker = config.thinker_config
+    vision = thinker.vision_config
+    h, w = grid_hw
+    merge = int(vision.spatial_merge_size)
+    if h % merge or w % merge:
+        raise ValueError(f"grid {grid_hw} is not a multiple of the merge size {merge}")
+    patch = int(vision.in_channels * vision.temporal_patch_size * vision.patch_size**2)
+    g = torch.Generator().manual_seed(seed)
+    image = [thinker.vision_start_token_id, *[thinker.image_token_id] * (h * w // merge**2)]
+    return {
+        "input_ids": chat_prompt(
+            config, [*image, thinker.vision_end_token_id, *(user_ids or [])], newline
+        ),
+        "pixel_values": torch.randn(h * w, patch, generator=g),
+        "image_grid_thw": torch.tensor([[1, h, w]]),
+    }
+
+
+def media_sample(
+    config: Any, frames: int, grid_hw: tuple[int, int], user_ids: list[int], newline: int = 9
+) -> dict[str, Tensor]:
+    """One sample request for capturing every walk (a walk's inputs come from one mapping):
+    a prompt with an image and then audio placeholders, audio features and pixels. The audio
+    placeholders stand without audio start / end tokens, so that the image walks (which give
+    no audio features) read them as text, in their positions too; the audio walks read the
+    image placeholders as text."""
+    image = image_request(config, grid_hw, seed=1, newline=newline)
+    audio = audio_request(config, frames, user_ids, newline=newline)
+    thinker = config.thinker_config
+    clip = int(audio_token_count(frames, thinker.audio_config.n_window))
+    ids = image["input_ids"][0, :-5].tolist()  # up to <|vision_end|>
+    ids += [thinker.audio_token_id] * clip
+    return {
+        **audio,
+        **image,
+        "input_ids": chat_prompt(config, [*ids[2:], *user_ids], newline),
+    }
+
+
 def tiny_upstream(seed: int = 0) -> Any:
     """The upstream model with the tiny config and seeded random weights."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
@@ -715,8 +918,8 @@ def tiny(seed: int = 0) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
     model = tiny_upstream(seed)
     prompt = chat_prompt(model.config, [10, 11, 12, 13, 14])
     walks = Qwen3OmniWalks(model, tiny_eos(model, prompt), TINY_CHUNK, TINY_CONTEXT)
-    sample = {  # one prompt for every walk: a user turn with audio, then the text of `prompt`
-        **audio_request(model.config, 37, [10, 11, 12, 13, 14]),
+    sample = {  # one prompt for every walk: image and audio placeholders, the text of `prompt`
+        **media_sample(model.config, 37, (4, 8), [10, 11, 12, 13, 14]),
         "max_new_tokens": 16,
         "max_audio_tokens": 40,
         "speaker_id": TINY_SPEAKER,
@@ -727,7 +930,8 @@ def tiny(seed: int = 0) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
 def load_qwen3_omni(path: str, speaker: str = "ethan") -> tuple[Qwen3OmniWalks, dict[str, Any]]:
     """A local Qwen3-Omni checkpoint directory (safetensors, no downloads) as walks, with
     upstream chunk sizes and ``<|im_end|>`` as the thinker's EOS. The sample request (for
-    capture) holds 1.6 s of random audio features (100 mel frames per second)."""
+    capture) holds 1.6 s of random audio features (100 mel frames per second) and a random
+    image of 4 x 4 patches."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     config: Any = Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
@@ -742,7 +946,7 @@ def load_qwen3_omni(path: str, speaker: str = "ethan") -> tuple[Qwen3OmniWalks, 
     vocab = int(model.config.thinker_config.text_config.vocab_size)
     hello, newline = (9707, 198) if vocab > 9707 else (vocab // 2, 9)  # Qwen tokenizer ids
     sample = {
-        **audio_request(model.config, 160, [hello], newline=newline),
+        **media_sample(model.config, 160, (4, 4), [hello], newline=newline),
         "max_new_tokens": 8,
         "max_audio_tokens": 32,
         "speaker_id": int(speakers[speaker.lower()]),
