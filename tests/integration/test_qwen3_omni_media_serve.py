@@ -1,8 +1,9 @@
-"""Qwen3-Omni with audio input served by real worker processes on two ranks (thinker and its
-encoders on rank 0; talker, code predictor and code2wav on rank 1): speech and chat requests
-with audio clips of different lengths and a text-only request, submitted together, each equal
-the reference interpreter (which ``tests/unit/test_qwen3_omni_media.py`` ties to upstream
-``generate()``) and, for the speech requests, upstream ``generate()`` itself."""
+"""Qwen3-Omni with audio and image input served by real worker processes on two ranks
+(thinker and its encoders on rank 0; talker, code predictor and code2wav on rank 1): speech
+and chat requests with audio clips of different lengths, images whose rotary offsets differ,
+and a text-only request, submitted together, each equal the reference interpreter (which
+``tests/unit/test_qwen3_omni_media.py`` ties to upstream ``generate()``) and, for the speech
+requests, upstream ``generate()`` itself (text tokens)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ pytest.importorskip("transformers")
 
 FACTORY = "walkserve.adapters.qwen3_omni:tiny"
 PLACEMENT = Path(q.__file__).parent / "placements_omni" / "qwen3-omni.2ranks.yaml"
+MEDIA_KEYS = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw")
 CHAT_KEYS = ("input_ids", "input_features", "feature_attention_mask", "max_new_tokens")
 
 
@@ -45,9 +47,23 @@ def test_audio_requests_of_different_lengths_served_together_on_two_ranks() -> N
         "max_audio_tokens": 24,
         "speaker_id": q.TINY_SPEAKER,
     }
+    images = [
+        {
+            **q.image_request(config, grid, [10, 11], seed=i),
+            "max_new_tokens": 10,
+            "max_audio_tokens": 24,
+            "speaker_id": q.TINY_SPEAKER,
+        }
+        for i, grid in enumerate([(8, 12), (4, 4)])  # rotary offsets -18 and -2
+    ]
     chat = {k: speech[2][k] for k in CHAT_KEYS}
-    work: list[tuple[dict[str, Any], str]] = [(r, "speak_audio") for r in speech]
-    work += [(text, "speak"), (chat, "chat_audio")]
+    chat_image = {
+        k: images[0][k] for k in ("input_ids", "pixel_values", "image_grid_thw", "max_new_tokens")
+    }
+    speech += images
+    work: list[tuple[dict[str, Any], str]] = [(r, "speak_audio") for r in speech[:3]]
+    work += [(r, "speak_image") for r in images]
+    work += [(text, "speak"), (chat, "chat_audio"), (chat_image, "chat_image")]
     with serve(FACTORY, PLACEMENT) as server:
         handles = [server.submit(r, walk) for r, walk in work]
         outs = [h.result(timeout=300) for h in handles]
@@ -56,10 +72,10 @@ def test_audio_requests_of_different_lengths_served_together_on_two_ranks() -> N
     for (r, walk), out in zip(work, outs):
         assert_outputs_match(out, captured.run(r, walk=walk))
     for r, out in zip(speech, outs):
+        media = {k: v for k, v in r.items() if k in MEDIA_KEYS}
         sequences, _ = walks.upstream.generate(
             r["input_ids"],
-            input_features=r["input_features"],
-            feature_attention_mask=r["feature_attention_mask"],
+            **media,
             speaker="chelsie" if r["speaker_id"] != q.TINY_SPEAKER else "ethan",
             thinker_max_new_tokens=r["max_new_tokens"],
             thinker_eos_token_id=walks.eos,
