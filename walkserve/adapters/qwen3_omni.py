@@ -3,13 +3,24 @@ talker (with its multi-token code predictor) -> code2wav, streamed stage to stag
 
 The upstream thinker, talker, code predictor and code2wav are used unmodified, as components;
 this module writes the loops that upstream ``generate()`` hides, around their forward methods,
-and reproduces what ``generate()`` feeds the talker (text-only input). What crosses its
-boundary: walk inputs ``input_ids`` [1, P] int64 (a chat prompt ending with
-``<|im_start|> assistant \\n``), ``max_new_tokens`` (thinker), ``max_audio_tokens`` (talker,
-counted as upstream ``talker_max_new_tokens``) and ``speaker_id`` (a codec speaker id from
-``config.talker_config.speaker_id``); outputs ``first_token`` [1, 1] (t0, from the prefill),
-``text_tokens`` [1, n - 1] (t1 .. t{n-1}, streamed token by token), ``codes`` [1, G, frames]
-and ``waveform`` [1, 1, samples] (both streamed).
+and reproduces what ``generate()`` feeds the talker. What crosses its boundary: walk inputs
+``input_ids`` [1, P] int64 (a chat prompt ending with ``<|im_start|> assistant \\n``),
+``max_new_tokens`` (thinker), ``max_audio_tokens`` (talker, counted as upstream
+``talker_max_new_tokens``) and ``speaker_id`` (a codec speaker id from
+``config.talker_config.speaker_id``); for audio input (walks ``chat_audio``, ``speak_audio``)
+also ``input_features`` [1, mel, T] float and ``feature_attention_mask`` [1, T] int64, for an
+image (``chat_image``, ``speak_image``) ``pixel_values`` [patches, C * T * p * p] float and
+``image_grid_thw`` [1, 3] int64, with the prompt's placeholders laid out as upstream's
+processor does (``audio_chat_prompt``, ``image_request``); outputs ``first_token`` [1, 1]
+(t0, from the prefill), ``text_tokens`` [1, n - 1] (t1 .. t{n-1}, streamed token by token),
+``codes`` [1, G, frames] and ``waveform`` [1, 1, samples] (both streamed).
+
+Media: the thinker's prefill takes the encoder inputs (its own audio / vision towers run
+inside it); the talker's prefill puts ``hidden_projection`` of the thinker prefill's
+``accept_hidden_layer`` states at the media placeholders (``TalkerPrompt``). Images move the
+rotary positions of thinker and talker (``MropePositions``, from upstream ``get_rope_index``);
+upstream keeps that offset on the modules (``rope_deltas``), the walks carry it per request
+into every decode step (``step_positions``), so no request reads another's state.
 
     thinker  prefill -> t0; decode t1 .. t{n-1} (EOS / max_new_tokens)
              feeds:   t1 t2 ... t{n-2} <eos>            (the item of the last token is the
@@ -25,9 +36,9 @@ and ``waveform`` [1, 1, samples] (both streamed).
              samples, so the joined waveform equals ``code2wav.chunked_decode(codes, 300, 25)``.
 
 Greedy throughout: equal to upstream ``generate(..., thinker_do_sample=False,
-talker_do_sample=False, talker_repetition_penalty=1.0)``. Not reproduced: audio / image / video
-inputs (the thinker encoders and the talker's multimodal projection), sampling, repetition
-penalty, batches of several rows in one request.
+talker_do_sample=False, talker_repetition_penalty=1.0)``. Not reproduced: video input (and
+audio in video), several clips or images in one prompt, audio and image in one request,
+sampling, repetition penalty, batches of several rows in one request.
 """
 
 from __future__ import annotations
