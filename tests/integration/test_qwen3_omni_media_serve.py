@@ -3,7 +3,7 @@
 and chat requests with audio clips of different lengths, images whose rotary offsets differ,
 and a text-only request, submitted together, each equal the reference interpreter (which
 ``tests/unit/test_qwen3_omni_media.py`` ties to upstream ``generate()``) and, for the speech
-requests, upstream ``generate()`` itself (text tokens)."""
+requests, upstream ``generate()`` itself (text tokens and codec frames)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,15 @@ def test_audio_requests_of_different_lengths_served_together_on_two_ranks() -> N
         stats = server.stats()
     for (r, walk), out in zip(work, outs):
         assert_outputs_match(out, captured.run(r, walk=walk))
+    model = walks.upstream
+    decode = model.code2wav.chunked_decode
+    seen: dict[str, torch.Tensor] = {}
+
+    def spy(codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        seen["codes"] = codes
+        return decode(codes, **kwargs)
+
+    model.code2wav.chunked_decode = spy  # the codes generate() decodes
     for r, out in zip(speech, outs):
         media = {k: v for k, v in r.items() if k in MEDIA_KEYS}
         sequences, _ = walks.upstream.generate(
@@ -86,4 +95,5 @@ def test_audio_requests_of_different_lengths_served_together_on_two_ranks() -> N
         )
         got = torch.cat([out["first_token"], out["text_tokens"]], dim=1)
         assert torch.equal(got, sequences[:, r["input_ids"].shape[1] :])
+        assert torch.equal(out["codes"], seen["codes"])
     assert stats.live_requests == 0 and stats.live_values == 0
