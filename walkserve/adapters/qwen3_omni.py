@@ -482,10 +482,13 @@ class Qwen3OmniWalks(nn.Module):
             rope = positions[1]  # [B, 2]
         else:
             rope = (token * 0).repeat(1, 2) + (input_ids.shape[1] - 1)  # [B, 2]
+        # The first step's positions; each step then makes the next one's after its forward,
+        # so that they are computed in the thinker's dispatch rather than in one of their own.
+        positions = step_positions(rope, count)  # [4, B, 1]
         tokens, feeds = [], []
         for _ in iterations(max_new_tokens):
-            cache, token, count, feed, done = self.think_step(
-                cache, token, count, rope, max_new_tokens
+            cache, token, count, positions, feed, done = self.think_step(
+                cache, token, count, positions, rope, max_new_tokens
             )
             tokens.append(token)
             feeds.append(feed)
@@ -495,16 +498,22 @@ class Qwen3OmniWalks(nn.Module):
 
     @loop(max_iters="max_new_tokens")
     def think_step(
-        self, cache: Any, token: Tensor, count: Tensor, rope: Tensor, max_new_tokens: int
-    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
-        positions = step_positions(rope, count)  # [4, B, 1]
+        self,
+        cache: Any,
+        token: Tensor,
+        count: Tensor,
+        positions: Tensor,
+        rope: Tensor,
+        max_new_tokens: int,
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]:
         out = self.thinker(input_ids=token, cache=cache, use_cache=True, position_ids=positions)
         cache = _read_now(out.cache)
         token = out.logits[:, -1:].argmax(-1)  # [B, 1]
         count = count + 1
+        positions = step_positions(rope, count)  # [4, B, 1]: the next step's
         last = (token == self.eos) | (count >= max_new_tokens)  # [B, 1]
         feed = token - (token - FEED_EOS) * last  # the talker's text item: FEED_EOS if last
-        return cache, token, count, feed, last.all()
+        return cache, token, count, positions, feed, last.all()
 
     # ------------------------------------------------------------------ speech
 
