@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from walkserve.adapters.speech_sampling import SamplingDefaults, TokenSampler
 from walkserve.capture import iterations, loop, register_component, stream, walk
 from walkserve.capture.api import component
 from walkserve.capture.chunk import EndOfStream, SlidingWindow
@@ -68,6 +69,9 @@ FRAME = 7  # audio tokens per SNAC frame
 WINDOW_FRAMES = 4  # frames decoded per streamed chunk (28 tokens)
 KEPT_FRAME = 1  # the window's frame whose audio is played
 PAD_TOKEN = -1  # pads the final fragment; never a valid token
+# Orpheus's own inference defaults (its engine's ``generate_tokens_sync``), for a profile to send;
+# the walk defaults to greedy (temperature 0). Its repetition penalty is not applied here.
+ORPHEUS_SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.8, repetition_penalty=1.3)
 LEVEL_POSITIONS = ((0,), (1, 4), (2, 3, 5, 6))  # frame positions of SNAC levels 0, 1, 2
 
 
@@ -195,6 +199,7 @@ class OrpheusTTS(nn.Module):
             )
         self.lm = lm
         self.codec = SnacFrames(snac, tokens)
+        self.sampler = TokenSampler()
         self.tokens = tokens
         self.eos = tokens.end_of_speech
         self.samples_per_frame = self.codec.samples_per_frame
@@ -204,7 +209,15 @@ class OrpheusTTS(nn.Module):
         )
 
     @walk
-    def speak(self, input_ids: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
+    def speak(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> dict[str, Tensor]:
         # input_ids: [B, P], P >= 2, ending with start_of_speech
         out = self.lm(input_ids=input_ids[:, :-1], use_cache=True, logits_to_keep=1)
         cache = getattr(out, self.kv)
@@ -212,7 +225,7 @@ class OrpheusTTS(nn.Module):
         count = torch.zeros_like(token)
         new: list[Tensor] = []
         for _ in iterations(max_new_tokens):
-            token, cache, count = self.step(token, cache, count)
+            token, cache, count = self.step(token, cache, count, temperature, top_p, top_k, seed)
             new.append(token)
             if ((token == self.eos) | (count >= max_new_tokens)).all():
                 break
@@ -226,9 +239,19 @@ class OrpheusTTS(nn.Module):
         return {"tokens": tokens, "waveform": torch.cat(pieces, dim=-1)}  # waveform: [B, k * S]
 
     @loop
-    def step(self, token: Tensor, cache: Any, count: Tensor) -> tuple[Tensor, Any, Tensor]:
+    def step(
+        self,
+        token: Tensor,
+        cache: Any,
+        count: Tensor,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+    ) -> tuple[Tensor, Any, Tensor]:
         out = self.lm(input_ids=token, use_cache=True, **{self.kv: cache})
-        return out.logits[:, -1:].argmax(-1), getattr(out, self.kv), count + 1
+        picked = self.sampler(out.logits[:, -1:], count, temperature, top_p, top_k, seed)
+        return picked, getattr(out, self.kv), count + 1
 
     @loop
     def play_window(self, window: Tensor) -> Tensor:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from walkserve.adapters.speech_sampling import SamplingDefaults, TokenSampler
 from walkserve.capture import (
     FixedChunk,
     LeftContext,
@@ -55,6 +56,13 @@ FEED_EOS = -1  # the tts_eos marker after the last spoken text token
 FEED_PAD = -2  # tts_pad: the talker speaks on after the text ended
 MAX_TALKER_STEPS = 4096  # upstream talker_max_new_tokens default; the per-request bound is an input
 MAX_THINKER_STEPS = 32768
+
+# Upstream generate()'s sampling (transformers 5.24 ``Qwen3OmniMoeForConditionalGeneration.
+# generate`` defaults; the code predictor's top_k / top_p are fixed in the talker's forward, its
+# temperature is its generation config's), for a profile to send; the walks default to greedy.
+# The thinker samples as its checkpoint's generation_config.json says (not known here).
+TALKER_SAMPLING = SamplingDefaults(temperature=0.9, top_p=1.0, top_k=50, repetition_penalty=1.05)
+PREDICTOR_SAMPLING = SamplingDefaults(temperature=1.0, top_p=0.8, top_k=50)
 
 
 @dataclass(frozen=True)
@@ -236,24 +244,41 @@ class Qwen3OmniWalks(nn.Module):
         suppressed[self.tokens.codec_eos] = False
         self.suppressed: Tensor
         self.register_buffer("suppressed", suppressed, persistent=False)
+        self.thinker_sampler = TokenSampler(stream=0)
+        self.talker_sampler = TokenSampler(stream=1)
+        self.predictor_sampler = TokenSampler(stream=2)
 
     # ------------------------------------------------------------------ thinker
 
     @walk
-    def chat(self, input_ids: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
-        first, text_tokens, _ = self._think(input_ids, max_new_tokens)
+    def chat(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> dict[str, Tensor]:
+        sampling = (temperature, top_p, top_k, seed)
+        first, text_tokens, _ = self._think(input_ids, max_new_tokens, sampling)
         return {"first_token": first, "text_tokens": text_tokens}
 
-    def _think(self, input_ids: Tensor, max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _think(
+        self, input_ids: Tensor, max_new_tokens: int, sampling: tuple[Any, ...]
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """-> t0 [B, 1], the decode loop's tokens t1 .. t{n-1} [B, n - 1] (a streamed channel),
-        the talker's feed items [B, n - 1]."""
+        the talker's feed items [B, n - 1]. ``sampling``: the thinker's
+        ``(temperature, top_p, top_k, seed)``."""
         out = self.thinker(input_ids=input_ids, use_cache=True)
         cache = _read_now(out.cache)
-        first = token = out.logits[:, -1:].argmax(-1)  # [B, 1]: t0
+        first = token = self.thinker_sampler(out.logits[:, -1:], 0, *sampling)  # [B, 1]: t0
         count = token * 0 + 1  # [B, 1] (elementwise: runs in the thinker's dispatch)
         tokens, feeds = [], []
         for _ in iterations(max_new_tokens):
-            cache, token, count, feed, done = self.think_step(cache, token, count, max_new_tokens)
+            cache, token, count, feed, done = self.think_step(
+                cache, token, count, max_new_tokens, *sampling
+            )
             tokens.append(token)
             feeds.append(feed)
             if done:
@@ -262,11 +287,20 @@ class Qwen3OmniWalks(nn.Module):
 
     @loop(max_iters="max_new_tokens")
     def think_step(
-        self, cache: Any, token: Tensor, count: Tensor, max_new_tokens: int
+        self,
+        cache: Any,
+        token: Tensor,
+        count: Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
     ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
         out = self.thinker(input_ids=token, cache=cache, use_cache=True)
         cache = _read_now(out.cache)
-        token = out.logits[:, -1:].argmax(-1)  # [B, 1]
+        logits = out.logits[:, -1:]  # [B, 1, V]
+        token = self.thinker_sampler(logits, count, temperature, top_p, top_k, seed)  # [B, 1]
         count = count + 1
         last = (token == self.eos) | (count >= max_new_tokens)  # [B, 1]
         feed = token - (token - FEED_EOS) * last  # the talker's text item: FEED_EOS if last
@@ -276,20 +310,37 @@ class Qwen3OmniWalks(nn.Module):
 
     @walk
     def speak(
-        self, input_ids: Tensor, max_new_tokens: int, max_audio_tokens: int, speaker_id: int
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        max_audio_tokens: int,
+        speaker_id: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        talker_temperature: float = 0.0,
+        talker_top_p: float = 1.0,
+        talker_top_k: int = 0,
+        predictor_temperature: float = 0.0,
+        predictor_top_p: float = 1.0,
+        predictor_top_k: int = 0,
     ) -> dict[str, Tensor]:
-        first, text_tokens, feeds = self._think(input_ids, max_new_tokens)
+        sampling = (temperature, top_p, top_k, seed)
+        first, text_tokens, feeds = self._think(input_ids, max_new_tokens, sampling)
+        talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
+        talker_sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
 
         prompt = self.talker_prompt(input_ids, first, speaker_id)  # [B, U + 9, D]
         out = self.talker(inputs_embeds=prompt, use_cache=True, output_hidden_states=True)
         cache = _read_now(out.cache)
         hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]: last layer, last position
-        code = self._pick_code(out.logits[:, -1:])  # [B, 1]: c0
+        code = self._pick_code(out.logits[:, -1:], 0, talker_sampling[:4])  # [B, 1]: c0
         count = torch.ones_like(code)
         frames = []
         for item in stream(feeds, FixedChunk(1), dim=1):  # item: [B, 1]
             cache, code, hidden, count, new, done = self.talk_item(
-                cache, code, hidden, count, item, max_audio_tokens
+                cache, code, hidden, count, item, max_audio_tokens, *talker_sampling
             )
             frames.append(new)
             if done:
@@ -307,19 +358,35 @@ class Qwen3OmniWalks(nn.Module):
             "waveform": waveform,
         }
 
-    def _pick_code(self, logits: Tensor) -> Tensor:  # logits: [B, 1, V] -> [B, 1]
-        return logits.masked_fill(self.suppressed, float("-inf")).argmax(-1)
+    def _pick_code(self, logits: Tensor, step: Tensor | int, sampling: tuple[Any, ...]) -> Tensor:
+        masked = logits.masked_fill(self.suppressed, float("-inf"))  # [B, 1, V]
+        return self.talker_sampler(masked, step, *sampling)  # [B, 1]
 
     @loop(max_iters=MAX_THINKER_STEPS, speculative=False)
     def talk_item(
-        self, cache: Any, code: Tensor, hidden: Tensor, count: Tensor, item: Tensor, limit: int
+        self,
+        cache: Any,
+        code: Tensor,
+        hidden: Tensor,
+        count: Tensor,
+        item: Tensor,
+        limit: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+        predictor_temperature: float,
+        predictor_top_p: float,
+        predictor_top_k: int,
     ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The talker steps of one text item: one, or for the <eos> item, on until codec EOS."""
         feed = item
         frames = []
+        sampling: tuple[Any, ...] = (temperature, top_p, top_k, seed)
+        sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
         for _ in range(MAX_TALKER_STEPS):
             cache, code, hidden, count, feed, frame, stop = self.talk_step(
-                cache, code, hidden, count, feed, item, limit
+                cache, code, hidden, count, feed, item, limit, *sampling
             )
             frames.append(frame)
             if stop:
@@ -337,8 +404,16 @@ class Qwen3OmniWalks(nn.Module):
         feed: Tensor,
         item: Tensor,
         limit: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+        predictor_temperature: float,
+        predictor_top_p: float,
+        predictor_top_k: int,
     ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        frame = self.predict_residuals(hidden, code)  # [B, G, 1]: the frame of `code`
+        predictor_sampling = (predictor_temperature, predictor_top_p, predictor_top_k, seed)
+        frame = self.predict_residuals(hidden, code, count, predictor_sampling)  # [B, G, 1]
         embeds = self.step_input(frame, feed)  # [B, 1, D]
         out = self.talker(
             inputs_embeds=embeds,
@@ -349,34 +424,50 @@ class Qwen3OmniWalks(nn.Module):
         )
         cache = _read_now(out.cache)
         hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]
-        code = self._pick_code(out.logits[:, -1:])
+        code = self._pick_code(out.logits[:, -1:], count, (temperature, top_p, top_k, seed))
         count = count + 1
         ended = (code == self.tokens.codec_eos) | (count >= limit)  # [B, 1]
         stop = (ended | (item != FEED_EOS)).all()  # a text item gets one step, <eos> the rest
         pad = torch.full_like(feed, FEED_PAD)
         return cache, code, hidden, count, pad, frame, stop
 
-    def predict_residuals(self, hidden: Tensor, code: Tensor) -> Tensor:
-        """The code predictor's greedy residual codes of ``code`` -> the frame [B, G, 1]."""
+    def predict_residuals(
+        self, hidden: Tensor, code: Tensor, frame_index: Tensor, sampling: tuple[Any, ...]
+    ) -> Tensor:
+        """The code predictor's residual codes of ``code`` (frame ``frame_index`` [B, 1] of the
+        request) -> the frame [B, G, 1]. ``sampling``: ``(temperature, top_p, top_k, seed)``;
+        draw ``g`` of frame ``f`` is the predictor sampler's step ``f * G + g``."""
         first = self.first_code_embed(code)  # [B, 1, D]
         predictor = self.talker.code_predictor
         out = predictor(inputs_embeds=torch.cat([hidden, first], dim=1), use_cache=True)
         cache = _read_now(out.cache)
-        residual = out.logits[:, -1:].argmax(-1)  # [B, 1]: group 1
+        base = frame_index * self.groups  # [B, 1]
+        residual = self.predictor_sampler(out.logits[:, -1:], base, *sampling)  # [B, 1]: group 1
         residuals = [residual]
         for g in range(1, self.groups - 1):
-            cache, residual = self.predict_step(cache, residual, g)
+            cache, residual = self.predict_step(cache, residual, g, base, *sampling)
             residuals.append(residual)
         residual_codes = torch.cat(residuals, dim=1)  # [B, G - 1]
         return torch.cat([code, residual_codes], dim=1).unsqueeze(-1)
 
     @loop
-    def predict_step(self, cache: Any, residual: Tensor, g: int) -> tuple[Any, Tensor]:
+    def predict_step(
+        self,
+        cache: Any,
+        residual: Tensor,
+        g: int,
+        base: Tensor,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+    ) -> tuple[Any, Tensor]:
         out = self.talker.code_predictor(
             input_ids=residual, cache=cache, use_cache=True, generation_steps=g
         )
         cache = _read_now(out.cache)
-        return cache, out.logits[:, -1:].argmax(-1)
+        logits = out.logits[:, -1:]  # [B, 1, V]
+        return cache, self.predictor_sampler(logits, base + g, temperature, top_p, top_k, seed)
 
     @loop
     def decode_chunk(self, chunk: Tensor, n_ctx: int) -> Tensor:

@@ -61,7 +61,7 @@ from walkserve.runtime.kv.hf import (
 from walkserve.runtime.kv.pool import KVPool, PoolExhausted, SeqId
 from walkserve.runtime.kv.sampling import SamplingParams, sample_row
 
-__all__ = ["PagedKV", "PagedLM", "PagedLMConfig", "PagedLMStats", "step_seed"]
+__all__ = ["PagedKV", "PagedLM", "PagedLMConfig", "PagedLMStats", "seeded_token", "step_seed"]
 
 Call = tuple[Sequence[Any], dict[str, Any]]
 
@@ -437,19 +437,35 @@ class PagedLM(nn.Module):
 
 
 def _sample(logits: torch.Tensor, args: dict[str, Any], row: int) -> int:
-    temperature = float(args.get("temperature", 0.0))
-    if temperature == 0.0:
-        return int(logits.argmax())
     step = args.get("step", 0)
     n = int(step[row].reshape(-1)[0]) if isinstance(step, torch.Tensor) else int(step)
-    seed = int(args.get("seed", 0))
-    params = SamplingParams(
-        temperature=temperature,
+    return seeded_token(
+        logits,
+        row,
+        n,
+        temperature=float(args.get("temperature", 0.0)),
         top_p=float(args.get("top_p", 1.0)),
         top_k=int(args.get("top_k", 0)),
-        seed=seed,
+        seed=int(args.get("seed", 0)),
     )
-    generator = torch.Generator(device=logits.device).manual_seed(step_seed(seed, row, n))
+
+
+def seeded_token(
+    logits: torch.Tensor,  # [V]
+    row: int,
+    step: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+) -> int:
+    """One token of row ``row`` at step ``step``: argmax at temperature 0, else ``sample_row``
+    with a generator seeded from ``step_seed(seed, row, step)`` (the rule of every sampling
+    component: the draw depends on the request's own inputs only)."""
+    if temperature == 0.0:
+        return int(logits.argmax())
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    generator = torch.Generator(device=logits.device).manual_seed(step_seed(seed, row, step))
     return sample_row(logits, params, generator, [])
 
 
