@@ -97,7 +97,7 @@ def test_walk_waveform_is_generate_waveform_under_the_same_seed(tiny: Any) -> No
     walks, captured = tiny
     speakers = [("Chelsie", q.TINY_SPEAKER_BOS), ("Ethan", q.TINY_SPEAKER_BOS_2)]
     waves = {}
-    for i, (speaker, bos) in enumerate(speakers * 2):
+    for i, (speaker, bos) in enumerate(speakers):
         user, max_new, max_audio = REQUESTS[i]
         r = {
             "input_ids": chat_prompt(q._Ids(), user),

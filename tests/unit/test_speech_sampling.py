@@ -106,6 +106,29 @@ def test_orpheus_sampling(orpheus_tiny: Any) -> None:
     assert not torch.equal(other["tokens"], first["tokens"])
 
 
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_orpheus_greedy_with_repetition_penalty_equals_generate(
+    orpheus_tiny: Any, penalty: float
+) -> None:
+    model, sample, captured = orpheus_tiny
+    ids = sample["input_ids"]
+    want = model.lm.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=35,
+        repetition_penalty=penalty,
+        eos_token_id=model.eos,
+        pad_token_id=model.eos,
+    )[:, ids.shape[1] :]
+    r = {"input_ids": ids, "max_new_tokens": 35, "repetition_penalty": penalty}
+    got = captured.run(r, walk="speak")["tokens"]
+    assert torch.equal(got, want)
+    assert not torch.equal(
+        got, captured.run({**r, "repetition_penalty": 1.0}, walk="speak")["tokens"]
+    )
+
+
 def test_orpheus_first_step_follows_the_upstream_softmax(orpheus_tiny: Any) -> None:
     """One step (max_new_tokens=1) per seed: the drawn token's frequencies against
     ``softmax(top_k(logits / T))`` of the upstream LM's own logits for that step."""
@@ -116,7 +139,7 @@ def test_orpheus_first_step_follows_the_upstream_softmax(orpheus_tiny: Any) -> N
     temperature, top_k = 2.0, 6
     probs = torch.softmax(top_k_filter(logits / temperature, top_k), -1)
     counts = torch.zeros_like(probs)
-    for seed in range(300):
+    for seed in range(200):
         r = {"input_ids": ids, "max_new_tokens": 1, "temperature": temperature}
         out = captured.run({**r, "top_k": top_k, "seed": seed}, walk="speak")
         counts[int(out["tokens"][0, 0])] += 1
@@ -152,6 +175,40 @@ def test_qwen25_sampling(q25_tiny: Any) -> None:
     assert not torch.equal(talker_only["codes"], greedy["codes"])
 
 
+def test_qwen25_greedy_talker_with_repetition_penalty_equals_generate(q25_tiny: Any) -> None:
+    walks, sample, captured = q25_tiny
+    model = walks.upstream
+    seen: dict[str, torch.Tensor] = {}
+    talker_generate = model.talker.generate
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen["codes"] = out = talker_generate(*args, **kwargs)
+        return out
+
+    model.talker.generate = spy
+    try:
+        torch.manual_seed(0)
+        _, waveform = model.generate(
+            sample["input_ids"],
+            speaker="Chelsie",
+            thinker_max_new_tokens=sample["max_new_tokens"],
+            thinker_eos_token_id=walks.eos,
+            thinker_do_sample=False,
+            talker_max_new_tokens=sample["max_audio_tokens"],
+            talker_do_sample=False,
+            talker_repetition_penalty=1.5,
+            talker_eos_token_id=list(walks.codec_eos),
+        )
+    finally:
+        del model.talker.generate
+    want = seen["codes"][:, sample["input_ids"].shape[1] + 2 :]
+    got = captured.run({**sample, "talker_repetition_penalty": 1.5}, walk="speak")
+    assert torch.equal(torch.cat([got["first_code"], got["codes"]], dim=1), want)
+    assert torch.equal(got["waveform"][0, 0], waveform)
+    plain = captured.run(sample, walk="speak")
+    assert not torch.equal(plain["codes"], got["codes"])
+
+
 def assert_same(got: dict[str, Any], want: dict[str, Any], but: tuple[str, ...] = ()) -> None:
     assert got.keys() == want.keys()
     for key, value in want.items():
@@ -166,6 +223,35 @@ def assert_same(got: dict[str, Any], want: dict[str, Any], but: tuple[str, ...] 
 def q3_tiny() -> tuple[q3.Qwen3OmniWalks, dict[str, Any], capture.CapturedModel]:
     walks, sample = q3.tiny()
     return walks, sample, capture.trace(walks, sample)
+
+
+def test_qwen3_greedy_talker_with_repetition_penalty_equals_generate(q3_tiny: Any) -> None:
+    walks, sample, captured = q3_tiny
+    model = walks.upstream
+    seen: dict[str, torch.Tensor] = {}
+    decode = model.code2wav.chunked_decode
+
+    def spy(codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        seen["codes"] = codes
+        return decode(codes, **kwargs)
+
+    model.code2wav.chunked_decode = spy
+    try:
+        model.generate(
+            sample["input_ids"],
+            speaker="ethan",
+            thinker_max_new_tokens=sample["max_new_tokens"],
+            thinker_eos_token_id=walks.eos,
+            thinker_do_sample=False,
+            talker_max_new_tokens=sample["max_audio_tokens"],
+            talker_do_sample=False,
+            talker_repetition_penalty=1.5,
+        )
+    finally:
+        del model.code2wav.chunked_decode
+    got = captured.run({**sample, "talker_repetition_penalty": 1.5}, walk="speak")
+    assert torch.equal(got["codes"], seen["codes"])
+    assert not torch.equal(got["codes"], captured.run(sample, walk="speak")["codes"])
 
 
 def test_qwen3_sampling(q3_tiny: Any) -> None:

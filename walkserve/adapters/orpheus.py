@@ -3,9 +3,11 @@ tokens, seven per audio frame, which stream into an unmodified ``snac.SNAC`` dec
 
 Owns: the walks around the two upstream models, the Orpheus token layout, a tiny random
 instance (``tiny``), and a loader for local checkpoints (``load_orpheus``). What crosses the
-boundary: walk inputs ``input_ids`` [B, P] int64 (an Orpheus prompt, see ``orpheus_prompt``) and
-``max_new_tokens`` (int); outputs ``tokens`` [B, n] int64 (exactly ``generate(do_sample=False)``'s
-new tokens) and ``waveform`` [B, samples] float32 at the SNAC sample rate (24 kHz).
+boundary: walk inputs ``input_ids`` [B, P] int64 (an Orpheus prompt, see ``orpheus_prompt``),
+``max_new_tokens`` (int) and, with defaults, ``temperature`` (0: greedy), ``top_p``, ``top_k``,
+``seed`` and ``repetition_penalty`` (1: off; see ``speech_sampling``); outputs ``tokens`` [B, n]
+int64 (greedy: exactly ``generate(do_sample=False)``'s new tokens, with the same
+``repetition_penalty``) and ``waveform`` [B, samples] float32 at the SNAC sample rate (24 kHz).
 
 Token layout (Orpheus). Audio token ``t`` at position ``k`` of its frame (``k`` in 0..6) carries
 SNAC code ``t - audio_offset - k * codebook``. A frame's seven codes go to SNAC's three levels
@@ -70,7 +72,7 @@ WINDOW_FRAMES = 4  # frames decoded per streamed chunk (28 tokens)
 KEPT_FRAME = 1  # the window's frame whose audio is played
 PAD_TOKEN = -1  # pads the final fragment; never a valid token
 # Orpheus's own inference defaults (its engine's ``generate_tokens_sync``), for a profile to send;
-# the walk defaults to greedy (temperature 0). Its repetition penalty is not applied here.
+# the walk defaults to greedy (temperature 0, no repetition penalty).
 ORPHEUS_SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.8, repetition_penalty=1.3)
 LEVEL_POSITIONS = ((0,), (1, 4), (2, 3, 5, 6))  # frame positions of SNAC levels 0, 1, 2
 
@@ -217,15 +219,19 @@ class OrpheusTTS(nn.Module):
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int = 0,
+        repetition_penalty: float = 1.0,
     ) -> dict[str, Tensor]:
         # input_ids: [B, P], P >= 2, ending with start_of_speech
         out = self.lm(input_ids=input_ids[:, :-1], use_cache=True, logits_to_keep=1)
         cache = getattr(out, self.kv)
         token = input_ids[:, -1:]  # [B, 1]: the first step reads the prompt's last token
         count = torch.zeros_like(token)
+        # The ids generate() penalizes (repetition_penalty): the prompt's, then each new one.
+        seen = torch.zeros_like(out.logits[:, -1], dtype=torch.bool).scatter(1, input_ids, True)
+        sampling = (temperature, top_p, top_k, seed, repetition_penalty)
         new: list[Tensor] = []
         for _ in iterations(max_new_tokens):
-            token, cache, count = self.step(token, cache, count, temperature, top_p, top_k, seed)
+            token, cache, count, seen = self.step(token, cache, count, seen, *sampling)
             new.append(token)
             if ((token == self.eos) | (count >= max_new_tokens)).all():
                 break
@@ -244,14 +250,18 @@ class OrpheusTTS(nn.Module):
         token: Tensor,
         cache: Any,
         count: Tensor,
+        seen: Tensor,
         temperature: float,
         top_p: float,
         top_k: int,
         seed: int,
-    ) -> tuple[Tensor, Any, Tensor]:
+        repetition_penalty: float,
+    ) -> tuple[Tensor, Any, Tensor, Tensor]:
+        # seen: [B, V] bool, the token ids so far (for the repetition penalty)
         out = self.lm(input_ids=token, use_cache=True, **{self.kv: cache})
-        picked = self.sampler(out.logits[:, -1:], count, temperature, top_p, top_k, seed)
-        return picked, getattr(out, self.kv), count + 1
+        sampling = (temperature, top_p, top_k, seed, repetition_penalty)
+        picked = self.sampler(out.logits[:, -1:], count, *sampling, seen)  # [B, 1]
+        return picked, getattr(out, self.kv), count + 1, seen.scatter(1, picked, True)
 
     @loop
     def play_window(self, window: Tensor) -> Tensor:

@@ -6,8 +6,8 @@ token equal to upstream ``generate()`` (greedy, text-only input), the waveform e
 ``text_bos_id`` (the speaker's ``bos_token`` from ``model.speaker_map``: it also picks the
 speaker's token2wav conditioning and reference mel), and, with defaults, the sampling inputs
 ``temperature``, ``top_p``, ``top_k`` (thinker), ``talker_temperature``, ``talker_top_p``,
-``talker_top_k`` and ``seed`` (temperature 0: greedy; see ``speech_sampling``; ``seed`` also
-seeds token2wav's noise); outputs ``first_token`` [1, 1], ``second_token`` [1, 1],
+``talker_top_k``, ``talker_repetition_penalty`` (1: off) and ``seed`` (temperature 0: greedy;
+see ``speech_sampling``; ``seed`` also seeds token2wav's noise); outputs ``first_token`` [1, 1], ``second_token`` [1, 1],
 ``text_tokens`` [1, n - 2] (streamed), ``first_code`` [1, 1] and ``codes`` [1, m - 1]
 (streamed): the talker's tokens, the final EOS or max-th one included; ``waveform``
 [1, 1, samples] float32 at 24 kHz (upstream returns [samples]; here with batch and channel).
@@ -140,6 +140,11 @@ class Qwen25OmniWalks(nn.Module):
         suppressed[self.codec_bos] = True  # generate() suppresses the codec bos token
         self.suppressed: Tensor
         self.register_buffer("suppressed", suppressed, persistent=False)
+        prompt_ids = torch.zeros(1, int(model.talker.codebook_size), dtype=torch.bool)
+        talker = model.talker
+        prompt_ids[0, [talker.codec_mask_token, talker.codec_pad_token, self.codec_bos]] = True
+        self.talker_prompt_ids: Tensor  # [1, V_talker]: the ids of generate()'s talker prompt
+        self.register_buffer("talker_prompt_ids", prompt_ids, persistent=False)
         self.thinker_sampler = TokenSampler(stream=0)
         self.talker_sampler = TokenSampler(stream=1)
         self.token2wav = SeededToken2Wav(model.token2wav, model.speaker_map, self.codec_eos)
@@ -158,9 +163,11 @@ class Qwen25OmniWalks(nn.Module):
         talker_temperature: float = 0.0,
         talker_top_p: float = 1.0,
         talker_top_k: int = 0,
+        talker_repetition_penalty: float = 1.0,
     ) -> dict[str, Tensor]:
         thinker_sampling = (temperature, top_p, top_k, seed)
-        talker_sampling = (talker_temperature, talker_top_p, talker_top_k, seed)
+        talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
+        talker_sampling += (talker_repetition_penalty,)
         # 1. thinker prefill, and the step feeding t0 (its hidden state primes the talker).
         out = self.thinker(input_ids=input_ids, use_cache=True, output_hidden_states=True)
         cache = _read_now(out.cache)
@@ -193,13 +200,18 @@ class Qwen25OmniWalks(nn.Module):
         # bos / pad embeddings added by the forward (it adds them only with a mask).
         talk = self.talker(inputs_embeds=prompt, use_cache=True)
         talk_cache = _read_now(talk.cache)
-        code = self._pick_code(talk.logits[:, -1:], 0, talker_sampling)  # [B, 1]: c0
+        # The codec ids generate() penalizes (talker repetition_penalty): its talker prompt's
+        # (codec mask, pad, bos), then each generated one. seen: [B, V_talker] bool
+        seen = torch.zeros_like(talk.logits[:, -1], dtype=torch.bool) | self.talker_prompt_ids
+        code = self._pick_code(talk.logits[:, -1:], 0, talker_sampling, seen)  # [B, 1]: c0
+        seen = seen.scatter(1, code, True)
         first_code, codes, n_codes = code, [], code * 0 + 1
         for item in stream(reply_items, FixedChunk(1), dim=1):  # item: [B, 1, D + 1]
-            talk_cache, code, n_codes, new, stop = self.talk_item(
+            talk_cache, code, n_codes, seen, new, stop = self.talk_item(
                 talk_cache,
                 code,
                 n_codes,
+                seen,
                 item,
                 eos_embed,
                 pad_embed,
@@ -222,9 +234,11 @@ class Qwen25OmniWalks(nn.Module):
             "waveform": waveform,  # [B, 1, samples]
         }
 
-    def _pick_code(self, logits: Tensor, step: Tensor | int, sampling: tuple[Any, ...]) -> Tensor:
+    def _pick_code(
+        self, logits: Tensor, step: Tensor | int, sampling: tuple[Any, ...], seen: Tensor
+    ) -> Tensor:
         masked = logits.masked_fill(self.suppressed, float("-inf"))  # [B, 1, V]
-        return self.talker_sampler(masked, step, *sampling)  # [B, 1]
+        return self.talker_sampler(masked, step, *sampling, seen)  # [B, 1]
 
     def _ended(self, code: Tensor, n_codes: Tensor, limit: int) -> Tensor:
         return (code == self.codec_eos[0]) | (code == self.codec_eos[1]) | (n_codes >= limit)
@@ -257,6 +271,7 @@ class Qwen25OmniWalks(nn.Module):
         cache: Any,
         code: Tensor,
         n_codes: Tensor,
+        seen: Tensor,
         item: Tensor,
         eos_embed: Tensor,
         pad_embed: Tensor,
@@ -265,21 +280,22 @@ class Qwen25OmniWalks(nn.Module):
         top_p: float,
         top_k: int,
         seed: int,
-    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
+        repetition_penalty: float,
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The talker steps of one reply item: one, or after the last item's step, more on the
         text-EOS, then text-pad embedding until the talker ends."""
         k = n_codes * 0  # steps taken for this item
         new = []
-        sampling = (temperature, top_p, top_k, seed)
+        sampling = (temperature, top_p, top_k, seed, repetition_penalty)
         for _ in range(MAX_TALKER_STEPS):
-            cache, code, n_codes, k, stop = self.talk_step(
-                cache, code, n_codes, k, item, eos_embed, pad_embed, limit, *sampling
+            cache, code, n_codes, seen, k, stop = self.talk_step(
+                cache, code, n_codes, seen, k, item, eos_embed, pad_embed, limit, *sampling
             )
             new.append(code)
             if stop:
                 break
         done = self._ended(code, n_codes, limit).all()
-        return cache, code, n_codes, torch.cat(new, dim=1), done
+        return cache, code, n_codes, seen, torch.cat(new, dim=1), done
 
     @loop(max_iters=MAX_TALKER_STEPS, speculative=False)
     def talk_step(
@@ -287,6 +303,7 @@ class Qwen25OmniWalks(nn.Module):
         cache: Any,
         code: Tensor,
         n_codes: Tensor,
+        seen: Tensor,
         k: Tensor,
         item: Tensor,
         eos_embed: Tensor,
@@ -296,17 +313,19 @@ class Qwen25OmniWalks(nn.Module):
         top_p: float,
         top_k: int,
         seed: int,
-    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
+        repetition_penalty: float,
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]:
         reply, last = item[..., :-1], item[..., -1:] > 0  # [B, 1, D], [B, 1, 1]
         after = torch.where(k.unsqueeze(-1) == 1, eos_embed, pad_embed)  # [B, 1, D]
         feed = torch.where(k.unsqueeze(-1) == 0, reply, after)
         out = self.talker(input_ids=code, thinker_reply_part=feed, cache=cache, use_cache=True)
         cache = _read_now(out.cache)
-        code = self._pick_code(out.logits[:, -1:], n_codes, (temperature, top_p, top_k, seed))
+        sampling = (temperature, top_p, top_k, seed, repetition_penalty)
+        code = self._pick_code(out.logits[:, -1:], n_codes, sampling, seen)
         n_codes = n_codes + 1
         ended = self._ended(code, n_codes, limit)  # [B, 1]
         stop = (ended | ~last[..., 0]).all()  # a reply item gets one step, the last one more
-        return cache, code, n_codes, k + 1, stop
+        return cache, code, n_codes, seen.scatter(1, code, True), k + 1, stop
 
     def next_walk(
         self, request: Mapping[str, Any], walk: str, outputs: Mapping[str, Any]

@@ -7,7 +7,7 @@ and reproduces what ``generate()`` feeds the talker (text-only input). What cros
 boundary: walk inputs ``input_ids`` [1, P] int64 (a chat prompt ending with
 ``<|im_start|> assistant \\n``), ``max_new_tokens`` (thinker), ``max_audio_tokens`` (talker,
 counted as upstream ``talker_max_new_tokens``) and ``speaker_id`` (a codec speaker id from
-``config.talker_config.speaker_id``); outputs ``first_token`` [1, 1] (t0, from the prefill),
+``config.talker_config.speaker_id``), and the sampling inputs below; outputs ``first_token`` [1, 1] (t0, from the prefill),
 ``text_tokens`` [1, n - 1] (t1 .. t{n-1}, streamed token by token), ``codes`` [1, G, frames]
 and ``waveform`` [1, 1, samples] (both streamed).
 
@@ -24,10 +24,15 @@ and ``waveform`` [1, 1, samples] (both streamed).
              chunk i decodes frames [max(0, 300 i - 25), 300 (i + 1)) and drops the context's
              samples, so the joined waveform equals ``code2wav.chunked_decode(codes, 300, 25)``.
 
-Greedy throughout: equal to upstream ``generate(..., thinker_do_sample=False,
-talker_do_sample=False, talker_repetition_penalty=1.0)``. Not reproduced: audio / image / video
-inputs (the thinker encoders and the talker's multimodal projection), sampling, repetition
-penalty, batches of several rows in one request.
+Greedy by default: equal to upstream ``generate(..., thinker_do_sample=False,
+talker_do_sample=False, talker_repetition_penalty=r)`` with the walk input
+``talker_repetition_penalty`` = r (default 1). Sampling (``speech_sampling``): per-request inputs
+with greedy defaults, ``temperature`` / ``top_p`` / ``top_k`` (thinker), ``talker_*`` (talker),
+``predictor_*`` (code predictor) and one ``seed``; each of the three samplers draws its own
+stream seeded by ``(seed, row, step)``, so a request's tokens do not depend on its batch
+(upstream's draws, from the global RNG, are not reproduced). Not reproduced: audio / image /
+video inputs (the thinker encoders and the talker's multimodal projection), batches of several
+rows in one request.
 """
 
 from __future__ import annotations
@@ -325,22 +330,28 @@ class Qwen3OmniWalks(nn.Module):
         predictor_temperature: float = 0.0,
         predictor_top_p: float = 1.0,
         predictor_top_k: int = 0,
+        talker_repetition_penalty: float = 1.0,
     ) -> dict[str, Tensor]:
         sampling = (temperature, top_p, top_k, seed)
         first, text_tokens, feeds = self._think(input_ids, max_new_tokens, sampling)
         talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
+        talker_sampling += (talker_repetition_penalty,)
         talker_sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
 
         prompt = self.talker_prompt(input_ids, first, speaker_id)  # [B, U + 9, D]
         out = self.talker(inputs_embeds=prompt, use_cache=True, output_hidden_states=True)
         cache = _read_now(out.cache)
         hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]: last layer, last position
-        code = self._pick_code(out.logits[:, -1:], 0, talker_sampling[:4])  # [B, 1]: c0
+        # The codes generate() penalizes (talker repetition_penalty): each one generated (the
+        # talker gets no prompt ids upstream). seen: [B, V_talker] bool
+        seen = torch.zeros_like(out.logits[:, -1], dtype=torch.bool)
+        code = self._pick_code(out.logits[:, -1:], 0, talker_sampling[:5], seen)  # [B, 1]: c0
+        seen = seen.scatter(1, code, True)
         count = torch.ones_like(code)
         frames = []
         for item in stream(feeds, FixedChunk(1), dim=1):  # item: [B, 1]
-            cache, code, hidden, count, new, done = self.talk_item(
-                cache, code, hidden, count, item, max_audio_tokens, *talker_sampling
+            cache, code, hidden, count, seen, new, done = self.talk_item(
+                cache, code, hidden, count, seen, item, max_audio_tokens, *talker_sampling
             )
             frames.append(new)
             if done:
@@ -358,9 +369,11 @@ class Qwen3OmniWalks(nn.Module):
             "waveform": waveform,
         }
 
-    def _pick_code(self, logits: Tensor, step: Tensor | int, sampling: tuple[Any, ...]) -> Tensor:
+    def _pick_code(
+        self, logits: Tensor, step: Tensor | int, sampling: tuple[Any, ...], seen: Tensor
+    ) -> Tensor:
         masked = logits.masked_fill(self.suppressed, float("-inf"))  # [B, 1, V]
-        return self.talker_sampler(masked, step, *sampling)  # [B, 1]
+        return self.talker_sampler(masked, step, *sampling, seen)  # [B, 1]
 
     @loop(max_iters=MAX_THINKER_STEPS, speculative=False)
     def talk_item(
@@ -369,30 +382,32 @@ class Qwen3OmniWalks(nn.Module):
         code: Tensor,
         hidden: Tensor,
         count: Tensor,
+        seen: Tensor,
         item: Tensor,
         limit: int,
         temperature: float,
         top_p: float,
         top_k: int,
         seed: int,
+        repetition_penalty: float,
         predictor_temperature: float,
         predictor_top_p: float,
         predictor_top_k: int,
-    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The talker steps of one text item: one, or for the <eos> item, on until codec EOS."""
         feed = item
         frames = []
-        sampling: tuple[Any, ...] = (temperature, top_p, top_k, seed)
+        sampling: tuple[Any, ...] = (temperature, top_p, top_k, seed, repetition_penalty)
         sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
         for _ in range(MAX_TALKER_STEPS):
-            cache, code, hidden, count, feed, frame, stop = self.talk_step(
-                cache, code, hidden, count, feed, item, limit, *sampling
+            cache, code, hidden, count, seen, feed, frame, stop = self.talk_step(
+                cache, code, hidden, count, seen, feed, item, limit, *sampling
             )
             frames.append(frame)
             if stop:
                 break
         done = ((code == self.tokens.codec_eos) | (count >= limit)).all()
-        return cache, code, hidden, count, torch.cat(frames, dim=2), done
+        return cache, code, hidden, count, seen, torch.cat(frames, dim=2), done
 
     @loop(max_iters=MAX_TALKER_STEPS, speculative=False)
     def talk_step(
@@ -401,6 +416,7 @@ class Qwen3OmniWalks(nn.Module):
         code: Tensor,
         hidden: Tensor,
         count: Tensor,
+        seen: Tensor,
         feed: Tensor,
         item: Tensor,
         limit: int,
@@ -408,10 +424,11 @@ class Qwen3OmniWalks(nn.Module):
         top_p: float,
         top_k: int,
         seed: int,
+        repetition_penalty: float,
         predictor_temperature: float,
         predictor_top_p: float,
         predictor_top_k: int,
-    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         predictor_sampling = (predictor_temperature, predictor_top_p, predictor_top_k, seed)
         frame = self.predict_residuals(hidden, code, count, predictor_sampling)  # [B, G, 1]
         embeds = self.step_input(frame, feed)  # [B, 1, D]
@@ -424,12 +441,13 @@ class Qwen3OmniWalks(nn.Module):
         )
         cache = _read_now(out.cache)
         hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]
-        code = self._pick_code(out.logits[:, -1:], count, (temperature, top_p, top_k, seed))
+        sampling = (temperature, top_p, top_k, seed, repetition_penalty)
+        code = self._pick_code(out.logits[:, -1:], count, sampling, seen)
         count = count + 1
         ended = (code == self.tokens.codec_eos) | (count >= limit)  # [B, 1]
         stop = (ended | (item != FEED_EOS)).all()  # a text item gets one step, <eos> the rest
         pad = torch.full_like(feed, FEED_PAD)
-        return cache, code, hidden, count, pad, frame, stop
+        return cache, code, hidden, count, seen.scatter(1, code, True), pad, frame, stop
 
     def predict_residuals(
         self, hidden: Tensor, code: Tensor, frame_index: Tensor, sampling: tuple[Any, ...]

@@ -5,7 +5,9 @@ else top-k / top-p sampling from a generator seeded by ``(seed, row, step)``).
 
 What crosses its boundary: ``logits`` [B, 1, V] (any masking already applied by the walk),
 ``step`` [B, 1] int64 or an int (the row's draw index: tokens this sampler drew for it before),
-and the request's scalars ``temperature``, ``top_p``, ``top_k``, ``seed``; out: tokens [B, 1] int64.
+the request's scalars ``temperature``, ``top_p``, ``top_k``, ``seed``, and optionally
+``repetition_penalty`` with ``seen`` [B, V] bool (the token ids generate() would penalize: the
+prompt's and the ones drawn so far; the walk carries it); out: tokens [B, 1] int64.
 
 Why a component and not walk glue: a draw is a Python loop over rows with a generator per row,
 which fx cannot trace; and batching must not change a request's tokens. ``forward_batch`` gets
@@ -39,8 +41,7 @@ STREAMS = 8  # distinct sampler streams of one request
 class SamplingDefaults:
     """An upstream model's default generation settings for one sampler, for profiles that want
     the model's own behaviour instead of the walks' greedy default (temperature 0).
-    ``repetition_penalty`` is recorded but not applied by ``TokenSampler`` (it needs the
-    request's token history)."""
+    ``repetition_penalty``: applied where the walk carries the token history (``seen``)."""
 
     temperature: float
     top_p: float = 1.0
@@ -70,8 +71,10 @@ class TokenSampler(nn.Module):
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int = 0,
+        repetition_penalty: float = 1.0,
+        seen: Tensor | None = None,  # [B, V] bool: token ids the penalty applies to
     ) -> Tensor:  # [B, 1] int64
-        if temperature == 0.0:
+        if temperature == 0.0 and repetition_penalty == 1.0:
             return logits.argmax(-1)
         rows = logits.reshape(logits.shape[0], -1)  # [B, V]
         steps = step.reshape(-1).tolist() if isinstance(step, Tensor) else [step] * len(rows)
@@ -84,6 +87,8 @@ class TokenSampler(nn.Module):
                 top_p=float(top_p),
                 top_k=int(top_k),
                 seed=int(seed),
+                repetition_penalty=float(repetition_penalty),
+                seen=[] if seen is None else seen[r].nonzero().flatten().tolist(),
             )
             for r in range(rows.shape[0])
         ]

@@ -458,15 +458,26 @@ def seeded_token(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
+    repetition_penalty: float = 1.0,
+    seen: Sequence[int] = (),
 ) -> int:
     """One token of row ``row`` at step ``step``: argmax at temperature 0, else ``sample_row``
     with a generator seeded from ``step_seed(seed, row, step)`` (the rule of every sampling
-    component: the draw depends on the request's own inputs only)."""
-    if temperature == 0.0:
+    component: the draw depends on the request's own inputs only). ``repetition_penalty``
+    applies to the token ids in ``seen`` (transformers' rule, before the argmax too)."""
+    if temperature == 0.0 and repetition_penalty == 1.0:
         return int(logits.argmax())
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    generator = torch.Generator(device=logits.device).manual_seed(step_seed(seed, row, step))
-    return sample_row(logits, params, generator, [])
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+    )
+    generator = None
+    if temperature > 0.0:
+        generator = torch.Generator(device=logits.device).manual_seed(step_seed(seed, row, step))
+    return sample_row(logits, params, generator, seen)
 
 
 def _shape(x: Any) -> str:
