@@ -7,20 +7,21 @@ token equal to upstream ``generate()`` (greedy, text-only input), the waveform e
 speaker's token2wav conditioning and reference mel), and, with defaults, the sampling inputs
 ``temperature``, ``top_p``, ``top_k`` (thinker), ``talker_temperature``, ``talker_top_p``,
 ``talker_top_k``, ``talker_repetition_penalty`` (1: off) and ``seed`` (temperature 0: greedy;
-see ``speech_sampling``; ``seed`` also seeds token2wav's noise); outputs ``first_token`` [1, 1], ``second_token`` [1, 1],
-``text_tokens`` [1, n - 2] (streamed), ``first_code`` [1, 1] and ``codes`` [1, m - 1]
-(streamed): the talker's tokens, the final EOS or max-th one included; ``waveform``
-[1, 1, samples] float32 at 24 kHz (upstream returns [samples]; here with batch and channel).
+see ``speech_sampling``; ``seed`` also seeds token2wav's noise); outputs ``first_token``
+[1, 1], ``second_token`` [1, 1], ``text_tokens`` [1, n - 2] (streamed), ``first_code`` [1, 1]
+and ``codes`` [1, m - 1] (streamed): the talker's tokens, the final EOS or max-th one included;
+``waveform`` [1, 1, samples] float32 at 24 kHz (upstream returns [samples]; here with batch
+and channel).
 
-    thinker  prefill -> t0; step feeding t0 -> reply0, t1; loop feeding t1 .. t{n-2}:
-             each step emits reply_i = last hidden + input embedding of t_i, flagged if its
-             output t{i+1} is the last token (EOS / max_new_tokens)
-    talker   prefill(prompt hidden + embeds, speaker bos, reply0) -> c0; one step per streamed
-             reply_i; after the flagged one, a step on the text-EOS embedding, then steps on
-             the text-pad embedding until a codec EOS / max_audio_tokens (as generate() does)
-
+    thinker    prefill -> t0; step feeding t0 -> reply0, t1; loop feeding t1 .. t{n-2}:
+               each step emits reply_i = last hidden + input embedding of t_i, flagged if its
+               output t{i+1} is the last token (EOS / max_new_tokens)
+    talker     prefill(prompt hidden + embeds, speaker bos, reply0) -> c0; one step per
+               streamed reply_i; after the flagged one, a step on the text-EOS embedding, then
+               steps on the text-pad embedding until a codec EOS / max_audio_tokens (as
+               generate() does)
     token2wav  after the talker: the codes up to the first codec EOS, decoded at once by
-             ``SeededToken2Wav`` under the request's seed (on the talker's rank)
+               ``SeededToken2Wav`` under the request's seed (on the talker's rank)
 
 Not streamed: the waveform. Upstream token2wav is a DiT flow-matching model that starts from
 random noise and attends over the *whole* code sequence, then BigVGAN; chunking it would change
@@ -42,6 +43,7 @@ from torch import Tensor, nn
 from walkserve.adapters.qwen3_omni import _read_now
 from walkserve.adapters.speech_sampling import SamplingDefaults, TokenSampler
 from walkserve.capture import FixedChunk, iterations, loop, register_component, stream, walk
+from walkserve.capture.api import component
 
 MAX_TALKER_STEPS = 4096
 MAX_THINKER_STEPS = 32768
@@ -51,6 +53,7 @@ MAX_THINKER_STEPS = 32768
 TALKER_SAMPLING = SamplingDefaults(temperature=0.9, top_p=0.8, top_k=40, repetition_penalty=1.05)
 
 
+@component(engine="stateless", speculative=False)
 class SeededToken2Wav(nn.Module):
     """Upstream ``token2wav`` (DiT flow matching from random noise, then BigVGAN) made
     deterministic per request: it runs under a forked global RNG seeded with the request's
@@ -86,8 +89,8 @@ class SeededToken2Wav(nn.Module):
         # codes: [B, m] int64 -> [B, 1, samples] float32
         if int(text_bos_id) not in self.speakers:
             raise ValueError(
-                f"text_bos_id {text_bos_id} names no speaker; the speakers' bos tokens are "
-                f"{ {b: n for b, n in self.speakers.items()} }"
+                f"text_bos_id {text_bos_id} names no speaker; the speakers by bos token: "
+                f"{self.speakers}"
             )
         cond: Tensor = getattr(self, f"cond_{int(text_bos_id)}")  # [1, C]
         ref_mel: Tensor = getattr(self, f"ref_mel_{int(text_bos_id)}")  # [1, T, M]
@@ -127,7 +130,6 @@ class Qwen25OmniWalks(nn.Module):
         super().__init__()
         register_component(type(model.thinker), engine="kv_cache")
         register_component(type(model.talker), engine="kv_cache", speculative=False)
-        register_component(SeededToken2Wav, engine="stateless", speculative=False)
         object.__setattr__(self, "upstream", model)  # for reference runs; not a submodule
         self.thinker: Any = model.thinker
         self.talker: Any = model.talker

@@ -6,10 +6,11 @@ this module writes the loops that upstream ``generate()`` hides, around their fo
 and reproduces what ``generate()`` feeds the talker (text-only input). What crosses its
 boundary: walk inputs ``input_ids`` [1, P] int64 (a chat prompt ending with
 ``<|im_start|> assistant \\n``), ``max_new_tokens`` (thinker), ``max_audio_tokens`` (talker,
-counted as upstream ``talker_max_new_tokens``) and ``speaker_id`` (a codec speaker id from
-``config.talker_config.speaker_id``), and the sampling inputs below; outputs ``first_token`` [1, 1] (t0, from the prefill),
-``text_tokens`` [1, n - 1] (t1 .. t{n-1}, streamed token by token), ``codes`` [1, G, frames]
-and ``waveform`` [1, 1, samples] (both streamed).
+counted as upstream ``talker_max_new_tokens``), ``speaker_id`` (a codec speaker id from
+``config.talker_config.speaker_id``) and the sampling inputs (below, all with greedy
+defaults); outputs ``first_token`` [1, 1] (t0, from the prefill), ``text_tokens`` [1, n - 1]
+(t1 .. t{n-1}, streamed token by token), ``codes`` [1, G, frames] and ``waveform``
+[1, 1, samples] (both streamed).
 
     thinker  prefill -> t0; decode t1 .. t{n-1} (EOS / max_new_tokens)
              feeds:   t1 t2 ... t{n-2} <eos>            (the item of the last token is the
@@ -270,11 +271,14 @@ class Qwen3OmniWalks(nn.Module):
         return {"first_token": first, "text_tokens": text_tokens}
 
     def _think(
-        self, input_ids: Tensor, max_new_tokens: int, sampling: tuple[Any, ...]
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        sampling: tuple[Any, ...] = (0.0, 1.0, 0, 0),
     ) -> tuple[Tensor, Tensor, Tensor]:
         """-> t0 [B, 1], the decode loop's tokens t1 .. t{n-1} [B, n - 1] (a streamed channel),
         the talker's feed items [B, n - 1]. ``sampling``: the thinker's
-        ``(temperature, top_p, top_k, seed)``."""
+        ``(temperature, top_p, top_k, seed)`` (default: greedy)."""
         out = self.thinker(input_ids=input_ids, use_cache=True)
         cache = _read_now(out.cache)
         first = token = self.thinker_sampler(out.logits[:, -1:], 0, *sampling)  # [B, 1]: t0
