@@ -585,7 +585,7 @@ class Qwen3OmniWalks(nn.Module):
         talker_repetition_penalty: float = 1.0,
     ) -> dict[str, Tensor]:
         sampling = (temperature, top_p, top_k, seed)
-        talker_sampling = (talker_temperature, talker_top_p, talker_top_k, seed)
+        talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
         talker_sampling += (talker_repetition_penalty,)
         talker_sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
         return self._speak(
@@ -617,7 +617,7 @@ class Qwen3OmniWalks(nn.Module):
         input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
         media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
         sampling = (temperature, top_p, top_k, seed)
-        talker_sampling = (talker_temperature, talker_top_p, talker_top_k, seed)
+        talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
         talker_sampling += (talker_repetition_penalty,)
         talker_sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
         return self._speak(
@@ -655,7 +655,7 @@ class Qwen3OmniWalks(nn.Module):
         input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
         media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
         sampling = (temperature, top_p, top_k, seed)
-        talker_sampling = (talker_temperature, talker_top_p, talker_top_k, seed)
+        talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
         talker_sampling += (talker_repetition_penalty,)
         talker_sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
         return self._speak(
