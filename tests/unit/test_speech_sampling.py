@@ -18,6 +18,9 @@ from walkserve.adapters import orpheus
 from walkserve.adapters import qwen3_omni as q3
 from walkserve.adapters import qwen25_omni as q25
 from walkserve.adapters.speech_sampling import STREAMS, TokenSampler
+from walkserve.lowering.lower import lower
+from walkserve.lowering.plan import LoopPlan, NodePlan
+from walkserve.runtime.kv.paged_lm import seeded_token
 from walkserve.runtime.kv.sampling import top_k_filter, top_p_filter
 
 pytest.importorskip("transformers")
@@ -30,7 +33,7 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
-# ----------------------------------------------------------------------------- the component
+# ----------------------------------------------------------------------------- the sampler
 
 
 def test_temperature_zero_is_the_argmax_op_and_top_k_one_is_greedy() -> None:
@@ -41,19 +44,30 @@ def test_temperature_zero_is_the_argmax_op_and_top_k_one_is_greedy() -> None:
     assert torch.equal(sampler(logits, step, 1.5, 1.0, 1, 7), logits.argmax(-1))
 
 
-def test_a_row_draws_the_same_alone_and_in_a_batch_of_calls() -> None:
+def test_a_row_draws_by_its_request_seed_row_and_step_only() -> None:
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(1, 1, 40, generator=g), torch.randn(2, 1, 40, generator=g)
     sampler = TokenSampler(stream=1)
-    alone = sampler.forward_batch([((a, torch.tensor([[3]]), 2.0, 0.95, 20, 11), {})])
-    together = sampler.forward_batch(
-        [
-            ((b, torch.tensor([[0], [5]]), 2.0, 1.0, 0, 11), {}),
-            ((a, torch.tensor([[3]]), 2.0, 0.95, 20, 11), {}),
-        ]
-    )
-    assert torch.equal(alone[0], together[1])
-    assert torch.equal(sampler(b, torch.tensor([[0], [5]]), 2.0, 1.0, 0, 11), together[0])
+    first = sampler(a, torch.tensor([[3]]), 2.0, 0.95, 20, 11)
+    sampler(b, torch.tensor([[0], [5]]), 2.0, 1.0, 0, 11)  # another request's draw between
+    assert torch.equal(sampler(a, torch.tensor([[3]]), 2.0, 0.95, 20, 11), first)
+    # Row r of a request draws from the generator of (seed, r, step * STREAMS + stream).
+    pair = sampler(torch.cat([b[:1], a]), torch.tensor([[0], [3]]), 2.0, 0.95, 20, 11)
+    want = seeded_token(a[0, 0], 1, 3 * STREAMS + 1, 2.0, 0.95, 20, 11)
+    assert int(pair[1, 0]) == want
+
+
+def test_the_samplers_are_glue_that_runs_with_the_forward_before_them(q3_tiny: Any) -> None:
+    """No sampler is a dispatch of its own: a thinker decode step is one node."""
+    _, _, captured = q3_tiny
+    plan = lower(captured, q3.tiny()[1], check_capture=False)
+    walk = plan.walks["chat"].nodes
+    assert [n.name for n in walk if isinstance(n, NodePlan)] == ["thinker"]
+    step = next(n for n in walk if isinstance(n, LoopPlan))
+    assert [n.name for n in step.body.nodes] == ["think_step/thinker"]
+    first = step.body.nodes[0]
+    assert isinstance(first, NodePlan)
+    assert any("sample_tokens" in op for op in first.ops)
 
 
 def test_samplers_of_one_request_draw_independent_streams() -> None:

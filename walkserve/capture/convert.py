@@ -72,7 +72,13 @@ def _torch_public_name(target: Any) -> str | None:
 
 
 def resolve_function(name: str) -> Any:
-    """The glue function a ``function:`` target names; refuses anything outside the allowlist."""
+    """The glue function a ``function:`` target names; refuses anything outside the allowlist
+    (and the functions registered with ``capture.gluefn.glue_function``)."""
+    from walkserve.capture.gluefn import registered
+
+    custom = registered(name)
+    if custom is not None:
+        return custom
     module_name, _, attr = name.rpartition(".")
     if module_name == "builtins":
         if attr not in SAFE_BUILTINS:

@@ -21,7 +21,8 @@ per walk (one namespace for all value names of a walk, loop bodies included):
     tensor-const     a TensorConst names an entry of graph.constants
     op-kind          an Op is a component or glue
     component        a component op names an entry of graph.components
-    glue-target      glue targets are function:<allowlisted dotted name> or method:<public name>
+    glue-target      glue targets are function:<allowlisted dotted name or registered glue
+                     function> or method:<public name>
     loop-params      every body param has exactly one LoopParam and vice versa
     loop-outputs     body outputs and the stop name values of the body
     carried          Carried.output indexes a body output; each output feeds at most one carried
@@ -49,6 +50,7 @@ import torch
 from walkserve.capture import ir
 from walkserve.capture.chunk import ChunkPolicy
 from walkserve.capture.convert import SAFE_BUILTINS, SAFE_MODULES
+from walkserve.capture.gluefn import registered
 
 
 class LintError(ValueError):
@@ -446,8 +448,11 @@ def _glue_target_problem(target: str) -> str | None:
         return (
             None if len(parts) == 2 and parts[1] in SAFE_BUILTINS else "is not an allowed builtin"
         )
-    if parts[0] not in SAFE_MODULES:
-        return f"is outside the allowed modules {SAFE_MODULES}"
+    if parts[0] not in SAFE_MODULES and registered(name) is None:
+        return (
+            f"is outside the allowed modules {SAFE_MODULES} and not a registered glue function "
+            "(capture.gluefn.glue_function)"
+        )
     return None
 
 

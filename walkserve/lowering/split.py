@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from walkserve.capture import ir
+from walkserve.capture import gluefn, ir
 from walkserve.lowering.plan import BlockPlan, LoopPlan, NodePlan
 
 GluePolicy = Callable[[ir.Op], bool]
@@ -56,6 +56,8 @@ FUSIBLE = {
     "method:all",
     "method:any",
     "method:masked_fill",
+    "method:scatter",
+    "method:gather",
     "method:clamp",
     "method:clamp_min",
     "method:clamp_max",
@@ -76,7 +78,7 @@ FUSIBLE = {
 
 
 def fuse_elementwise(op: ir.Op) -> bool:
-    return op.target in FUSIBLE
+    return op.target in FUSIBLE or gluefn.fusible(op.target)
 
 
 def separate(op: ir.Op) -> bool:
