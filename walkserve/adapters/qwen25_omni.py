@@ -22,14 +22,18 @@ its output, so this adapter stops at the codec tokens (decode them with
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from walkserve.adapters.qwen3_omni import _read_now
 from walkserve.capture import FixedChunk, iterations, loop, register_component, stream, walk
+
+if TYPE_CHECKING:
+    from walkserve.api.profile import ModelProfile
 
 MAX_TALKER_STEPS = 4096
 MAX_THINKER_STEPS = 32768
@@ -350,3 +354,104 @@ def load_qwen25_omni(
         "text_bos_id": int(model.speaker_map[speaker]["bos_token"]),
     }
     return walks, sample
+
+
+# ---------------------------------------------------------------------- HTTP profiles
+# (``/v1/chat/completions`` text and audio, ``/v1/audio/speech``: see ``adapters.omni_http``).
+# Audio routes need a ``waveform`` output of ``speak`` (token2wav in the walk); until the walk
+# has one they answer 400 saying so, and text chat runs ``speak`` with a one-code talker.
+
+QWEN_CHAT_IDS = dict(im_start=151644, im_end=151645, system=8948, user=872, assistant=77091)
+
+
+def qwen25_walk_names(default_bos: int) -> Any:
+    """Which walks, inputs and outputs serve which route (``omni_http.OmniWalkNames``)."""
+    from walkserve.adapters.omni_http import OmniWalkNames
+
+    return OmniWalkNames(
+        chat_walk="speak",
+        speech_walk="speak",
+        prompt_input="input_ids",
+        text_limit_input="max_new_tokens",
+        audio_limit_input="max_audio_tokens",
+        leads=("first_token", "second_token"),
+        text_channel="text_tokens",
+        waveform="waveform",
+        chat_extra={"max_audio_tokens": 1, "text_bos_id": default_bos},
+    )
+
+
+def qwen25_voices(speakers: Mapping[str, int]) -> Any:
+    """The speaker map's speakers (``spk_dict.pt``) as voices, each setting ``text_bos_id``
+    (the speaker's ``bos_token``); "Chelsie" by default, as ``load_qwen25_omni``."""
+    from walkserve.adapters.omni_http import voices_from
+
+    if not speakers:
+        raise ValueError("the speaker map names no speakers")
+    return voices_from(speakers, "text_bos_id", "Chelsie")
+
+
+def tiny_profile(name: str) -> ModelProfile:
+    """``tiny``'s routes (its one speaker, "Chelsie"); text through ``TinyChatTokenizer``."""
+    from walkserve.adapters.omni_http import (
+        TINY_LIMITS,
+        ChatIds,
+        TinyChatTokenizer,
+        chatml,
+        omni_profile,
+    )
+
+    ids = ChatIds(
+        im_start=_Ids.im_start_token_id,
+        im_end=_Ids.im_end_token_id,
+        system=245,
+        user=_Ids.user_token_id,
+        assistant=_Ids.assistant_token_id,
+        newline=10,
+    )
+    tok = TinyChatTokenizer(ids, first_special=238)
+    return omni_profile(
+        name,
+        qwen25_walk_names(TINY_SPEAKER_BOS),
+        TINY_LIMITS,
+        eos_id=_Ids.im_end_token_id,
+        vocab_size=256,
+        encode=tok.encode,
+        decode=tok.decode,
+        chat=chatml,
+        voices=qwen25_voices({"Chelsie": TINY_SPEAKER_BOS}),
+    )
+
+
+def checkpoint_profile(path: str, name: str) -> ModelProfile:
+    """A local Qwen2.5-Omni checkpoint's routes: its tokenizer and chat template, its
+    speakers from ``spk_dict.pt`` (read with ``weights_only=True``)."""
+    from walkserve.adapters.omni_http import (
+        CHECKPOINT_LIMITS,
+        ChatIds,
+        checkpoint_text,
+        omni_profile,
+    )
+
+    spk_path = os.path.join(path, "spk_dict.pt")
+    if not os.path.isfile(spk_path):
+        raise ValueError(f"{path} has no spk_dict.pt: the speakers of a Qwen2.5-Omni checkpoint")
+    spk = torch.load(spk_path, map_location="cpu", weights_only=True)
+    speakers = {str(k): int(v["bos_token"]) for k, v in spk.items()}
+    voices = qwen25_voices(speakers)
+    default_bos = speakers[voices.default]
+    encode, decode, chat = checkpoint_text(path, ChatIds(**QWEN_CHAT_IDS, newline=198))
+    from transformers import AutoConfig
+
+    config: Any = AutoConfig.from_pretrained(path, local_files_only=True)
+    return omni_profile(
+        name,
+        qwen25_walk_names(default_bos),
+        CHECKPOINT_LIMITS,
+        eos_id=QWEN_CHAT_IDS["im_end"],
+        vocab_size=int(config.thinker_config.text_config.vocab_size),
+        encode=encode,
+        decode=decode,
+        chat=chat,
+        voices=voices,
+    )
