@@ -499,7 +499,8 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        tasks = [t for t in ("text", "speech", "image") if getattr(profile, t) is not None]
+        kinds = ("text", "speech", "image", "chat_audio")
+        tasks = [t for t in kinds if getattr(profile, t) is not None]
         return {
             "object": "list",
             "data": [
