@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_orpheus_voices_prefix_the_prompt_text() -> None:
 
 def test_tiny_chat_tokenizer_writes_the_adapters_prompt() -> None:
     config = qwen3_omni.tiny_config()
-    tok = omni_http.TinyChatTokenizer(qwen3_omni.qwen3_chat_ids(config, 10), 238)
+    tok = omni_http.TinyChatTokenizer(qwen3_omni.qwen3_chat_ids(config), 238)
     ids = tok.encode(omni_http.chatml([("user", "Hi!")]))
     # ChatML has a newline after the role: the user part is "\nHi!"
     assert torch.equal(torch.tensor([ids]), qwen3_omni.chat_prompt(config, list(b"\nHi!"), 10))
@@ -211,3 +212,51 @@ def test_finished_outputs_are_sent_before_the_stream_items() -> None:
     want = captured.run(inputs, walk="chat")
     for name, value in want.items():
         assert torch.equal(result.outputs["r"][name], value), name
+
+
+def fake_checkpoint(path: Path, template: str | None) -> None:
+    """A Qwen3-Omni checkpoint directory without weights: the tiny config and a character
+    tokenizer with the chat-format tokens at the config's ids (enough for its profile)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    qwen3_omni.tiny_config().save_pretrained(path)
+    vocab = {chr(i): i for i in range(32, 127)} | {"\n": 10, "<unk>": 0}
+    vocab |= {"<|im_start|>": 250, "<|im_end|>": 251, "system": 245}
+    vocab |= {"user": 246, "assistant": 247}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), "<|im_end|>"])
+    tok.add_tokens([AddedToken(w) for w in ("system", "user", "assistant")])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+    if template is not None:
+        (path / "chat_template.jinja").write_text(template)
+
+
+TEMPLATE = (
+    "<|im_start|>system\nBe brief<|im_end|>\n{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}<|im_end|>\n{% endfor %}{{ '<|im_start|>assistant\\n' }}"
+)  # as Qwen's templates write the header (jinja drops a template's last newline)
+
+
+@pytest.mark.parametrize(
+    "template, system",
+    [(None, False), (TEMPLATE, True), (TEMPLATE + "<think>", False)],
+    ids=["no-template", "its-template", "template-without-the-header"],
+)
+def test_checkpoint_profile_uses_its_tokenizer_and_template(
+    tmp_path: Path, template: str | None, system: bool
+) -> None:
+    """The checkpoint's template when it ends with the assistant header the talker needs,
+    else ChatML; ids from its own tokenizer, equal to the adapter's prompt builder."""
+    fake_checkpoint(tmp_path, template)
+    p = profile_for(str(tmp_path))  # dispatched by model_type
+    assert p.text is not None and p.speech is not None and p.chat_audio is not None
+    config = qwen3_omni.tiny_config()
+    ids = p.text.encode(p.text.chat_template([("user", "Hi")]))
+    want = qwen3_omni.chat_prompt(config, list(b"\nHi"), 10)[0].tolist()
+    head = [250, 245, *b"\nBe brief", 251, 10] if system else []
+    assert ids == head + want
+    assert p.text.decode([72, 105, 251]) == "Hi" and p.text.eos_id == config.im_end_token_id
+    assert p.speech.voices is not None and p.speech.voices.default == "ethan"

@@ -43,14 +43,14 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 @dataclass(frozen=True)
 class ChatIds:
-    """Token ids of the chat format (``<|im_start|> role \\n ... <|im_end|> \\n``)."""
+    """Token ids of the chat format (``<|im_start|> role \\n ... <|im_end|> \\n``) that the tiny
+    configs put among their special ids."""
 
     im_start: int
     im_end: int
     system: int
     user: int
     assistant: int
-    newline: int
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ def omni_profile(
     return ModelProfile(name, text=text, speech=speech, chat_audio=chat_audio)
 
 
-def checkpoint_text(path: str, ids: ChatIds) -> tuple[Encode, Decode, Callable[..., str]]:
+def checkpoint_text(path: str) -> tuple[Encode, Decode, Callable[..., str]]:
     """A local checkpoint's own tokenizer and chat template (``tokenizer_config.json``, else
     the processor's ``chat_template.json`` / ``chat_template.jinja``); the Qwen chat format
     when it has none or when its template does not end with the assistant header."""
@@ -216,10 +216,11 @@ def checkpoint_text(path: str, ids: ChatIds) -> tuple[Encode, Decode, Callable[.
 
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     template = getattr(tok, "chat_template", None) or _template_file(path)
-    header = [ids.im_start, ids.assistant, ids.newline]
 
     def encode(text: str) -> list[int]:
         return list(tok.encode(text, add_special_tokens=False))
+
+    header = encode("<|im_start|>assistant\n")  # the talker's prompt needs it last
 
     def decode(token_ids: list[int]) -> str:
         return str(tok.decode(token_ids, skip_special_tokens=True))

@@ -361,7 +361,7 @@ def load_qwen25_omni(
 # Audio routes need a ``waveform`` output of ``speak`` (token2wav in the walk); until the walk
 # has one they answer 400 saying so, and text chat runs ``speak`` with a one-code talker.
 
-QWEN_CHAT_IDS = dict(im_start=151644, im_end=151645, system=8948, user=872, assistant=77091)
+QWEN_IM_END = 151645  # <|im_end|>: the thinker's EOS (as load_qwen25_omni's default)
 
 
 def qwen25_walk_names(default_bos: int) -> Any:
@@ -407,7 +407,6 @@ def tiny_profile(name: str) -> ModelProfile:
         system=245,
         user=_Ids.user_token_id,
         assistant=_Ids.assistant_token_id,
-        newline=10,
     )
     tok = TinyChatTokenizer(ids, first_special=238)
     return omni_profile(
@@ -428,7 +427,6 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
     speakers from ``spk_dict.pt`` (read with ``weights_only=True``)."""
     from walkserve.adapters.omni_http import (
         CHECKPOINT_LIMITS,
-        ChatIds,
         checkpoint_text,
         omni_profile,
     )
@@ -440,7 +438,7 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
     speakers = {str(k): int(v["bos_token"]) for k, v in spk.items()}
     voices = qwen25_voices(speakers)
     default_bos = speakers[voices.default]
-    encode, decode, chat = checkpoint_text(path, ChatIds(**QWEN_CHAT_IDS, newline=198))
+    encode, decode, chat = checkpoint_text(path)
     from transformers import AutoConfig
 
     config: Any = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -448,7 +446,7 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
         name,
         qwen25_walk_names(default_bos),
         CHECKPOINT_LIMITS,
-        eos_id=QWEN_CHAT_IDS["im_end"],
+        eos_id=QWEN_IM_END,
         vocab_size=int(config.thinker_config.text_config.vocab_size),
         encode=encode,
         decode=decode,

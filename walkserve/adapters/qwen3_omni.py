@@ -613,7 +613,7 @@ TINY_NEWLINE = 10  # "\n" as a byte of the tiny tokenizer
 TINY_FIRST_SPECIAL = 238  # the tiny config's special ids are 238 .. 255
 
 
-def qwen3_chat_ids(config: Any, newline: int) -> Any:
+def qwen3_chat_ids(config: Any) -> Any:
     from walkserve.adapters.omni_http import ChatIds
 
     return ChatIds(
@@ -622,7 +622,6 @@ def qwen3_chat_ids(config: Any, newline: int) -> Any:
         system=int(config.system_token_id),
         user=int(config.user_token_id),
         assistant=int(config.assistant_token_id),
-        newline=newline,
     )
 
 
@@ -649,7 +648,7 @@ def tiny_profile(name: str) -> ModelProfile:
 
     walks, _ = tiny()  # its thinker EOS (tiny_eos) depends on the seeded weights
     config = tiny_config()
-    tok = TinyChatTokenizer(qwen3_chat_ids(config, TINY_NEWLINE), TINY_FIRST_SPECIAL)
+    tok = TinyChatTokenizer(qwen3_chat_ids(config), TINY_FIRST_SPECIAL)
     return omni_profile(
         name,
         qwen3_walk_names(),
@@ -674,7 +673,7 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
     )
 
     config: Any = Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
-    encode, decode, chat = checkpoint_text(path, qwen3_chat_ids(config, 198))
+    encode, decode, chat = checkpoint_text(path)
     return omni_profile(
         name,
         qwen3_walk_names(),
