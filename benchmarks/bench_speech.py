@@ -62,11 +62,12 @@ def run_native(level: int, tokens: int, seed: int) -> dict[str, Any]:
     from walkserve.adapters import orpheus
 
     model, _ = orpheus.bench()
+    lm = orpheus.reference_lm(model)  # the upstream LM on its own SDPA attention
     work = [torch.tensor([p]) for p in prompts(level, seed)]
 
     def one(ids: torch.Tensor, n: int) -> tuple[list[int], int]:
         with torch.no_grad():
-            seq = model.lm.generate(
+            seq = lm.generate(
                 ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n
             )
             new = seq[0, ids.shape[1] :].tolist()

@@ -1,7 +1,8 @@
 """Qwen3-Omni speech serving: ``python benchmarks/bench_speech_omni.py [--quick]``.
 
-The tiny random Qwen3-Omni of ``walkserve.adapters.qwen3_omni:tiny`` (text prompt -> thinker ->
-talker + code predictor -> code2wav), greedy. At concurrency 1, 4 and 8 (``--quick``: 1 and 4),
+The tiny random Qwen3-Omni (text prompt -> thinker -> talker + code predictor -> code2wav),
+greedy, served as ``walkserve.adapters.qwen3_omni:streaming``: code2wav chunks of 8 frames with
+4 of left context, the first chunk 4 frames. At concurrency 1, 4 and 8 (``--quick``: 1 and 4),
 ``c`` requests are submitted at once, two waves per level, and compared with the native
 baseline: upstream ``generate()`` called per request, one after another, in a fresh process
 (it returns audio only at the end, so its time to first audio is its whole request time).
@@ -28,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,9 @@ if importlib.util.find_spec("walkserve") is None:
 from walkserve.benchmarking import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-FACTORY = "walkserve.adapters.qwen3_omni:tiny"
+# The tiny model with its streaming code2wav schedule: the first audio after TINY_FIRST frames,
+# then TINY_CHUNK frames per chunk (LeftContext(TINY_CONTEXT, TINY_CHUNK, first=TINY_FIRST)).
+FACTORY = "walkserve.adapters.qwen3_omni:streaming"
 PLACEMENT = ROOT / "walkserve/adapters/placements_omni/qwen3-omni.2ranks.yaml"
 FRAME_SECONDS = 0.08  # Qwen3-Omni's codec: 12.5 frames per second
 WAVES = 2
@@ -100,6 +104,15 @@ def run_generate(work: list[dict[str, Any]]) -> dict[str, Any]:
     return {"seconds": seconds, "frames": frames}
 
 
+def _waveform_arrivals(handle: Any) -> list[tuple[float, int]]:
+    """(arrival time, samples) of each waveform chunk of one request, as it streams."""
+    return [
+        (time.monotonic(), int(item.value.shape[-1]))
+        for item in handle.stream(timeout=600)
+        if item.channel == "waveform"
+    ]
+
+
 def run_walkserve(work: list[dict[str, Any]], levels: list[int]) -> dict[str, Any]:
     from walkserve.runtime.server import serve
 
@@ -112,14 +125,10 @@ def run_walkserve(work: list[dict[str, Any]], levels: list[int]) -> dict[str, An
                 reqs = work[wave * c : (wave + 1) * c]
                 start = time.monotonic()
                 handles = [server.submit(r, "speak") for r in reqs]
-                arrivals: list[list[tuple[float, int]]] = []
-                for h in handles:
-                    got = [
-                        (time.monotonic(), int(item.value.shape[-1]))
-                        for item in h.stream(timeout=600)
-                        if item.channel == "waveform"
-                    ]
-                    arrivals.append(got)
+                # One reader per request, so that each chunk's arrival time is its own (read
+                # one after another, later requests' chunks would wait for earlier streams).
+                with ThreadPoolExecutor(len(handles)) as readers:
+                    arrivals = list(readers.map(_waveform_arrivals, handles))
                 results = [h.result(timeout=600) for h in handles]
                 wall += time.monotonic() - start
                 for got, res in zip(arrivals, results):
@@ -194,6 +203,7 @@ def main() -> None:
         "quick": args.quick,
         "model": FACTORY,
         "placement": str(PLACEMENT.relative_to(ROOT)),
+        "code2wav_chunks": "LeftContext(context=4, chunk=8, first=4)",
         "frame_seconds": FRAME_SECONDS,
         "max_new_tokens": args.max_new_tokens,
         "max_audio_tokens": args.max_audio_tokens,

@@ -45,7 +45,12 @@ sliding_windows = st.builds(
     SlidingWindow, window=sizes, stride=sizes, end=ends, pad_value=pad_values
 )
 left_contexts = st.builds(
-    LeftContext, context=contexts, chunk=sizes, end=ends, pad_value=pad_values
+    LeftContext,
+    context=contexts,
+    chunk=sizes,
+    end=ends,
+    pad_value=pad_values,
+    first=st.one_of(st.none(), sizes),  # a smaller (or larger) chunk 0
 )
 policies = st.one_of(fixed_chunks, sliding_windows, left_contexts)
 
@@ -102,14 +107,16 @@ def model_sliding(policy: SlidingWindow, n: int, finished: bool) -> list[ModelCh
 def model_left_context(policy: LeftContext, n: int, finished: bool) -> list[ModelChunk]:
     chunks = []
     new_start = 0
+    size = policy.chunk if policy.first is None else policy.first  # chunk 0's size
     while new_start < n:
-        new = list(range(new_start, min(new_start + policy.chunk, n)))
+        new = list(range(new_start, min(new_start + size, n)))
         context = list(range(max(0, new_start - policy.context), new_start))
-        if len(new) == policy.chunk:
+        if len(new) == size:
             chunks.append(ModelChunk(context + new, len(context), 0))
         elif finished:
-            chunks += final_fragment(context + new, len(context), policy.chunk, policy.end)
-        new_start += policy.chunk
+            chunks += final_fragment(context + new, len(context), size, policy.end)
+        new_start += size
+        size = policy.chunk
     return chunks
 
 
@@ -161,6 +168,7 @@ def test_sliding_window_count(window: int, stride: int, n: int, end: EndOfStream
 @example(policy=SlidingWindow(2, 5, EndOfStream.PAD), n=9, finished=True)
 @example(policy=SlidingWindow(4, 2, EndOfStream.PAD), n=9, finished=True)
 @example(policy=LeftContext(2, 3, EndOfStream.PAD), n=8, finished=True)
+@example(policy=LeftContext(2, 3, EndOfStream.PAD, first=1), n=8, finished=True)
 def test_spans_match_model(policy: ChunkPolicy, n: int, finished: bool) -> None:
     chunks = model(policy, n, finished)
     assert policy.ready(n, finished) == len(chunks)
@@ -249,21 +257,26 @@ def test_fixed_chunks_partition_the_stream(policy: FixedChunk, n: int) -> None:
 @given(policy=left_contexts, n=item_counts)
 def test_left_context_chunks(policy: LeftContext, n: int) -> None:
     spans = policy.spans(n, finished=True)
+    first = policy.chunk if policy.first is None else policy.first
     new_items: list[int] = []
     for i, s in enumerate(spans):
-        new_start = i * policy.chunk
+        new_start = 0 if i == 0 else first + (i - 1) * policy.chunk
+        size = first if i == 0 else policy.chunk
         assert s.new_start == new_start
         assert s.context == min(policy.context, new_start)  # short at the start, never padded
         assert list(range(s.start, s.new_start)) == list(range(new_start - s.context, new_start))
         new_items += range(s.new_start, s.stop)
-        assert s.stop - s.new_start + s.pad <= policy.chunk
-    full = n // policy.chunk
-    kept = full * policy.chunk if policy.end is EndOfStream.DROP else n
+        assert s.stop - s.new_start + s.pad <= size
+    full = 0 if n < first else 1 + (n - first) // policy.chunk  # chunks of full size
+    kept = (
+        (0 if full == 0 else first + (full - 1) * policy.chunk)
+        if policy.end is EndOfStream.DROP
+        else n
+    )
     assert new_items == list(range(kept))
-    for s in spans[full:]:
-        assert s.pad == (
-            policy.chunk - (s.stop - s.new_start) if policy.end is EndOfStream.PAD else 0
-        )
+    for i, s in enumerate(spans[full:], start=full):
+        size = first if i == 0 else policy.chunk
+        assert s.pad == (size - (s.stop - s.new_start) if policy.end is EndOfStream.PAD else 0)
 
 
 @TENSOR
@@ -374,6 +387,7 @@ VALID = {
         st.tuples(st.just("sliding"), st.sampled_from(["window", "stride"]), bad_positive),
         st.tuples(st.just("left_context"), st.just("chunk"), bad_positive),
         st.tuples(st.just("left_context"), st.just("context"), bad_non_negative),
+        st.tuples(st.just("left_context"), st.just("first"), bad_positive),
     )
 )
 def test_bad_sizes_name_the_field(case: tuple[str, str, object]) -> None:

@@ -34,6 +34,7 @@ from walkserve.capture.chunk import EndOfStream, FixedChunk, SlidingWindow
 from walkserve.capture.serialize import from_json
 from walkserve.lowering.lower import lower
 from walkserve.lowering.plan import ExecutablePlan
+from walkserve.lowering.split import fuse_elementwise
 from walkserve.runtime.conductor import (
     Conductor,
     Event,
@@ -45,7 +46,7 @@ from walkserve.runtime.conductor import (
 )
 from walkserve.runtime.local import LocalExecutor, run_local
 
-CACHE: dict[str, tuple[capture.CapturedModel, ExecutablePlan, dict[str, Any]]] = {}
+CACHE: dict[tuple[str, str], tuple[capture.CapturedModel, ExecutablePlan, dict[str, Any]]] = {}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -58,12 +59,23 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def setup(name: str) -> tuple[capture.CapturedModel, ExecutablePlan, dict[str, Any]]:
-    if name not in CACHE:
+def predicate_apart(op: Any) -> bool:
+    """The default glue fusion, except a loop's stop predicate (``done.all()``): that stays a
+    node of its own, dispatched after the step's component, the plan in which speculation has
+    something to win (fused, the predicate arrives with the component's output)."""
+    return fuse_elementwise(op) and op.target != "method:all"
+
+
+def setup(
+    name: str, glue: str = "fuse"
+) -> tuple[capture.CapturedModel, ExecutablePlan, dict[str, Any]]:
+    if (name, glue) not in CACHE:
         model, sample = build_example(name)
         captured = capture.trace(model, sample)
-        CACHE[name] = (captured, lower(captured, sample, check_capture=False), sample)
-    return CACHE[name]
+        policy = predicate_apart if glue == "predicate_apart" else glue
+        plan = lower(captured, sample, check_capture=False, glue=policy)
+        CACHE[(name, glue)] = (captured, plan, sample)
+    return CACHE[(name, glue)]
 
 
 def mixed_requests(name: str, sample: dict[str, Any], n: int) -> dict[str, dict[str, Any]]:
@@ -539,7 +551,7 @@ def test_fail_fails_one_request_only() -> None:
 
 
 def test_a_failed_speculative_step_fails_only_if_it_runs() -> None:
-    captured, plan, _ = setup("example-text")
+    captured, plan, _ = setup("example-text", glue="predicate_apart")
     for stop_at, fails in ((2, False), (5, True)):
         conductor = Conductor(captured, plan)
         conductor.submit("a", decode_inputs(8), "decode")
@@ -573,7 +585,7 @@ def test_speculation_wastes_at_most_one_step_per_stop(
     plans: list[tuple[int, int | None]], speculate: bool, seed: int
 ) -> None:
     """Random stop points, results completed in random subsets and orders."""
-    captured, plan, _ = setup("example-text")
+    captured, plan, _ = setup("example-text", glue="predicate_apart")
     conductor = Conductor(captured, plan, speculate=speculate)
     rng = random.Random(seed)
     stops: dict[str, int | None] = {}
@@ -614,7 +626,7 @@ def test_speculation_wastes_at_most_one_step_per_stop(
 
 
 def test_speculation_saves_rounds() -> None:
-    captured, plan, _ = setup("example-text")
+    captured, plan, _ = setup("example-text", glue="predicate_apart")
     rounds = {}
     for speculate in (True, False):
         conductor = Conductor(captured, plan, speculate=speculate)
@@ -638,7 +650,7 @@ def without_speculation(captured: capture.CapturedModel, what: str) -> capture.C
 
 @pytest.mark.parametrize("what", ["loop", "component"])
 def test_non_speculative_loops_never_speculate(what: str) -> None:
-    captured, plan, _ = setup("example-text")
+    captured, plan, _ = setup("example-text", glue="predicate_apart")
     conductor = Conductor(without_speculation(captured, what), plan)
     conductor.submit("a", decode_inputs(8), "decode")
     log = drive(conductor, decode_values(stop_at=4))

@@ -30,8 +30,15 @@ def prompt(n_text: int, seed: int) -> torch.Tensor:
     return torch.tensor([orpheus.orpheus_prompt(text, T)])  # [1, P]
 
 
+REFERENCES: dict[int, Any] = {}
+
+
 def upstream_tokens(model: orpheus.OrpheusTTS, ids: torch.Tensor, n: int, eos: int) -> list[int]:
-    out = model.lm.generate(
+    """Upstream ``generate(do_sample=False)`` on a copy of the model's LM (on SDPA attention:
+    the model's own LM attends through the paged pool)."""
+    if id(model) not in REFERENCES:
+        REFERENCES[id(model)] = (model, orpheus.reference_lm(model))
+    out = REFERENCES[id(model)][1].generate(
         ids,
         attention_mask=torch.ones_like(ids),
         do_sample=False,
@@ -82,7 +89,7 @@ def test_speak_stops_at_end_of_speech(tiny: Any) -> None:
     free = upstream_tokens(model, ids, 45, eos=T.end_of_speech)
     assert len(free) == 45
     cut = next(i for i in range(30, 45) if free.index(free[i]) == i)
-    lm = copy.deepcopy(model.lm)
+    lm = copy.deepcopy(model.upstream_lm)
     head = lm.get_output_embeddings().weight
     with torch.no_grad():
         head[T.end_of_speech] = head[free[cut]]
@@ -151,7 +158,7 @@ def test_bad_configs_are_refused() -> None:
         orpheus.OrpheusTokens(**{**T.__dict__, "end_of_speech": T.audio_offset + 3})
     model, _ = orpheus.tiny()
     with pytest.raises(ValueError, match="does not hold the audio tokens"):
-        orpheus.OrpheusTTS(model.lm, model.codec.snac, orpheus.ORPHEUS_TOKENS)
+        orpheus.OrpheusTTS(model.upstream_lm, model.codec.snac, orpheus.ORPHEUS_TOKENS)
 
 
 def test_load_orpheus_round_trips_local_checkpoints(tmp_path: Any, tiny: Any) -> None:
@@ -161,7 +168,7 @@ def test_load_orpheus_round_trips_local_checkpoints(tmp_path: Any, tiny: Any) ->
     from safetensors.torch import save_file
 
     model, _, _ = tiny
-    model.lm.save_pretrained(tmp_path / "lm")
+    model.upstream_lm.save_pretrained(tmp_path / "lm")
     snac = model.codec.snac
     (tmp_path / "snac").mkdir()
     config = {
@@ -183,8 +190,8 @@ def test_load_orpheus_round_trips_local_checkpoints(tmp_path: Any, tiny: Any) ->
         str(tmp_path / "snac" / "model.safetensors"),
     )
     loaded, _ = orpheus.load_orpheus(str(tmp_path / "lm"), str(tmp_path / "snac"), T)
-    for k, v in model.lm.state_dict().items():
-        assert torch.equal(loaded.lm.state_dict()[k], v), k
+    for k, v in model.upstream_lm.state_dict().items():
+        assert torch.equal(loaded.upstream_lm.state_dict()[k], v), k
     ids = prompt(3, 7)
     want = model.speak(ids, 35)
     got = loaded.speak(ids, 35)

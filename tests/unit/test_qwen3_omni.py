@@ -137,10 +137,33 @@ def test_streamed_chunks_are_code2wav_on_context_plus_new_frames(tiny: Any) -> N
     assert torch.equal(out["waveform"], torch.cat(pieces, dim=-1))
 
 
+def test_a_short_first_chunk_streams_the_same_spans_sooner(tiny: Any) -> None:
+    """LeftContext(L, C, first=F): chunk 0 is code2wav on frames [0, F); chunk k >= 1 on
+    [max(0, s - L), s + C) with s = F + (k - 1) C, minus the context's samples."""
+    walks, sample, _ = tiny
+    streaming = q.Qwen3OmniWalks(
+        walks.upstream, walks.eos, q.TINY_CHUNK, q.TINY_CONTEXT, first_chunk=q.TINY_FIRST
+    )
+    captured = capture.trace(streaming, sample)
+    r = max((request(walks, i) for i in range(len(REQUESTS))), key=lambda r: r["max_audio_tokens"])
+    got = captured.run(r, walk="speak")
+    codes, n = got["codes"], got["codes"].shape[-1]
+    assert torch.equal(codes, walks.speak(**r)["codes"])  # the chunking changes no code
+    pieces, start, size = [], 0, q.TINY_FIRST
+    while start < n:
+        ctx = min(q.TINY_CONTEXT, start)
+        wav = walks.code2wav(codes[..., start - ctx : start + size])
+        pieces.append(wav[..., ctx * walks.upsample :])
+        start, size = start + size, q.TINY_CHUNK
+    assert n > q.TINY_FIRST + q.TINY_CHUNK  # the first chunk and at least one full one
+    assert torch.equal(got["waveform"], torch.cat(pieces, dim=-1))
+
+
 def test_bad_prompt_is_refused(tiny: Any) -> None:
     walks, sample, _ = tiny
     with pytest.raises(ValueError, match="assistant header"):
-        walks.speak(**{**sample, "input_ids": sample["input_ids"][:, :-1]})
+        text = {k: sample[k] for k in ("max_new_tokens", "max_audio_tokens", "speaker_id")}
+        walks.speak(**text, input_ids=sample["input_ids"][:, :-1])
 
 
 def test_loader_reads_a_local_checkpoint(tiny: Any, tmp_path: Any) -> None:

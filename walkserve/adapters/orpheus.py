@@ -1,5 +1,7 @@
 """Orpheus-style text-to-speech: an unmodified ``transformers.LlamaForCausalLM`` emits SNAC code
-tokens, seven per audio frame, which stream into an unmodified ``snac.SNAC`` decoder.
+tokens, seven per audio frame, which stream into an unmodified ``snac.SNAC`` decoder. The LM
+runs on the paged KV engine (``runtime.kv.paged_lm.PagedLM``), as the text walks' LMs do, so
+concurrent requests' decode steps share one forward.
 
 Owns: the walks around the two upstream models, the Orpheus token layout, a tiny random
 instance (``tiny``), and a loader for local checkpoints (``load_orpheus``). What crosses the
@@ -48,7 +50,6 @@ random weights. Nothing else of the upstream model is touched.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -61,6 +62,9 @@ from torch import Tensor, nn
 from walkserve.capture import iterations, loop, register_component, stream, walk
 from walkserve.capture.api import component
 from walkserve.capture.chunk import EndOfStream, SlidingWindow
+from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig
+
+register_component(PagedLM, engine="kv_cache")
 
 if TYPE_CHECKING:
     from walkserve.api.profile import ModelProfile
@@ -184,32 +188,40 @@ class SnacFrames(nn.Module):
 
 class OrpheusTTS(nn.Module):
     """Walks ``speak`` (prompt -> tokens and streamed waveform) and ``decode`` (whole frames ->
-    waveform, not streamed) around an upstream Llama LM and SNAC decoder."""
+    waveform, not streamed) around an upstream Llama LM and SNAC decoder.
 
-    def __init__(self, lm: Any, snac: Any, tokens: OrpheusTokens) -> None:
+    The LM runs inside ``PagedLM`` (the paged KV engine of the text walks): a worker packs every
+    running request's decode step into one forward, and KV memory is paged, shared by prefix
+    and preempted like text requests'. ``lm`` is the upstream model itself; its attention is
+    routed to the pool, so compare against ``reference_lm(model)``, a copy on SDPA."""
+
+    def __init__(
+        self, lm: Any, snac: Any, tokens: OrpheusTokens, kv: PagedLMConfig | None = None
+    ) -> None:
         super().__init__()
-        register_component(type(lm), engine="kv_cache")
         if lm.config.vocab_size < tokens.vocab_end:
             raise ValueError(
                 f"LM vocab_size {lm.config.vocab_size} does not hold the audio tokens "
                 f"(ids up to {tokens.vocab_end - 1})"
             )
-        self.lm = lm
+        self.lm = PagedLM(lm, kv)
         self.codec = SnacFrames(snac, tokens)
         self.tokens = tokens
         self.eos = tokens.end_of_speech
         self.samples_per_frame = self.codec.samples_per_frame
         self.sample_rate = int(getattr(snac, "sampling_rate", 24000))
-        self.kv = (
-            "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
-        )
+
+    @property
+    def upstream_lm(self) -> Any:
+        """The upstream ``LlamaForCausalLM`` (its attention goes to the paged pool)."""
+        return self.lm.lm
 
     @walk
     def speak(self, input_ids: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
-        # input_ids: [B, P], P >= 2, ending with start_of_speech
-        out = self.lm(input_ids=input_ids[:, :-1], use_cache=True, logits_to_keep=1)
-        cache = getattr(out, self.kv)
-        token = input_ids[:, -1:]  # [B, 1]: the first step reads the prompt's last token
+        # input_ids: [B, P], P >= 2, ending with start_of_speech. The prefill's own token (after
+        # P - 1 tokens) is not used: the first step reads the prompt's last token.
+        _, cache = self.lm(input_ids[:, :-1], None, 0)
+        token = input_ids[:, -1:]  # [B, 1]
         count = torch.zeros_like(token)
         new: list[Tensor] = []
         for _ in iterations(max_new_tokens):
@@ -228,8 +240,8 @@ class OrpheusTTS(nn.Module):
 
     @loop
     def step(self, token: Tensor, cache: Any, count: Tensor) -> tuple[Tensor, Any, Tensor]:
-        out = self.lm(input_ids=token, use_cache=True, **{self.kv: cache})
-        return out.logits[:, -1:].argmax(-1), getattr(out, self.kv), count + 1
+        token, cache = self.lm(token, cache, count)  # greedy: generate(do_sample=False)
+        return token, cache, count + 1
 
     @loop
     def play_window(self, window: Tensor) -> Tensor:
@@ -242,6 +254,16 @@ class OrpheusTTS(nn.Module):
         # frames: [B, F, 7] audio token ids (``audio_frames``)
         wav, _ = self.codec(frames)
         return {"waveform": wav}  # [B, F * S]
+
+
+def reference_lm(model: OrpheusTTS) -> Any:
+    """A copy of ``model``'s upstream LM on transformers' SDPA attention: what ``generate()``
+    is called on for reference outputs (the model's own LM attends through the paged pool)."""
+    import copy
+
+    lm = copy.deepcopy(model.upstream_lm)
+    lm.set_attn_implementation("sdpa")
+    return lm
 
 
 def steer_to_frames(lm: Any, tokens: OrpheusTokens, strength: float = 10.0) -> None:

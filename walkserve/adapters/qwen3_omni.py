@@ -3,13 +3,24 @@ talker (with its multi-token code predictor) -> code2wav, streamed stage to stag
 
 The upstream thinker, talker, code predictor and code2wav are used unmodified, as components;
 this module writes the loops that upstream ``generate()`` hides, around their forward methods,
-and reproduces what ``generate()`` feeds the talker (text-only input). What crosses its
-boundary: walk inputs ``input_ids`` [1, P] int64 (a chat prompt ending with
-``<|im_start|> assistant \\n``), ``max_new_tokens`` (thinker), ``max_audio_tokens`` (talker,
-counted as upstream ``talker_max_new_tokens``) and ``speaker_id`` (a codec speaker id from
-``config.talker_config.speaker_id``); outputs ``first_token`` [1, 1] (t0, from the prefill),
-``text_tokens`` [1, n - 1] (t1 .. t{n-1}, streamed token by token), ``codes`` [1, G, frames]
-and ``waveform`` [1, 1, samples] (both streamed).
+and reproduces what ``generate()`` feeds the talker. What crosses its boundary: walk inputs
+``input_ids`` [1, P] int64 (a chat prompt ending with ``<|im_start|> assistant \\n``),
+``max_new_tokens`` (thinker), ``max_audio_tokens`` (talker, counted as upstream
+``talker_max_new_tokens``) and ``speaker_id`` (a codec speaker id from
+``config.talker_config.speaker_id``); for audio input (walks ``chat_audio``, ``speak_audio``)
+also ``input_features`` [1, mel, T] float and ``feature_attention_mask`` [1, T] int64, for an
+image (``chat_image``, ``speak_image``) ``pixel_values`` [patches, C * T * p * p] float and
+``image_grid_thw`` [1, 3] int64, with the prompt's placeholders laid out as upstream's
+processor does (``audio_chat_prompt``, ``image_request``); outputs ``first_token`` [1, 1]
+(t0, from the prefill), ``text_tokens`` [1, n - 1] (t1 .. t{n-1}, streamed token by token),
+``codes`` [1, G, frames] and ``waveform`` [1, 1, samples] (both streamed).
+
+Media: the thinker's prefill takes the encoder inputs (its own audio / vision towers run
+inside it); the talker's prefill puts ``hidden_projection`` of the thinker prefill's
+``accept_hidden_layer`` states at the media placeholders (``TalkerPrompt``). Images move the
+rotary positions of thinker and talker (``MropePositions``, from upstream ``get_rope_index``);
+upstream keeps that offset on the modules (``rope_deltas``), the walks carry it per request
+into every decode step (``step_positions``), so no request reads another's state.
 
     thinker  prefill -> t0; decode t1 .. t{n-1} (EOS / max_new_tokens)
              feeds:   t1 t2 ... t{n-2} <eos>            (the item of the last token is the
@@ -25,9 +36,9 @@ and ``waveform`` [1, 1, samples] (both streamed).
              samples, so the joined waveform equals ``code2wav.chunked_decode(codes, 300, 25)``.
 
 Greedy throughout: equal to upstream ``generate(..., thinker_do_sample=False,
-talker_do_sample=False, talker_repetition_penalty=1.0)``. Not reproduced: audio / image / video
-inputs (the thinker encoders and the talker's multimodal projection), sampling, repetition
-penalty, batches of several rows in one request.
+talker_do_sample=False, talker_repetition_penalty=1.0)``. Not reproduced: video input (and
+audio in video), several clips or images in one prompt, audio and image in one request,
+sampling, repetition penalty, batches of several rows in one request.
 """
 
 from __future__ import annotations
@@ -122,30 +133,95 @@ class TalkerText(nn.Module):
         return self.projection(self.embed(ids))
 
 
+def user_mask(input_ids: Tensor, tok: OmniTokens) -> Tensor:
+    """[B, P] bool: the tokens of user turns (from a user turn's ``<|im_start|>`` up to the next
+    ``<|im_start|>``), which upstream ``generate()`` hands the talker."""
+    length = input_ids.shape[1]
+    positions = torch.arange(length, device=input_ids.device)
+    starts = torch.where(input_ids == tok.im_start, positions, -1)
+    role_at = torch.cummax(starts, dim=-1).values.clamp_min(0) + 1
+    roles = input_ids.gather(1, role_at.clamp_max(length - 1))
+    user = roles == tok.user  # [B, P]
+    if not bool((user.sum(-1) == user[0].sum()).all()):
+        raise ValueError("rows of one request need the same number of user tokens")
+    return user
+
+
+TALKER_HEADER = 9  # assistant header + codec control tokens + t0 in the talker's prefill
+
+
+class MropePositions(nn.Module):
+    """Multimodal rotary positions of a prompt with images: upstream ``get_rope_index`` of the
+    thinker (on the prompt) or of the talker (on the talker's prefill ids: the user tokens,
+    then ``TALKER_HEADER`` tts_pad ids, as ``generate()`` lays them out). Upstream keeps the
+    resulting offset on the module (``rope_deltas``) for its decode steps; here it is returned
+    and carried by the walk's decode loop, so concurrent requests never share it.
+
+    -> ``position_ids`` [4, B, S] (the text row 0 .. S-1, then the t / h / w rows) and ``rope``
+    [B, 2]: the last position of the text row and of the t / h / w rows; decode step k (k = 1
+    for the first token after the prefill) is at ``rope + k`` (``step_positions``)."""
+
+    def __init__(self, owner: nn.Module, talker_tokens: OmniTokens | None = None) -> None:
+        super().__init__()
+        object.__setattr__(self, "owner", owner)  # the thinker or talker; not a submodule
+        self.talker_tokens = talker_tokens
+
+    def forward(self, input_ids: Tensor, image_grid_thw: Tensor) -> tuple[Tensor, Tensor]:
+        # input_ids: [B, P], image_grid_thw: [images, 3] -> ([4, B, S], [B, 2])
+        ids = input_ids
+        if self.talker_tokens is not None:
+            user = user_mask(input_ids, self.talker_tokens)
+            user_ids = input_ids[user].view(input_ids.shape[0], -1)  # [B, U]
+            pad = user_ids.new_full((ids.shape[0], TALKER_HEADER), self.talker_tokens.tts_pad)
+            ids = torch.cat([user_ids, pad], dim=1)  # [B, U + 9]
+        batch, length = ids.shape
+        owner: Any = self.owner
+        mrope, _ = owner.get_rope_index(ids, image_grid_thw, None, torch.ones_like(ids))
+        text = torch.arange(length, device=ids.device).expand(1, batch, length)
+        positions = torch.cat([text, mrope], dim=0)  # [4, B, S]
+        return positions, positions[[0, 1], :, -1].t()  # rope: [B, 2]
+
+
+def step_positions(rope: Tensor, count: Tensor) -> Tensor:
+    """``position_ids`` [4, B, 1] of a decode step: ``rope`` [B, 2] (see ``MropePositions``) +
+    ``count`` [B, 1] (tokens generated so far, the prefill's included)."""
+    at = rope + count  # [B, 2]
+    return at[:, [0, 1, 1, 1]].t().unsqueeze(-1)
+
+
 class TalkerPrompt(nn.Module):
-    """The talker's prefill input for a text-only chat, as upstream ``generate()`` builds it:
-    the user turns' text, then the assistant header with the codec control tokens and the
-    speaker, ending with the first generated text token.
+    """The talker's prefill input, as upstream ``generate()`` builds it: the user turns, then
+    the assistant header with the codec control tokens and the speaker, ending with the first
+    generated text token.
 
         text:  user tokens ... | <im_start> assistant \\n  pad pad pad pad  tts_bos  t0
         codec:      0     ...  |     0         0      0  nothink think_bos think_eos spk pad bos
+
+    A user token is ``text_projection(embed(id))``; with ``hidden`` (the thinker prefill's
+    hidden states of layer ``accept_hidden_layer``), a media placeholder (audio / image /
+    video token) is ``hidden_projection(hidden)`` at its position instead.
     """
 
-    def __init__(self, text: TalkerText, codec_embed: nn.Module, tokens: OmniTokens) -> None:
+    def __init__(
+        self,
+        text: TalkerText,
+        codec_embed: nn.Module,
+        tokens: OmniTokens,
+        hidden_projection: nn.Module | None = None,
+        media_ids: tuple[int, ...] = (),
+    ) -> None:
         super().__init__()
         self.text, self.codec_embed, self.tokens = text, codec_embed, tokens
+        self.hidden_projection, self.media_ids = hidden_projection, media_ids
 
-    def forward(self, input_ids: Tensor, first_token: Tensor, speaker_id: int) -> Tensor:
-        # input_ids: [B, P], first_token: [B, 1] -> [B, U + 9, D_talker]
+    def forward(
+        self, input_ids: Tensor, first_token: Tensor, speaker_id: int, hidden: Tensor | None = None
+    ) -> Tensor:
+        # input_ids: [B, P], first_token: [B, 1], hidden: [B, P, D_thinker] -> [B, U + 9, D_talker]
         tok = self.tokens
         batch, length = input_ids.shape
         device = input_ids.device
-        starts = torch.where(input_ids == tok.im_start, torch.arange(length, device=device), -1)
-        role_at = torch.cummax(starts, dim=-1).values.clamp_min(0) + 1
-        roles = input_ids.gather(1, role_at.clamp_max(length - 1))
-        user = roles == tok.user  # [B, P]
-        if not bool((user.sum(-1) == user[0].sum()).all()):
-            raise ValueError("rows of one request need the same number of user tokens")
+        user = user_mask(input_ids, tok)  # [B, P]
         header = (input_ids[:, :-1] == tok.im_start) & (input_ids[:, 1:] == tok.assistant)
         if not bool(header[:, length - 3].all()):
             raise ValueError(
@@ -153,6 +229,12 @@ class TalkerPrompt(nn.Module):
                 "(three tokens), as the Qwen3-Omni chat template writes it"
             )
         projected = self.text(input_ids)  # [B, P, D]
+        if hidden is not None:
+            if self.hidden_projection is None:
+                raise ValueError("this TalkerPrompt was built without a hidden_projection")
+            media = torch.isin(input_ids, torch.tensor(self.media_ids, device=device))  # [B, P]
+            projected = projected.clone()
+            projected[media] = self.hidden_projection(hidden[media]).to(projected.dtype)
         user_part = projected[user].view(batch, -1, projected.shape[-1])  # [B, U, D]
         specials = self.text(torch.tensor([[tok.tts_bos, tok.tts_eos, tok.tts_pad]], device=device))
         bos, _, pad = specials.chunk(3, dim=1)  # 3 x [1, 1, D]
@@ -180,6 +262,77 @@ class TalkerPrompt(nn.Module):
         return torch.cat([user_part, text_part + codec_part], dim=1)
 
 
+def audio_token_count(frames: int | Tensor, n_window: int) -> Tensor:
+    """The number of audio placeholder tokens (= audio encoder outputs) for ``frames`` mel
+    frames (an int, or a tensor of counts): upstream's own length formula
+    (``_get_feat_extract_output_lengths``), as an int64 tensor of the same shape."""
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as upstream
+
+    count: Tensor = upstream._get_feat_extract_output_lengths(torch.as_tensor(frames), n_window)
+    return count
+
+
+class AudioPlaceholders(nn.Module):
+    """Checks that each row of a prompt holds as many audio placeholder tokens as the audio
+    encoder makes of its features (``feature_attention_mask`` counts the frames); returns the
+    prompt unchanged. Upstream would otherwise scatter the features out of place or fail deep
+    inside the thinker."""
+
+    def __init__(self, audio_token: int, n_window: int) -> None:
+        super().__init__()
+        self.audio_token, self.n_window = audio_token, n_window
+
+    def forward(self, input_ids: Tensor, feature_attention_mask: Tensor) -> Tensor:
+        # input_ids: [B, P], feature_attention_mask: [B, T] -> input_ids
+        if feature_attention_mask.shape[0] != input_ids.shape[0]:
+            raise ValueError(
+                f"{feature_attention_mask.shape[0]} audio feature rows for {input_ids.shape[0]} "
+                "prompt rows: give one audio per prompt row"
+            )
+        want = audio_token_count(feature_attention_mask.sum(-1), self.n_window)  # [B]
+        have = (input_ids == self.audio_token).sum(-1)  # [B]
+        if not bool((want == have).all()):
+            raise ValueError(
+                f"the prompt holds {have.tolist()} audio placeholder tokens but the audio "
+                f"encoder makes {want.tolist()} of the given features: lay the prompt out as "
+                "<|audio_start|> + audio_token_count(frames) x <|audio_pad|> + <|audio_end|>"
+            )
+        return input_ids
+
+
+class ImagePlaceholders(nn.Module):
+    """Checks one image per prompt row, as many image placeholder tokens in the row as the
+    vision encoder makes of its patch grid (t * h * w / merge^2), and ``pixel_values`` holding
+    every patch; returns the prompt unchanged."""
+
+    def __init__(self, image_token: int, merge: int) -> None:
+        super().__init__()
+        self.image_token, self.merge = image_token, merge
+
+    def forward(self, input_ids: Tensor, pixel_values: Tensor, image_grid_thw: Tensor) -> Tensor:
+        # input_ids: [B, P], pixel_values: [patches, C * T * p * p], image_grid_thw: [B, 3]
+        if image_grid_thw.shape != (input_ids.shape[0], 3):
+            raise ValueError(
+                f"image_grid_thw has shape {tuple(image_grid_thw.shape)}; give one (t, h, w) "
+                f"row per prompt row ({input_ids.shape[0]}), one image each"
+            )
+        patches = image_grid_thw.prod(-1)  # [B]
+        if int(patches.sum()) != pixel_values.shape[0]:
+            raise ValueError(
+                f"pixel_values holds {pixel_values.shape[0]} patches but image_grid_thw says "
+                f"{int(patches.sum())}"
+            )
+        want = patches // self.merge**2
+        have = (input_ids == self.image_token).sum(-1)
+        if not bool((want == have).all()):
+            raise ValueError(
+                f"the prompt holds {have.tolist()} image placeholder tokens but the vision "
+                f"encoder makes {want.tolist()} of the given grid: lay the prompt out as "
+                "<|vision_start|> + t*h*w/merge^2 x <|image_pad|> + <|vision_end|>"
+            )
+        return input_ids
+
+
 class StepInput(nn.Module):
     """One talker decode input: the sum of a code frame's embeddings (the talker's own codec
     embedding for group 0, the code predictor's for groups 1 .. G-1) plus the text feed."""
@@ -205,6 +358,7 @@ class Qwen3OmniWalks(nn.Module):
         thinker_eos_id: int,
         chunk_size: int = 300,
         left_context: int = 25,
+        first_chunk: int | None = None,
     ) -> None:
         super().__init__()
         if not getattr(model, "has_talker", False):
@@ -213,13 +367,22 @@ class Qwen3OmniWalks(nn.Module):
         register_component(type(model.talker), engine="kv_cache", speculative=False)
         register_component(type(model.talker.code_predictor), engine="kv_cache", speculative=False)
         register_component(type(model.code2wav), engine="stateless")
-        for cls in (TalkerText, TalkerPrompt, StepInput):
+        for cls in (
+            TalkerText,
+            TalkerPrompt,
+            StepInput,
+            AudioPlaceholders,
+            ImagePlaceholders,
+            MropePositions,
+        ):
             register_component(cls, engine="stateless")
         self.tokens = OmniTokens.of(model.config)
         object.__setattr__(self, "upstream", model)  # for reference runs; not a submodule
         self.eos = thinker_eos_id
         self.groups = int(model.config.talker_config.num_code_groups)
         self.chunk_size, self.left_context = chunk_size, left_context
+        # LeftContext(L, C, first=F): the first audio after F frames, then C at a time.
+        self.first_chunk = first_chunk
         self.upsample = int(model.code2wav.total_upsample)
         self.thinker: Any = model.thinker  # Qwen3OmniMoeThinkerForConditionalGeneration
         self.talker: Any = model.talker  # Qwen3OmniMoeTalkerForConditionalGeneration
@@ -229,7 +392,24 @@ class Qwen3OmniWalks(nn.Module):
             model.thinker.get_input_embeddings(), model.talker.text_projection, self.tokens
         )
         self.first_code_embed = mark_component(codec_embed, engine="stateless")
-        self.talker_prompt = TalkerPrompt(text, codec_embed, self.tokens)
+        thinker_config = model.config.thinker_config
+        media_ids = (
+            thinker_config.audio_token_id,
+            thinker_config.image_token_id,
+            thinker_config.video_token_id,
+        )
+        self.accept_layer = int(model.config.talker_config.accept_hidden_layer)
+        self.talker_prompt = TalkerPrompt(
+            text, codec_embed, self.tokens, model.talker.hidden_projection, media_ids
+        )
+        self.audio_placeholders = AudioPlaceholders(
+            thinker_config.audio_token_id, thinker_config.audio_config.n_window
+        )
+        self.image_placeholders = ImagePlaceholders(
+            thinker_config.image_token_id, thinker_config.vision_config.spatial_merge_size
+        )
+        self.thinker_positions = MropePositions(model.thinker)
+        self.talker_positions = MropePositions(model.talker, self.tokens)
         self.step_input = StepInput(
             codec_embed, model.talker.code_predictor.get_input_embeddings(), text
         )
@@ -245,30 +425,84 @@ class Qwen3OmniWalks(nn.Module):
 
     @walk
     def chat(self, input_ids: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
-        first, text_tokens, _ = self._think(input_ids, max_new_tokens)
+        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens)
         return {"first_token": first, "text_tokens": text_tokens}
 
-    def _think(self, input_ids: Tensor, max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+    @walk
+    def chat_audio(
+        self,
+        input_ids: Tensor,
+        input_features: Tensor,
+        feature_attention_mask: Tensor,
+        max_new_tokens: int,
+    ) -> dict[str, Tensor]:
+        """``chat`` with one audio clip per prompt row: log-mel ``input_features`` [B, mel, T]
+        and ``feature_attention_mask`` [B, T] (1 = a real frame), the prompt holding
+        ``audio_token_count(frames)`` audio placeholders between audio start and end."""
+        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
+        media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
+        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, media)
+        return {"first_token": first, "text_tokens": text_tokens}
+
+    @walk
+    def chat_image(
+        self, input_ids: Tensor, pixel_values: Tensor, image_grid_thw: Tensor, max_new_tokens: int
+    ) -> dict[str, Tensor]:
+        """``chat`` with one image per prompt row: ``pixel_values`` [patches, C * T * p * p] and
+        ``image_grid_thw`` [B, 3] as upstream's image processor makes them, the prompt holding
+        t * h * w / merge^2 image placeholders between vision start and end."""
+        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
+        media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, media)
+        return {"first_token": first, "text_tokens": text_tokens}
+
+    def _think(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        media: Mapping[str, Tensor] | None = None,
+        hidden: bool = False,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """-> t0 [B, 1], the decode loop's tokens t1 .. t{n-1} [B, n - 1] (a streamed channel),
-        the talker's feed items [B, n - 1]."""
-        out = self.thinker(input_ids=input_ids, use_cache=True)
+        the talker's feed items [B, n - 1], and with ``hidden`` the prefill's hidden states of
+        layer ``accept_hidden_layer`` [B, P, D] (for the talker's media positions). ``media``:
+        the thinker's encoder inputs, given to the prefill. Every decode step gets explicit
+        positions from ``rope`` [B, 2], a per-request loop input (``MropePositions``): with
+        images the multimodal positions of the prompt; else (text, audio: plain positions
+        upstream) the prompt's last position. Nothing is read from upstream's ``rope_deltas``
+        module attribute, which concurrent requests would share."""
+        extra: dict[str, Any] = dict(media or {})
+        if "image_grid_thw" in extra:
+            positions = self.thinker_positions(input_ids, extra["image_grid_thw"])
+            extra["position_ids"] = positions[0]  # [4, B, P]
+        if hidden:
+            extra["output_hidden_states"] = True
+        out = self.thinker(input_ids=input_ids, use_cache=True, **extra)
         cache = _read_now(out.cache)
+        accepted = out.hidden_states[self.accept_layer] if hidden else None  # [B, P, D]
         first = token = out.logits[:, -1:].argmax(-1)  # [B, 1]: t0
         count = token * 0 + 1  # [B, 1] (elementwise: runs in the thinker's dispatch)
+        if "position_ids" in extra:
+            rope = positions[1]  # [B, 2]
+        else:
+            rope = (token * 0).repeat(1, 2) + (input_ids.shape[1] - 1)  # [B, 2]
         tokens, feeds = [], []
         for _ in iterations(max_new_tokens):
-            cache, token, count, feed, done = self.think_step(cache, token, count, max_new_tokens)
+            cache, token, count, feed, done = self.think_step(
+                cache, token, count, rope, max_new_tokens
+            )
             tokens.append(token)
             feeds.append(feed)
             if done:
                 break
-        return first, torch.cat(tokens, dim=1), torch.cat(feeds, dim=1)
+        return first, torch.cat(tokens, dim=1), torch.cat(feeds, dim=1), accepted
 
     @loop(max_iters="max_new_tokens")
     def think_step(
-        self, cache: Any, token: Tensor, count: Tensor, max_new_tokens: int
+        self, cache: Any, token: Tensor, count: Tensor, rope: Tensor, max_new_tokens: int
     ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
-        out = self.thinker(input_ids=token, cache=cache, use_cache=True)
+        positions = step_positions(rope, count)  # [4, B, 1]
+        out = self.thinker(input_ids=token, cache=cache, use_cache=True, position_ids=positions)
         cache = _read_now(out.cache)
         token = out.logits[:, -1:].argmax(-1)  # [B, 1]
         count = count + 1
@@ -282,18 +516,71 @@ class Qwen3OmniWalks(nn.Module):
     def speak(
         self, input_ids: Tensor, max_new_tokens: int, max_audio_tokens: int, speaker_id: int
     ) -> dict[str, Tensor]:
-        first, text_tokens, feeds = self._think(input_ids, max_new_tokens)
+        return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id)
 
-        prompt = self.talker_prompt(input_ids, first, speaker_id)  # [B, U + 9, D]
-        out = self.talker(inputs_embeds=prompt, use_cache=True, output_hidden_states=True)
+    @walk
+    def speak_audio(
+        self,
+        input_ids: Tensor,
+        input_features: Tensor,
+        feature_attention_mask: Tensor,
+        max_new_tokens: int,
+        max_audio_tokens: int,
+        speaker_id: int,
+    ) -> dict[str, Tensor]:
+        """``speak`` with one audio clip per prompt row (inputs as in ``chat_audio``)."""
+        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
+        media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
+        return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id, media)
+
+    @walk
+    def speak_image(
+        self,
+        input_ids: Tensor,
+        pixel_values: Tensor,
+        image_grid_thw: Tensor,
+        max_new_tokens: int,
+        max_audio_tokens: int,
+        speaker_id: int,
+    ) -> dict[str, Tensor]:
+        """``speak`` with one image per prompt row (inputs as in ``chat_image``)."""
+        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
+        media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+        return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id, media)
+
+    def _speak(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        max_audio_tokens: int,
+        speaker_id: int,
+        media: Mapping[str, Tensor] | None = None,
+    ) -> dict[str, Tensor]:
+        first, text_tokens, feeds, hidden = self._think(
+            input_ids, max_new_tokens, media, hidden=media is not None
+        )
+
+        if hidden is None:
+            prompt = self.talker_prompt(input_ids, first, speaker_id)  # [B, U + 9, D]
+        else:  # media placeholders: the talker's hidden projection of the thinker's states
+            prompt = self.talker_prompt(input_ids, first, speaker_id, hidden)
+        extra: dict[str, Any] = {}
+        if media is not None and "image_grid_thw" in media:  # the talker's own mrope positions
+            positions = self.talker_positions(input_ids, media["image_grid_thw"])
+            extra["position_ids"] = positions[0]  # [4, B, U + 9]
+        out = self.talker(inputs_embeds=prompt, use_cache=True, output_hidden_states=True, **extra)
         cache = _read_now(out.cache)
         hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]: last layer, last position
         code = self._pick_code(out.logits[:, -1:])  # [B, 1]: c0
         count = torch.ones_like(code)
+        if extra:
+            rope = positions[1]  # [B, 2]
+        else:  # plain positions (text, audio), as upstream: decode steps follow the prompt's
+            rope = (code * 0).repeat(1, 2) + (prompt.shape[1] - 1)  # [B, 2]
         frames = []
         for item in stream(feeds, FixedChunk(1), dim=1):  # item: [B, 1]
             cache, code, hidden, count, new, done = self.talk_item(
-                cache, code, hidden, count, item, max_audio_tokens
+                cache, code, hidden, count, rope, item, max_audio_tokens
             )
             frames.append(new)
             if done:
@@ -301,7 +588,8 @@ class Qwen3OmniWalks(nn.Module):
         codes = torch.cat(frames, dim=2)  # [B, G, frames]
 
         pieces = []
-        for chunk, n_ctx in stream(codes, LeftContext(self.left_context, self.chunk_size), dim=2):
+        policy = LeftContext(self.left_context, self.chunk_size, first=self.first_chunk)
+        for chunk, n_ctx in stream(codes, policy, dim=2):
             pieces.append(self.decode_chunk(chunk, n_ctx))
         waveform = torch.cat(pieces, dim=-1)  # [B, 1, samples]
         return {
@@ -316,14 +604,21 @@ class Qwen3OmniWalks(nn.Module):
 
     @loop(max_iters=MAX_THINKER_STEPS, speculative=False)
     def talk_item(
-        self, cache: Any, code: Tensor, hidden: Tensor, count: Tensor, item: Tensor, limit: int
+        self,
+        cache: Any,
+        code: Tensor,
+        hidden: Tensor,
+        count: Tensor,
+        rope: Tensor,
+        item: Tensor,
+        limit: int,
     ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The talker steps of one text item: one, or for the <eos> item, on until codec EOS."""
         feed = item
         frames = []
         for _ in range(MAX_TALKER_STEPS):
             cache, code, hidden, count, feed, frame, stop = self.talk_step(
-                cache, code, hidden, count, feed, item, limit
+                cache, code, hidden, count, feed, rope, item, limit
             )
             frames.append(frame)
             if stop:
@@ -339,6 +634,7 @@ class Qwen3OmniWalks(nn.Module):
         hidden: Tensor,
         count: Tensor,
         feed: Tensor,
+        rope: Tensor,
         item: Tensor,
         limit: int,
     ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -348,6 +644,7 @@ class Qwen3OmniWalks(nn.Module):
             inputs_embeds=embeds,
             cache=cache,
             use_cache=True,
+            position_ids=step_positions(rope, count),  # [4, B, 1]
             output_hidden_states=True,
             generation_step=0,  # only echoed back (+1) by the upstream forward
         )
@@ -399,6 +696,7 @@ TINY_VOCAB = 256  # thinker vocabulary; special ids at its top
 TINY_CODEBOOK = 64  # codec ids 0 .. 63; talker vocabulary 1024 + 64 (generate() reserves 1024)
 TINY_SPEAKER = 1070
 TINY_CHUNK, TINY_CONTEXT = 8, 4  # small code2wav chunks, so that tiny requests stream audio
+TINY_FIRST = 4  # streaming(): the first audio after 4 frames (320 ms of speech)
 
 
 def tiny_config() -> Any:
@@ -433,8 +731,8 @@ def tiny_config() -> Any:
             output_dim=32,
             downsample_hidden_size=8,
             max_source_positions=100,
-            n_window=4,
-            n_window_infer=8,
+            n_window=50,  # upstream's output-length formula assumes 100-frame chunks (13 tokens)
+            n_window_infer=100,
         ),
         vision_config=dict(
             depth=1,
@@ -521,6 +819,91 @@ def chat_prompt(config: Any, user_ids: list[int], newline: int = 9) -> Tensor:
     return torch.tensor([[*ids, newline]])
 
 
+def audio_chat_prompt(
+    config: Any, frames: int, user_ids: list[int] | None = None, newline: int = 9
+) -> Tensor:
+    """A chat prompt whose user turn starts with one audio clip of ``frames`` mel frames, laid
+    out as upstream's processor expands ``<|audio_start|><|audio_pad|><|audio_end|>``:
+    ``<|im_start|> user <|audio_start|> <|audio_pad|> x N <|audio_end|> ... <|im_end|> \\n
+    <|im_start|> assistant \\n`` with N = ``audio_token_count(frames)``, as ids [1, P]."""
+    thinker = config.thinker_config
+    n = int(audio_token_count(frames, thinker.audio_config.n_window))
+    audio = [thinker.audio_start_token_id, *[thinker.audio_token_id] * n]
+    return chat_prompt(config, [*audio, thinker.audio_end_token_id, *(user_ids or [])], newline)
+
+
+def audio_request(
+    config: Any,
+    frames: int,
+    user_ids: list[int] | None = None,
+    padding: int = 0,
+    seed: int = 0,
+    newline: int = 9,
+) -> dict[str, Tensor]:
+    """Walk inputs of one audio clip of random log-mel features (seeded): ``input_ids`` [1, P],
+    ``input_features`` [1, mel, frames + padding], ``feature_attention_mask`` [1, frames +
+    padding] (the last ``padding`` frames masked, as a padded batch of the processor has)."""
+    g = torch.Generator().manual_seed(seed)
+    mel = int(config.thinker_config.audio_config.num_mel_bins)
+    mask = torch.zeros(1, frames + padding, dtype=torch.long)
+    mask[:, :frames] = 1
+    return {
+        "input_ids": audio_chat_prompt(config, frames, user_ids, newline),
+        "input_features": torch.randn(1, mel, frames + padding, generator=g),
+        "feature_attention_mask": mask,
+    }
+
+
+def image_request(
+    config: Any,
+    grid_hw: tuple[int, int],
+    user_ids: list[int] | None = None,
+    seed: int = 0,
+    newline: int = 9,
+) -> dict[str, Tensor]:
+    """Walk inputs of one image of ``grid_hw`` patches (random pixels, seeded), as upstream's
+    image processor lays an image out (t = 1): ``input_ids`` [1, P] with ``<|vision_start|>
+    <|image_pad|> x (h * w / merge^2) <|vision_end|>`` first in the user turn,
+    ``pixel_values`` [h * w, C * T * p * p], ``image_grid_thw`` [[1, h, w]]."""
+    thinker = config.thinker_config
+    vision = thinker.vision_config
+    h, w = grid_hw
+    merge = int(vision.spatial_merge_size)
+    if h % merge or w % merge:
+        raise ValueError(f"grid {grid_hw} is not a multiple of the merge size {merge}")
+    patch = int(vision.in_channels * vision.temporal_patch_size * vision.patch_size**2)
+    g = torch.Generator().manual_seed(seed)
+    image = [thinker.vision_start_token_id, *[thinker.image_token_id] * (h * w // merge**2)]
+    return {
+        "input_ids": chat_prompt(
+            config, [*image, thinker.vision_end_token_id, *(user_ids or [])], newline
+        ),
+        "pixel_values": torch.randn(h * w, patch, generator=g),
+        "image_grid_thw": torch.tensor([[1, h, w]]),
+    }
+
+
+def media_sample(
+    config: Any, frames: int, grid_hw: tuple[int, int], user_ids: list[int], newline: int = 9
+) -> dict[str, Tensor]:
+    """One sample request for capturing every walk (a walk's inputs come from one mapping):
+    a prompt with an image and then audio placeholders, audio features and pixels. The audio
+    placeholders stand without audio start / end tokens, so that the image walks (which give
+    no audio features) read them as text, in their positions too; the audio walks read the
+    image placeholders as text."""
+    image = image_request(config, grid_hw, seed=1, newline=newline)
+    audio = audio_request(config, frames, user_ids, newline=newline)
+    thinker = config.thinker_config
+    clip = int(audio_token_count(frames, thinker.audio_config.n_window))
+    ids = image["input_ids"][0, :-5].tolist()  # up to <|vision_end|>
+    ids += [thinker.audio_token_id] * clip
+    return {
+        **audio,
+        **image,
+        "input_ids": chat_prompt(config, [*ids[2:], *user_ids], newline),
+    }
+
+
 def tiny_upstream(seed: int = 0) -> Any:
     """The upstream model with the tiny config and seeded random weights."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
@@ -550,13 +933,13 @@ def tiny_eos(model: Any, prompt: Tensor) -> int:
     return int(model.config.im_end_token_id)
 
 
-def tiny(seed: int = 0) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
+def tiny(seed: int = 0, first_chunk: int | None = None) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
     """Zero-argument factory: the tiny random model as walks, and a sample request."""
     model = tiny_upstream(seed)
     prompt = chat_prompt(model.config, [10, 11, 12, 13, 14])
-    walks = Qwen3OmniWalks(model, tiny_eos(model, prompt), TINY_CHUNK, TINY_CONTEXT)
-    sample = {
-        "input_ids": prompt,
+    walks = Qwen3OmniWalks(model, tiny_eos(model, prompt), TINY_CHUNK, TINY_CONTEXT, first_chunk)
+    sample = {  # one prompt for every walk: image and audio placeholders, the text of `prompt`
+        **media_sample(model.config, 37, (4, 8), [10, 11, 12, 13, 14]),
         "max_new_tokens": 16,
         "max_audio_tokens": 40,
         "speaker_id": TINY_SPEAKER,
@@ -564,9 +947,18 @@ def tiny(seed: int = 0) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
     return walks, sample
 
 
+def streaming() -> tuple[Qwen3OmniWalks, dict[str, Any]]:
+    """``tiny`` with a short first code2wav chunk (``TINY_FIRST`` frames, then ``TINY_CHUNK``):
+    the configuration a speech server streams with, so that audio starts before a whole chunk
+    of codes exists. ``serve("walkserve.adapters.qwen3_omni:streaming")``."""
+    return tiny(first_chunk=TINY_FIRST)
+
+
 def load_qwen3_omni(path: str, speaker: str = "ethan") -> tuple[Qwen3OmniWalks, dict[str, Any]]:
     """A local Qwen3-Omni checkpoint directory (safetensors, no downloads) as walks, with
-    upstream chunk sizes and ``<|im_end|>`` as the thinker's EOS."""
+    upstream chunk sizes and ``<|im_end|>`` as the thinker's EOS. The sample request (for
+    capture) holds 1.6 s of random audio features (100 mel frames per second) and a random
+    image of 4 x 4 patches."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     config: Any = Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
@@ -581,7 +973,7 @@ def load_qwen3_omni(path: str, speaker: str = "ethan") -> tuple[Qwen3OmniWalks, 
     vocab = int(model.config.thinker_config.text_config.vocab_size)
     hello, newline = (9707, 198) if vocab > 9707 else (vocab // 2, 9)  # Qwen tokenizer ids
     sample = {
-        "input_ids": chat_prompt(model.config, [hello], newline=newline),
+        **media_sample(model.config, 160, (4, 4), [hello], newline=newline),
         "max_new_tokens": 8,
         "max_audio_tokens": 32,
         "speaker_id": int(speakers[speaker.lower()]),
@@ -720,4 +1112,8 @@ def tiny_audible(seed: int = 0) -> tuple[Qwen3OmniWalks, dict[str, Any]]:
 
 
 def tiny_audible_profile(name: str) -> ModelProfile:
+    return tiny_profile(name)
+
+
+def streaming_profile(name: str) -> ModelProfile:
     return tiny_profile(name)

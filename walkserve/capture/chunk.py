@@ -11,6 +11,7 @@ fragment (the items left over when the producer finishes): ``flush`` (emit it sh
     SlidingWindow(W=4, S=2), n=9:        [0 1 2 3] [2 3 4 5] [4 5 6 7]  then 8: final fragment
                                                                [6 7 8]+flush / [6 7 8 p]+pad
     LeftContext(L=2, C=3), n=8:          [|0 1 2] [1 2|3 4 5] [4 5|6 7]   (context|new)
+    LeftContext(L=2, C=3, first=1), n=8: [|0] [0|1 2 3] [2 3|4 5 6] [5 6|7]
 
 A ``ChunkSpan`` names the items of one chunk as a half-open range ``[start, stop)`` of the
 stream, of which the first ``context`` are left context, followed by ``pad`` padding items.
@@ -205,43 +206,70 @@ class LeftContext(ChunkPolicy):
     """Chunks of ``chunk`` new items, each preceded by up to ``context`` earlier items: chunk
     ``i`` holds new items ``[i*C, (i+1)*C)`` and context ``min(L, i*C)`` (shorter at the start
     of the stream, never padded). The final fragment follows ``end`` (default flush, as
-    Qwen3-Omni's chunked code2wav decode does)."""
+    Qwen3-Omni's chunked code2wav decode does).
+
+    ``first`` (default ``chunk``) sizes chunk 0 alone: a consumer that plays its output (a
+    codec) starts after ``first`` items instead of ``chunk``, and later chunks keep the larger
+    size that amortizes the decode. Chunk ``i >= 1`` then holds new items
+    ``[F + (i-1)*C, F + i*C)``:
+
+        LeftContext(L=2, C=3, first=1), n=8:   [|0] [0|1 2 3] [2 3|4 5 6] [5 6|7]
+    """
 
     context: int
     chunk: int
     end: EndOfStream = EndOfStream.FLUSH
     pad_value: float = 0.0
+    first: int | None = None
     kind: Literal["left_context"] = "left_context"
 
     def __post_init__(self) -> None:
         if not isinstance(self.context, int) or isinstance(self.context, bool) or self.context < 0:
             raise ValueError(f"LeftContext context must be an int >= 0, got {self.context!r}")
         _check_positive("LeftContext chunk", self.chunk)
+        if self.first is not None:
+            _check_positive("LeftContext first", self.first)
         object.__setattr__(self, "end", _coerce_end(self.end))
 
+    @property
+    def first_size(self) -> int:
+        return self.chunk if self.first is None else self.first
+
+    def _new_start(self, i: int) -> int:
+        return 0 if i == 0 else self.first_size + (i - 1) * self.chunk
+
+    def _size(self, i: int) -> int:
+        return self.first_size if i == 0 else self.chunk
+
     def ready(self, n: int, finished: bool) -> int:
-        full, rest = divmod(n, self.chunk)
-        return full + int(finished and rest > 0 and self.end is not EndOfStream.DROP)
+        first = self.first_size
+        if n < first:
+            return int(finished and n > 0 and self.end is not EndOfStream.DROP)
+        full, rest = divmod(n - first, self.chunk)
+        return 1 + full + int(finished and rest > 0 and self.end is not EndOfStream.DROP)
 
     def span(self, i: int, n: int, finished: bool) -> ChunkSpan:
         self._check_index(i, n, finished)
-        new_start = i * self.chunk
+        new_start = self._new_start(i)
         ctx = min(self.context, new_start)
-        stop = min(new_start + self.chunk, n)
-        pad = self.chunk - (stop - new_start) if self.end is EndOfStream.PAD else 0
+        stop = min(new_start + self._size(i), n)
+        pad = self._size(i) - (stop - new_start) if self.end is EndOfStream.PAD else 0
         return ChunkSpan(i, new_start - ctx, stop, ctx, pad)
 
     def retain_from(self, next_index: int) -> int:
-        return max(0, next_index * self.chunk - self.context)
+        return max(0, self._new_start(next_index) - self.context)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "kind": self.kind,
             "context": self.context,
             "chunk": self.chunk,
             "end": self.end.value,
             "pad_value": self.pad_value,
         }
+        if self.first is not None:
+            data["first"] = self.first
+        return data
 
 
 _POLICIES: dict[str, type[ChunkPolicy]] = {

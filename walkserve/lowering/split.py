@@ -23,7 +23,10 @@ from walkserve.lowering.plan import BlockPlan, LoopPlan, NodePlan
 
 GluePolicy = Callable[[ir.Op], bool]
 
-# Glue that is cheap, per element or an index: worth running inside the component's dispatch.
+# Glue that is cheap (per element, an index, a small reduction or a concatenation of a
+# request's own values): worth running inside the component's dispatch rather than paying a
+# round trip of its own. A loop's stop predicate (``x.all()``) is one of these: fused, a decode
+# step costs one dispatch instead of two.
 FUSIBLE = {
     "function:operator.getitem",
     "function:operator.add",
@@ -40,9 +43,22 @@ FUSIBLE = {
     "function:operator.and_",
     "function:operator.or_",
     "function:builtins.getattr",
+    "function:operator.invert",
     "function:torch.tanh",
+    "function:torch.cat",
+    "function:torch.stack",
+    "function:torch.where",
+    "function:torch.full_like",
+    "function:torch.ones_like",
+    "function:torch.zeros_like",
     "function:torch.sigmoid",
     "method:argmax",
+    "method:all",
+    "method:any",
+    "method:masked_fill",
+    "method:clamp",
+    "method:clamp_min",
+    "method:clamp_max",
     "method:float",
     "method:to",
     "method:view",

@@ -236,7 +236,7 @@ def _min_buffer(policy: ChunkPolicy) -> int:
     if isinstance(policy, FixedChunk):
         return policy.size
     if isinstance(policy, LeftContext):
-        return policy.context + policy.chunk
+        return policy.context + max(policy.chunk, policy.first_size)
     assert isinstance(policy, SlidingWindow)
     return policy.window
 
