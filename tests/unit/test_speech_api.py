@@ -18,7 +18,7 @@ from walkserve.adapters import omni_http, orpheus, qwen3_omni, qwen25_omni
 from walkserve.api import audio
 from walkserve.api.metrics import Metrics, PlaybackClock
 from walkserve.api.profile import ModelProfile, Voice, Voices, profile_for
-from walkserve.api.textgen import reply_tokens
+from walkserve.api.textgen import TextAssembler, reply_tokens
 from walkserve.lowering.lower import lower
 from walkserve.runtime.conductor import ConductorStats, Output, StreamItem
 from walkserve.runtime.local import run_local
@@ -143,6 +143,25 @@ def test_reply_tokens_put_the_leads_first() -> None:
     outputs = {"a": torch.tensor([[5]]), "b": torch.tensor([[6]]), "ch": torch.tensor([[7, 8]])}
     assert list(reply_tokens(("a", "b"), "ch", outputs)) == [5, 6, 7, 8]
     assert list(reply_tokens(("a", "missing"), "none", outputs)) == [5]
+
+
+def test_transcript_leads_streams_and_completes(qwen3_profile: ModelProfile) -> None:
+    """Tokens arrive as lead outputs then streamed items; EOS ends the text; at the end the
+    outputs fill in what the stream did not carry, whatever was streamed."""
+    task = qwen3_profile.text
+    assert task is not None and task.eos_id is not None
+    ids = [72, 101, 108, 108, 111, task.eos_id, 33]  # "Hello", EOS, "!"
+    final = {"first_token": torch.tensor([ids[:1]]), "text_tokens": torch.tensor([ids[1:]])}
+    streamed = audio.Transcript(TextAssembler(task, [], 16), ["first_token"], "text_tokens")
+    parts = [streamed.stream(torch.tensor([[t]]), final) for t in ids[1:4]]
+    parts.append(streamed.finish(final))
+    assert "".join(parts) == "Hello" and streamed.text.finish_reason == "stop"
+    for k in range(len(ids)):  # cut anywhere: the same text
+        t = audio.Transcript(TextAssembler(task, [], 16), ["first_token"], "text_tokens")
+        text = "".join(t.stream(torch.tensor([[x]]), final) for x in ids[1 : 1 + k])
+        assert text + t.finish(final) == "Hello"
+    short = audio.Transcript(TextAssembler(task, [], 3), ["first_token"], "text_tokens")
+    assert short.finish(final) == "Hel" and short.text.finish_reason == "length"
 
 
 # ---------------------------------------------------------------- streaming viability

@@ -66,7 +66,6 @@ from walkserve.api.textgen import (
     all_tokens,
     chunk,
     delta,
-    reply_tokens,
     text_response,
     usage,
 )
@@ -779,10 +778,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             finally:
                 handle.cancel()
                 ticket.release()
-            for token in reply_tokens(task.leads, task.transcript_channel, outputs):
-                if text.feed(token):
-                    break
-            text.finish()
+            audio.Transcript(text, task.leads, task.transcript_channel).finish(outputs)
             waveform = outputs[task.waveform_channel]
             elapsed = time.perf_counter() - t0
             metrics.observe_latency(task.walk, elapsed)
@@ -811,29 +807,13 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             watch = _AudioWatch(metrics, task.sample_rate, t0)
             observe = first_observer("token", task.transcript_channel, t0)
             header = fmt == "wav"  # a streamed WAV: the header (sizes open) leads the data
-            fed = 0  # reply tokens fed to the transcript so far
-
-            def feed(tokens: list[int]) -> str:
-                nonlocal fed
-                fed += len(tokens)
-                for token in tokens:
-                    if text.feed(token):
-                        break
-                return text.take()
-
+            said = audio.Transcript(text, task.leads, task.transcript_channel)
             try:
                 async for item in stream_items(handle):
                     if item.channel == task.transcript_channel:
                         observe(item)
-                        tokens = [int(t) for t in item.value.reshape(-1).tolist()]
-                        if fed == 0:  # the lead tokens: outputs sent before the stream
-                            got = handle._outputs
-                            tokens = [
-                                int(got[n].reshape(-1)[0]) for n in task.leads if n in got
-                            ] + tokens
-                        said = feed(tokens)
-                        if said:
-                            yield piece(transcript=said)
+                        if piece_text := said.stream(item.value, handle._outputs):
+                            yield piece(transcript=piece_text)
                     elif item.channel == task.waveform_channel:
                         data = media.pcm16(watch.chunk(item.value))
                         if header:
@@ -844,12 +824,8 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
                 yield sse(error_body(e.message, e.kind))
                 yield SSE_DONE
                 return
-            tokens = list(reply_tokens(task.leads, task.transcript_channel, outputs))
-            feed(tokens[fed:])  # what the stream did not carry (a reply that ended at once)
-            text.finish()
-            said = text.take()
-            if said:
-                yield piece(transcript=said)
+            if tail := said.finish(outputs):
+                yield piece(transcript=tail)
             rest = watch.rest(outputs.get(task.waveform_channel))
             if rest is not None:
                 data = media.pcm16(watch.chunk(rest))

@@ -18,16 +18,50 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 
 from walkserve.api import media
 from walkserve.api.profile import Voice, Voices
+from walkserve.api.textgen import TextAssembler, reply_tokens
 
 ChatAudioFormat = Literal["wav", "pcm16"]
 CHAT_AUDIO_FORMATS: tuple[ChatAudioFormat, ...] = ("wav", "pcm16")
 AUDIO_EXPIRES_S = 3600  # expires_at: nothing is kept for multi-turn use; a nominal hour
+
+
+class Transcript:
+    """A spoken reply's text, token by token: the lead outputs' tokens first (outputs that a
+    walk sends before its stream, e.g. the prefill's token), then the streamed channel's; at
+    the end, whatever the stream did not carry (a reply that ended before the stream began).
+    ``text`` applies EOS and max_tokens; each call returns the text safe to send now."""
+
+    def __init__(self, text: TextAssembler, leads: Sequence[str], channel: str) -> None:
+        self.text, self.leads, self.channel = text, tuple(leads), channel
+        self.fed = 0  # reply tokens taken so far (leads included)
+
+    def stream(self, value: torch.Tensor, outputs: Mapping[str, Any]) -> str:
+        """A streamed item of the channel; ``outputs``: the request's outputs so far."""
+        tokens = [int(t) for t in value.reshape(-1).tolist()]
+        if self.fed == 0:
+            tokens = [int(outputs[n].reshape(-1)[0]) for n in self.leads if n in outputs] + tokens
+        return self._feed(tokens)
+
+    def finish(self, outputs: Mapping[str, Any]) -> str:
+        """The request's final outputs: the tokens not streamed, then the held-back text."""
+        tokens = list(reply_tokens(self.leads, self.channel, outputs))
+        said = self._feed(tokens[self.fed :])
+        self.text.finish()
+        return said + self.text.take()
+
+    def _feed(self, tokens: list[int]) -> str:
+        self.fed += len(tokens)
+        for token in tokens:
+            if self.text.feed(token):
+                break
+        return self.text.take()
 
 
 def voice_name(requested: str | dict[str, Any] | None) -> str | None:
