@@ -1,11 +1,12 @@
 """Qwen2.5-Omni's HTTP routes on real worker processes (Starlette's test client in process):
 text chat runs its ``speak`` walk (a one-code talker) and equals the reference interpreter,
-streamed and not. Its audio routes need a ``waveform`` output of ``speak`` (token2wav in the
-walk): until the walk has one they are 400s saying so; once it has, speech must equal the
-reference."""
+streamed and not; speech (voice Ethan) and chat with audio (voice Chelsie) equal the
+reference's waveform as pcm16 (within one LSB) and transcript. token2wav draws its noise from
+the request's seed (default 0), so served and reference runs match."""
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -19,7 +20,7 @@ from walkserve.api.app import create_app
 from walkserve.api.profile import profile_for
 from walkserve.runtime.server import serve
 
-FACTORY = "walkserve.adapters.qwen25_omni:tiny"
+FACTORY = "walkserve.adapters.qwen25_omni:tiny_audible"  # its waveform survives pcm16
 EOS = qwen25_omni._Ids.im_end_token_id
 
 
@@ -59,27 +60,36 @@ def test_qwen25_chat_text_and_audio_routes() -> None:
                     text += choice["delta"].get("content") or ""
         assert text == want
 
-        speech = {"model": FACTORY, "input": "Hi", "voice": "Chelsie", "max_tokens": 20}
+        speech = {"model": FACTORY, "input": "Hello", "voice": "Ethan", "max_tokens": 20}
         got = client.post("/v1/audio/speech", json=speech)
-        if "waveform" not in ref.graph.walks["speak"].outputs:
-            assert got.status_code == 400
-            assert "no speech output yet" in got.json()["error"]["message"]
-            audio = {"voice": "Chelsie", "format": "wav"}
-            chat = client.post(
-                "/v1/chat/completions",
-                json={**body, "modalities": ["text", "audio"], "audio": audio},
-            )
-            assert chat.status_code == 400 and "no audio output" in chat.text
-        else:  # token2wav landed in the walk: speech equals the reference's waveform
-            assert got.status_code == 200, got.text
-            ids = chat_ids(omni_http.READ_ALOUD.format(text="Hi"))
-            out = ref.run(
-                {
-                    **inputs,
-                    "input_ids": ids,
-                    "max_new_tokens": omni_http.TINY_LIMITS.read_aloud_tokens,
-                    "max_audio_tokens": 20,
-                },
-                walk="speak",
-            )
-            assert got.content[44:] == media.pcm16(out["waveform"])
+        assert got.status_code == 200, got.text
+        read = chat_ids(omni_http.READ_ALOUD.format(text="Hello"))
+        out = ref.run(
+            {
+                "input_ids": read,
+                "max_new_tokens": omni_http.TINY_LIMITS.read_aloud_tokens,
+                "max_audio_tokens": 20,
+                "text_bos_id": qwen25_omni.TINY_SPEAKER_BOS_2,
+            },
+            walk="speak",
+        )
+        assert_pcm_close(got.content[44:], media.pcm16(out["waveform"]))
+
+        audio = {"voice": "Chelsie", "format": "pcm16"}
+        chat = client.post(
+            "/v1/chat/completions",
+            json={**body, "modalities": ["text", "audio"], "audio": audio},
+        )
+        assert chat.status_code == 200, chat.text
+        message = chat.json()["choices"][0]["message"]
+        limits = {"max_audio_tokens": omni_http.TINY_LIMITS.chat_audio_tokens}
+        out = ref.run({**inputs, **limits}, walk="speak")
+        assert message["audio"]["transcript"] == reply_text(out, 6)
+        assert_pcm_close(base64.b64decode(message["audio"]["data"]), media.pcm16(out["waveform"]))
+
+
+def assert_pcm_close(got: bytes, want: bytes) -> None:
+    a = torch.frombuffer(bytearray(got), dtype=torch.int16).to(torch.int32)
+    b = torch.frombuffer(bytearray(want), dtype=torch.int16).to(torch.int32)
+    assert a.shape == b.shape and a.numel() > 0 and b.abs().max() > 1000  # audible
+    assert (a - b).abs().max().item() <= 1  # float rounding may flip one LSB

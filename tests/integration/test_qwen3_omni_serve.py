@@ -2,7 +2,9 @@
 predictor and code2wav on rank 1): concurrent speech requests equal the reference interpreter
 (``walkserve.testing.assert_outputs_match``), and audio streams: the first waveform chunk of a
 long reply reaches the client before the thinker's last text token does (client-side receive
-times of ``Server.stream`` items)."""
+times of ``Server.stream`` items). Qwen2.5-Omni likewise, its waveform (token2wav, the walk's
+last stage) included; sampled requests (fixed seeds) equal the interpreter and give the same
+tokens served alone as in a batch."""
 
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ def test_concurrent_speech_on_two_ranks_streams_before_the_thinker_ends() -> Non
     walks, sample = q.tiny()
     captured = capture.trace(walks, sample)
     reqs = requests(walks.upstream.config, 6)
+    hot = dict(temperature=1.5, top_k=20, talker_temperature=1.2, predictor_temperature=1.0)
+    reqs.append({**reqs[2], **hot, "seed": 5})  # sampled: thinker, talker, code predictor
     # A long reply whose talker runs on past one code2wav chunk while the thinker still writes.
     long_reply = {**reqs[0], "input_ids": q.chat_prompt(walks.upstream.config, [120, 7, 99, 3])}
     long_reply.update(max_new_tokens=160, max_audio_tokens=48)
@@ -76,13 +80,25 @@ def test_qwen25_omni_on_two_ranks_streams_codes_before_the_thinker_ends() -> Non
         {**sample, "input_ids": q.chat_prompt(qwen25_omni._Ids(), user), "max_new_tokens": n}
         for user, n in (([5, 6, 7], 10), ([44, 45], 20), ([120, 7, 99, 3], 8), ([1, 2], 120))
     ]
+    # Sampled requests (thinker and talker), one seed each; the Ethan one picks the other
+    # speaker's token2wav conditioning.
+    hot = dict(temperature=1.5, top_k=20, talker_temperature=1.2, talker_top_p=0.9)
+    reqs.append({**reqs[0], **hot, "seed": 11})
+    reqs.append({**reqs[1], **hot, "seed": 12, "text_bos_id": qwen25_omni.TINY_SPEAKER_BOS_2})
     with serve(
         "walkserve.adapters.qwen25_omni:tiny", PLACEMENTS / "qwen25-omni.2ranks.yaml"
     ) as server:
         handles = [server.submit(r, "speak") for r in reqs]
         arrivals = [(time.monotonic(), item) for item in handles[3].stream(timeout=300)]
-        for handle, r in zip(handles, reqs):
-            assert_outputs_match(handle.result(timeout=300), captured.run(r, walk="speak"))
+        results = [handle.result(timeout=300) for handle in handles]
+        for out, r in zip(results, reqs):
+            # The waveform (token2wav under the request's seed, on rank 1) included.
+            assert_outputs_match(out, captured.run(r, walk="speak"))
+        alone = server.submit(reqs[4], "speak").result(timeout=300)
+    for key in ("first_token", "second_token", "text_tokens", "first_code", "codes"):
+        assert torch.equal(alone[key], results[4][key]), key  # batch-independent draws
+    assert_outputs_match(alone, results[4])
+    assert not torch.equal(results[4]["text_tokens"], results[0]["text_tokens"])
     text_times = [t for t, item in arrivals if item.channel == "text_tokens"]
     code_times = [t for t, item in arrivals if item.channel == "codes"]
     assert len(text_times) > 100 and code_times

@@ -1,7 +1,8 @@
 """Qwen2.5-Omni walks against the upstream model: the captured walk (reference interpreter)
 equals upstream ``generate()`` token for token (thinker text, talker codec tokens), for talkers
 that stop at codec EOS, at ``max_audio_tokens``, and before the text ends; upstream token2wav
-on the walk's codes gives ``generate()``'s waveform (same seed: its DiT starts from noise)."""
+on the walk's codes gives ``generate()``'s waveform (same seed: its DiT starts from noise), and
+so does the walk's own token2wav stage under the request's ``seed``."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def tiny() -> tuple[q.Qwen25OmniWalks, capture.CapturedModel]:
 
 
 def upstream_generate(
-    walks: q.Qwen25OmniWalks, r: dict[str, Any], seed: int
+    walks: q.Qwen25OmniWalks, r: dict[str, Any], seed: int, speaker: str = "Chelsie"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(new text tokens [1, n], talker tokens [1, m], waveform [samples]) of greedy generate()."""
     model = walks.upstream
@@ -42,7 +43,7 @@ def upstream_generate(
         torch.manual_seed(seed)
         sequences, waveform = model.generate(
             r["input_ids"],
-            speaker="Chelsie",
+            speaker=speaker,
             thinker_max_new_tokens=r["max_new_tokens"],
             thinker_eos_token_id=walks.eos,
             thinker_do_sample=False,
@@ -86,6 +87,47 @@ def test_speech_walk_equals_upstream_generate_token_for_token(tiny: Any) -> None
         )
         assert torch.equal(wav.reshape(-1).float(), waveform), i
     assert len(stops) >= 2, stops  # EOS and max_audio_tokens stops, short and long talkers
+
+
+def test_walk_waveform_is_generate_waveform_under_the_same_seed(tiny: Any) -> None:
+    """The walk's token2wav stage runs upstream token2wav under a forked RNG seeded with the
+    request's ``seed``: ``torch.manual_seed(seed)`` just before ``generate()`` (greedy thinker
+    and talker draw nothing from the RNG before token2wav) gives the same waveform, with the
+    conditioning of the speaker that ``text_bos_id`` names; the caller's RNG is untouched."""
+    walks, captured = tiny
+    speakers = [("Chelsie", q.TINY_SPEAKER_BOS), ("Ethan", q.TINY_SPEAKER_BOS_2)]
+    waves = {}
+    for i, (speaker, bos) in enumerate(speakers):
+        user, max_new, max_audio = REQUESTS[i]
+        r = {
+            "input_ids": chat_prompt(q._Ids(), user),
+            "max_new_tokens": max_new,
+            "max_audio_tokens": max_audio,
+            "text_bos_id": bos,
+            "seed": 1000 + i,
+        }
+        _, codes, waveform = upstream_generate(walks, r, seed=1000 + i, speaker=speaker)
+        state = torch.random.get_rng_state()
+        got = captured.run(r, walk="speak")
+        assert torch.equal(torch.random.get_rng_state(), state)
+        assert torch.equal(torch.cat([got["first_code"], got["codes"]], dim=1), codes), i
+        assert got["waveform"].shape == (1, 1, waveform.shape[0])
+        assert torch.equal(got["waveform"][0, 0], waveform), (i, speaker)
+        waves[i] = got["waveform"]
+    # The other speaker's conditioning on the same codes and seed: another waveform.
+    r0 = {
+        "input_ids": chat_prompt(q._Ids(), REQUESTS[0][0]),
+        "max_new_tokens": REQUESTS[0][1],
+        "max_audio_tokens": REQUESTS[0][2],
+        "seed": 1000,
+    }
+    other = captured.run({**r0, "text_bos_id": q.TINY_SPEAKER_BOS_2}, walk="speak")
+    same = captured.run({**r0, "text_bos_id": q.TINY_SPEAKER_BOS}, walk="speak")
+    assert torch.equal(same["waveform"], waves[0])
+    if torch.equal(other["codes"], same["codes"]):  # the talker's prompt has the bos token too
+        assert not torch.equal(other["waveform"], same["waveform"])
+    with pytest.raises(Exception, match="names no speaker"):
+        captured.run({**r0, "text_bos_id": 3}, walk="speak")
 
 
 def test_loader_reads_a_local_checkpoint_with_its_speakers(tiny: Any, tmp_path: Any) -> None:

@@ -124,6 +124,7 @@ def test_qwen25_tiny_profile() -> None:
     assert p.speech.voices.resolve("chelsie").inputs == {
         "text_bos_id": qwen25_omni.TINY_SPEAKER_BOS
     }
+    assert p.speech.voices.names == ["Chelsie", "Ethan"] and p.text.sampling
     ids = p.text.encode(p.text.chat_template([("user", "ab")]))
     want = qwen3_omni.chat_prompt(qwen25_omni._Ids(), list(b"\nab"), 10)
     assert torch.equal(torch.tensor([ids]), want)

@@ -174,6 +174,7 @@ def omni_profile(
         decode=decode,
         chat_template=chat,
         lead_outputs=walks.leads[1:],
+        sampling=True,  # the chat walks take temperature, top_p, top_k, seed
         extra_inputs=dict(walks.chat_extra or {}),
     )
     chat_audio = ChatAudioTask(

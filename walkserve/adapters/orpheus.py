@@ -5,9 +5,11 @@ concurrent requests' decode steps share one forward.
 
 Owns: the walks around the two upstream models, the Orpheus token layout, a tiny random
 instance (``tiny``), and a loader for local checkpoints (``load_orpheus``). What crosses the
-boundary: walk inputs ``input_ids`` [B, P] int64 (an Orpheus prompt, see ``orpheus_prompt``) and
-``max_new_tokens`` (int); outputs ``tokens`` [B, n] int64 (exactly ``generate(do_sample=False)``'s
-new tokens) and ``waveform`` [B, samples] float32 at the SNAC sample rate (24 kHz).
+boundary: walk inputs ``input_ids`` [B, P] int64 (an Orpheus prompt, see ``orpheus_prompt``),
+``max_new_tokens`` (int) and, with defaults, ``temperature`` (0: greedy), ``top_p``, ``top_k``,
+``seed`` and ``repetition_penalty`` (1: off; drawn by ``PagedLM``); outputs ``tokens`` [B, n]
+int64 (greedy: exactly ``generate(do_sample=False)``'s new tokens, with the same
+``repetition_penalty``) and ``waveform`` [B, samples] float32 at the SNAC sample rate (24 kHz).
 
 Token layout (Orpheus). Audio token ``t`` at position ``k`` of its frame (``k`` in 0..6) carries
 SNAC code ``t - audio_offset - k * codebook``. A frame's seven codes go to SNAC's three levels
@@ -59,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from walkserve.adapters.speech_sampling import SamplingDefaults
 from walkserve.capture import iterations, loop, register_component, stream, walk
 from walkserve.capture.api import component
 from walkserve.capture.chunk import EndOfStream, SlidingWindow
@@ -73,6 +76,9 @@ FRAME = 7  # audio tokens per SNAC frame
 WINDOW_FRAMES = 4  # frames decoded per streamed chunk (28 tokens)
 KEPT_FRAME = 1  # the window's frame whose audio is played
 PAD_TOKEN = -1  # pads the final fragment; never a valid token
+# Orpheus's own inference defaults (its engine's ``generate_tokens_sync``), for a profile to send;
+# the walk defaults to greedy (temperature 0, no repetition penalty).
+ORPHEUS_SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.8, repetition_penalty=1.3)
 LEVEL_POSITIONS = ((0,), (1, 4), (2, 3, 5, 6))  # frame positions of SNAC levels 0, 1, 2
 
 
@@ -217,15 +223,27 @@ class OrpheusTTS(nn.Module):
         return self.lm.lm
 
     @walk
-    def speak(self, input_ids: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
+    def speak(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        repetition_penalty: float = 1.0,
+    ) -> dict[str, Tensor]:
         # input_ids: [B, P], P >= 2, ending with start_of_speech. The prefill's own token (after
         # P - 1 tokens) is not used: the first step reads the prompt's last token.
         _, cache = self.lm(input_ids[:, :-1], None, 0)
         token = input_ids[:, -1:]  # [B, 1]
         count = torch.zeros_like(token)
+        # PagedLM samples (seeded by (seed, row, step)) and applies the repetition penalty to
+        # the ids generate() penalizes: the prompt's, then each new one.
+        sampling = (temperature, top_p, top_k, seed, repetition_penalty)
         new: list[Tensor] = []
         for _ in iterations(max_new_tokens):
-            token, cache, count = self.step(token, cache, count)
+            token, cache, count = self.step(token, cache, count, *sampling)
             new.append(token)
             if ((token == self.eos) | (count >= max_new_tokens)).all():
                 break
@@ -239,8 +257,19 @@ class OrpheusTTS(nn.Module):
         return {"tokens": tokens, "waveform": torch.cat(pieces, dim=-1)}  # waveform: [B, k * S]
 
     @loop
-    def step(self, token: Tensor, cache: Any, count: Tensor) -> tuple[Tensor, Any, Tensor]:
-        token, cache = self.lm(token, cache, count)  # greedy: generate(do_sample=False)
+    def step(
+        self,
+        token: Tensor,
+        cache: Any,
+        count: Tensor,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+        repetition_penalty: float,
+    ) -> tuple[Tensor, Any, Tensor]:
+        sampling = (temperature, top_p, top_k, seed, repetition_penalty)
+        token, cache = self.lm(token, cache, count, *sampling)  # [B, 1]
         return token, cache, count + 1
 
     @loop

@@ -7,7 +7,8 @@ and reproduces what ``generate()`` feeds the talker. What crosses its boundary: 
 ``input_ids`` [1, P] int64 (a chat prompt ending with ``<|im_start|> assistant \\n``),
 ``max_new_tokens`` (thinker), ``max_audio_tokens`` (talker, counted as upstream
 ``talker_max_new_tokens``) and ``speaker_id`` (a codec speaker id from
-``config.talker_config.speaker_id``); for audio input (walks ``chat_audio``, ``speak_audio``)
+``config.talker_config.speaker_id``), the sampling inputs (below, all with greedy defaults);
+for audio input (walks ``chat_audio``, ``speak_audio``)
 also ``input_features`` [1, mel, T] float and ``feature_attention_mask`` [1, T] int64, for an
 image (``chat_image``, ``speak_image``) ``pixel_values`` [patches, C * T * p * p] float and
 ``image_grid_thw`` [1, 3] int64, with the prompt's placeholders laid out as upstream's
@@ -35,10 +36,15 @@ into every decode step (``step_positions``), so no request reads another's state
              chunk i decodes frames [max(0, 300 i - 25), 300 (i + 1)) and drops the context's
              samples, so the joined waveform equals ``code2wav.chunked_decode(codes, 300, 25)``.
 
-Greedy throughout: equal to upstream ``generate(..., thinker_do_sample=False,
-talker_do_sample=False, talker_repetition_penalty=1.0)``. Not reproduced: video input (and
+Greedy by default: equal to upstream ``generate(..., thinker_do_sample=False,
+talker_do_sample=False, talker_repetition_penalty=r)`` with the walk input
+``talker_repetition_penalty`` = r (default 1). Sampling (``speech_sampling``): per-request inputs
+with greedy defaults, ``temperature`` / ``top_p`` / ``top_k`` (thinker), ``talker_*`` (talker),
+``predictor_*`` (code predictor) and one ``seed``; each of the three samplers draws its own
+stream seeded by ``(seed, row, step)``, so a request's tokens do not depend on its batch
+(upstream's draws, from the global RNG, are not reproduced). Not reproduced: video input (and
 audio in video), several clips or images in one prompt, audio and image in one request,
-sampling, repetition penalty, batches of several rows in one request.
+batches of several rows in one request.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from walkserve.adapters.speech_sampling import SamplingDefaults, TokenSampler
 from walkserve.capture import (
     FixedChunk,
     LeftContext,
@@ -70,6 +77,14 @@ FEED_EOS = -1  # the tts_eos marker after the last spoken text token
 FEED_PAD = -2  # tts_pad: the talker speaks on after the text ended
 MAX_TALKER_STEPS = 4096  # upstream talker_max_new_tokens default; the per-request bound is an input
 MAX_THINKER_STEPS = 32768
+
+# Upstream generate()'s sampling (transformers 5.24 ``Qwen3OmniMoeForConditionalGeneration.
+# generate`` defaults; the code predictor's top_k / top_p are fixed in the talker's forward, its
+# temperature is its generation config's), for a profile to send; the walks default to greedy.
+# The thinker samples as its checkpoint's generation_config.json says (not known here).
+TALKER_SAMPLING = SamplingDefaults(temperature=0.9, top_p=1.0, top_k=50, repetition_penalty=1.05)
+PREDICTOR_SAMPLING = SamplingDefaults(temperature=1.0, top_p=0.8, top_k=50)
+GREEDY = (0.0, 1.0, 0, 0)  # (temperature, top_p, top_k, seed)
 
 
 @dataclass(frozen=True)
@@ -420,12 +435,24 @@ class Qwen3OmniWalks(nn.Module):
         suppressed[self.tokens.codec_eos] = False
         self.suppressed: Tensor
         self.register_buffer("suppressed", suppressed, persistent=False)
+        self.thinker_sampler = TokenSampler(stream=0)
+        self.talker_sampler = TokenSampler(stream=1)
+        self.predictor_sampler = TokenSampler(stream=2)
 
     # ------------------------------------------------------------------ thinker
 
     @walk
-    def chat(self, input_ids: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
-        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens)
+    def chat(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> dict[str, Tensor]:
+        sampling = (temperature, top_p, top_k, seed)
+        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, sampling=sampling)
         return {"first_token": first, "text_tokens": text_tokens}
 
     @walk
@@ -435,25 +462,39 @@ class Qwen3OmniWalks(nn.Module):
         input_features: Tensor,
         feature_attention_mask: Tensor,
         max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
     ) -> dict[str, Tensor]:
         """``chat`` with one audio clip per prompt row: log-mel ``input_features`` [B, mel, T]
         and ``feature_attention_mask`` [B, T] (1 = a real frame), the prompt holding
         ``audio_token_count(frames)`` audio placeholders between audio start and end."""
         input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
         media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
-        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, media)
+        sampling = (temperature, top_p, top_k, seed)
+        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, media, sampling=sampling)
         return {"first_token": first, "text_tokens": text_tokens}
 
     @walk
     def chat_image(
-        self, input_ids: Tensor, pixel_values: Tensor, image_grid_thw: Tensor, max_new_tokens: int
+        self,
+        input_ids: Tensor,
+        pixel_values: Tensor,
+        image_grid_thw: Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
     ) -> dict[str, Tensor]:
         """``chat`` with one image per prompt row: ``pixel_values`` [patches, C * T * p * p] and
         ``image_grid_thw`` [B, 3] as upstream's image processor makes them, the prompt holding
         t * h * w / merge^2 image placeholders between vision start and end."""
         input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
         media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, media)
+        sampling = (temperature, top_p, top_k, seed)
+        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, media, sampling=sampling)
         return {"first_token": first, "text_tokens": text_tokens}
 
     def _think(
@@ -462,15 +503,17 @@ class Qwen3OmniWalks(nn.Module):
         max_new_tokens: int,
         media: Mapping[str, Tensor] | None = None,
         hidden: bool = False,
+        sampling: tuple[Any, ...] = GREEDY,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """-> t0 [B, 1], the decode loop's tokens t1 .. t{n-1} [B, n - 1] (a streamed channel),
         the talker's feed items [B, n - 1], and with ``hidden`` the prefill's hidden states of
         layer ``accept_hidden_layer`` [B, P, D] (for the talker's media positions). ``media``:
-        the thinker's encoder inputs, given to the prefill. Every decode step gets explicit
-        positions from ``rope`` [B, 2], a per-request loop input (``MropePositions``): with
-        images the multimodal positions of the prompt; else (text, audio: plain positions
-        upstream) the prompt's last position. Nothing is read from upstream's ``rope_deltas``
-        module attribute, which concurrent requests would share."""
+        the thinker's encoder inputs, given to the prefill. ``sampling``: the thinker's
+        ``(temperature, top_p, top_k, seed)``. Every decode step gets explicit positions from
+        ``rope`` [B, 2], a per-request loop input (``MropePositions``): with images the
+        multimodal positions of the prompt; else (text, audio: plain positions upstream) the
+        prompt's last position. Nothing is read from upstream's ``rope_deltas`` module
+        attribute, which concurrent requests would share."""
         extra: dict[str, Any] = dict(media or {})
         if "image_grid_thw" in extra:
             positions = self.thinker_positions(input_ids, extra["image_grid_thw"])
@@ -480,16 +523,19 @@ class Qwen3OmniWalks(nn.Module):
         out = self.thinker(input_ids=input_ids, use_cache=True, **extra)
         cache = _read_now(out.cache)
         accepted = out.hidden_states[self.accept_layer] if hidden else None  # [B, P, D]
-        first = token = out.logits[:, -1:].argmax(-1)  # [B, 1]: t0
+        first = token = self.thinker_sampler(out.logits[:, -1:], 0, *sampling)  # [B, 1]: t0
         count = token * 0 + 1  # [B, 1] (elementwise: runs in the thinker's dispatch)
         if "position_ids" in extra:
             rope = positions[1]  # [B, 2]
         else:
             rope = (token * 0).repeat(1, 2) + (input_ids.shape[1] - 1)  # [B, 2]
+        # The first step's positions; each step then makes the next one's after its forward,
+        # so that they are computed in the thinker's dispatch rather than in one of their own.
+        positions = step_positions(rope, count)  # [4, B, 1]
         tokens, feeds = [], []
         for _ in iterations(max_new_tokens):
-            cache, token, count, feed, done = self.think_step(
-                cache, token, count, rope, max_new_tokens
+            cache, token, count, positions, feed, done = self.think_step(
+                cache, token, count, positions, rope, max_new_tokens, *sampling
             )
             tokens.append(token)
             feeds.append(feed)
@@ -499,24 +545,56 @@ class Qwen3OmniWalks(nn.Module):
 
     @loop(max_iters="max_new_tokens")
     def think_step(
-        self, cache: Any, token: Tensor, count: Tensor, rope: Tensor, max_new_tokens: int
-    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
-        positions = step_positions(rope, count)  # [4, B, 1]
+        self,
+        cache: Any,
+        token: Tensor,
+        count: Tensor,
+        positions: Tensor,
+        rope: Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]:
         out = self.thinker(input_ids=token, cache=cache, use_cache=True, position_ids=positions)
         cache = _read_now(out.cache)
-        token = out.logits[:, -1:].argmax(-1)  # [B, 1]
+        logits = out.logits[:, -1:]  # [B, 1, V]
+        token = self.thinker_sampler(logits, count, temperature, top_p, top_k, seed)  # [B, 1]
         count = count + 1
+        positions = step_positions(rope, count)  # [4, B, 1]: the next step's
         last = (token == self.eos) | (count >= max_new_tokens)  # [B, 1]
         feed = token - (token - FEED_EOS) * last  # the talker's text item: FEED_EOS if last
-        return cache, token, count, feed, last.all()
+        return cache, token, count, positions, feed, last.all()
 
     # ------------------------------------------------------------------ speech
 
     @walk
     def speak(
-        self, input_ids: Tensor, max_new_tokens: int, max_audio_tokens: int, speaker_id: int
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        max_audio_tokens: int,
+        speaker_id: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        talker_temperature: float = 0.0,
+        talker_top_p: float = 1.0,
+        talker_top_k: int = 0,
+        predictor_temperature: float = 0.0,
+        predictor_top_p: float = 1.0,
+        predictor_top_k: int = 0,
+        talker_repetition_penalty: float = 1.0,
     ) -> dict[str, Tensor]:
-        return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id)
+        sampling = (temperature, top_p, top_k, seed)
+        talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
+        talker_sampling += (talker_repetition_penalty,)
+        talker_sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
+        return self._speak(
+            input_ids, max_new_tokens, max_audio_tokens, speaker_id, None, sampling, talker_sampling
+        )
 
     @walk
     def speak_audio(
@@ -527,11 +605,34 @@ class Qwen3OmniWalks(nn.Module):
         max_new_tokens: int,
         max_audio_tokens: int,
         speaker_id: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        talker_temperature: float = 0.0,
+        talker_top_p: float = 1.0,
+        talker_top_k: int = 0,
+        predictor_temperature: float = 0.0,
+        predictor_top_p: float = 1.0,
+        predictor_top_k: int = 0,
+        talker_repetition_penalty: float = 1.0,
     ) -> dict[str, Tensor]:
         """``speak`` with one audio clip per prompt row (inputs as in ``chat_audio``)."""
         input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
         media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
-        return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id, media)
+        sampling = (temperature, top_p, top_k, seed)
+        talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
+        talker_sampling += (talker_repetition_penalty,)
+        talker_sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
+        return self._speak(
+            input_ids,
+            max_new_tokens,
+            max_audio_tokens,
+            speaker_id,
+            media,
+            sampling,
+            talker_sampling,
+        )
 
     @walk
     def speak_image(
@@ -542,11 +643,34 @@ class Qwen3OmniWalks(nn.Module):
         max_new_tokens: int,
         max_audio_tokens: int,
         speaker_id: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        talker_temperature: float = 0.0,
+        talker_top_p: float = 1.0,
+        talker_top_k: int = 0,
+        predictor_temperature: float = 0.0,
+        predictor_top_p: float = 1.0,
+        predictor_top_k: int = 0,
+        talker_repetition_penalty: float = 1.0,
     ) -> dict[str, Tensor]:
         """``speak`` with one image per prompt row (inputs as in ``chat_image``)."""
         input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
         media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-        return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id, media)
+        sampling = (temperature, top_p, top_k, seed)
+        talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
+        talker_sampling += (talker_repetition_penalty,)
+        talker_sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
+        return self._speak(
+            input_ids,
+            max_new_tokens,
+            max_audio_tokens,
+            speaker_id,
+            media,
+            sampling,
+            talker_sampling,
+        )
 
     def _speak(
         self,
@@ -554,10 +678,15 @@ class Qwen3OmniWalks(nn.Module):
         max_new_tokens: int,
         max_audio_tokens: int,
         speaker_id: int,
-        media: Mapping[str, Tensor] | None = None,
+        media: Mapping[str, Tensor] | None,
+        sampling: tuple[Any, ...],
+        talker_sampling: tuple[Any, ...],
     ) -> dict[str, Tensor]:
+        """``sampling``: the thinker's ``(temperature, top_p, top_k, seed)``;
+        ``talker_sampling``: the talker's ``(temperature, top_p, top_k, seed,
+        repetition_penalty)`` then the code predictor's ``(temperature, top_p, top_k)``."""
         first, text_tokens, feeds, hidden = self._think(
-            input_ids, max_new_tokens, media, hidden=media is not None
+            input_ids, max_new_tokens, media, hidden=media is not None, sampling=sampling
         )
 
         if hidden is None:
@@ -571,7 +700,11 @@ class Qwen3OmniWalks(nn.Module):
         out = self.talker(inputs_embeds=prompt, use_cache=True, output_hidden_states=True, **extra)
         cache = _read_now(out.cache)
         hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]: last layer, last position
-        code = self._pick_code(out.logits[:, -1:])  # [B, 1]: c0
+        # The codes generate() penalizes (talker repetition_penalty): each one generated (the
+        # talker gets no prompt ids upstream). seen: [B, V_talker] bool
+        seen = torch.zeros_like(out.logits[:, -1], dtype=torch.bool)
+        code = self._pick_code(out.logits[:, -1:], 0, talker_sampling[:5], seen)  # [B, 1]: c0
+        seen = seen.scatter(1, code, True)
         count = torch.ones_like(code)
         if extra:
             rope = positions[1]  # [B, 2]
@@ -579,8 +712,8 @@ class Qwen3OmniWalks(nn.Module):
             rope = (code * 0).repeat(1, 2) + (prompt.shape[1] - 1)  # [B, 2]
         frames = []
         for item in stream(feeds, FixedChunk(1), dim=1):  # item: [B, 1]
-            cache, code, hidden, count, new, done = self.talk_item(
-                cache, code, hidden, count, rope, item, max_audio_tokens
+            cache, code, hidden, count, seen, new, done = self.talk_item(
+                cache, code, hidden, count, seen, rope, item, max_audio_tokens, *talker_sampling
             )
             frames.append(new)
             if done:
@@ -599,8 +732,11 @@ class Qwen3OmniWalks(nn.Module):
             "waveform": waveform,
         }
 
-    def _pick_code(self, logits: Tensor) -> Tensor:  # logits: [B, 1, V] -> [B, 1]
-        return logits.masked_fill(self.suppressed, float("-inf")).argmax(-1)
+    def _pick_code(
+        self, logits: Tensor, step: Tensor | int, sampling: tuple[Any, ...], seen: Tensor
+    ) -> Tensor:
+        masked = logits.masked_fill(self.suppressed, float("-inf"))  # [B, 1, V]
+        return self.talker_sampler(masked, step, *sampling, seen)  # [B, 1]
 
     @loop(max_iters=MAX_THINKER_STEPS, speculative=False)
     def talk_item(
@@ -609,22 +745,33 @@ class Qwen3OmniWalks(nn.Module):
         code: Tensor,
         hidden: Tensor,
         count: Tensor,
+        seen: Tensor,
         rope: Tensor,
         item: Tensor,
         limit: int,
-    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+        repetition_penalty: float,
+        predictor_temperature: float,
+        predictor_top_p: float,
+        predictor_top_k: int,
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The talker steps of one text item: one, or for the <eos> item, on until codec EOS."""
         feed = item
         frames = []
+        sampling: tuple[Any, ...] = (temperature, top_p, top_k, seed, repetition_penalty)
+        sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
         for _ in range(MAX_TALKER_STEPS):
-            cache, code, hidden, count, feed, frame, stop = self.talk_step(
-                cache, code, hidden, count, feed, rope, item, limit
+            cache, code, hidden, count, seen, feed, frame, stop = self.talk_step(
+                cache, code, hidden, count, seen, feed, rope, item, limit, *sampling
             )
             frames.append(frame)
             if stop:
                 break
         done = ((code == self.tokens.codec_eos) | (count >= limit)).all()
-        return cache, code, hidden, count, torch.cat(frames, dim=2), done
+        return cache, code, hidden, count, seen, torch.cat(frames, dim=2), done
 
     @loop(max_iters=MAX_TALKER_STEPS, speculative=False)
     def talk_step(
@@ -633,12 +780,22 @@ class Qwen3OmniWalks(nn.Module):
         code: Tensor,
         hidden: Tensor,
         count: Tensor,
+        seen: Tensor,
         feed: Tensor,
         rope: Tensor,
         item: Tensor,
         limit: int,
-    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        frame = self.predict_residuals(hidden, code)  # [B, G, 1]: the frame of `code`
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+        repetition_penalty: float,
+        predictor_temperature: float,
+        predictor_top_p: float,
+        predictor_top_k: int,
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        predictor_sampling = (predictor_temperature, predictor_top_p, predictor_top_k, seed)
+        frame = self.predict_residuals(hidden, code, count, predictor_sampling)  # [B, G, 1]
         embeds = self.step_input(frame, feed)  # [B, 1, D]
         out = self.talker(
             inputs_embeds=embeds,
@@ -650,34 +807,51 @@ class Qwen3OmniWalks(nn.Module):
         )
         cache = _read_now(out.cache)
         hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]
-        code = self._pick_code(out.logits[:, -1:])
+        sampling = (temperature, top_p, top_k, seed, repetition_penalty)
+        code = self._pick_code(out.logits[:, -1:], count, sampling, seen)
         count = count + 1
         ended = (code == self.tokens.codec_eos) | (count >= limit)  # [B, 1]
         stop = (ended | (item != FEED_EOS)).all()  # a text item gets one step, <eos> the rest
         pad = torch.full_like(feed, FEED_PAD)
-        return cache, code, hidden, count, pad, frame, stop
+        return cache, code, hidden, count, seen.scatter(1, code, True), pad, frame, stop
 
-    def predict_residuals(self, hidden: Tensor, code: Tensor) -> Tensor:
-        """The code predictor's greedy residual codes of ``code`` -> the frame [B, G, 1]."""
+    def predict_residuals(
+        self, hidden: Tensor, code: Tensor, frame_index: Tensor, sampling: tuple[Any, ...]
+    ) -> Tensor:
+        """The code predictor's residual codes of ``code`` (frame ``frame_index`` [B, 1] of the
+        request) -> the frame [B, G, 1]. ``sampling``: ``(temperature, top_p, top_k, seed)``;
+        draw ``g`` of frame ``f`` is the predictor sampler's step ``f * G + g``."""
         first = self.first_code_embed(code)  # [B, 1, D]
         predictor = self.talker.code_predictor
         out = predictor(inputs_embeds=torch.cat([hidden, first], dim=1), use_cache=True)
         cache = _read_now(out.cache)
-        residual = out.logits[:, -1:].argmax(-1)  # [B, 1]: group 1
+        base = frame_index * self.groups  # [B, 1]
+        residual = self.predictor_sampler(out.logits[:, -1:], base, *sampling)  # [B, 1]: group 1
         residuals = [residual]
         for g in range(1, self.groups - 1):
-            cache, residual = self.predict_step(cache, residual, g)
+            cache, residual = self.predict_step(cache, residual, g, base, *sampling)
             residuals.append(residual)
         residual_codes = torch.cat(residuals, dim=1)  # [B, G - 1]
         return torch.cat([code, residual_codes], dim=1).unsqueeze(-1)
 
     @loop
-    def predict_step(self, cache: Any, residual: Tensor, g: int) -> tuple[Any, Tensor]:
+    def predict_step(
+        self,
+        cache: Any,
+        residual: Tensor,
+        g: int,
+        base: Tensor,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+    ) -> tuple[Any, Tensor]:
         out = self.talker.code_predictor(
             input_ids=residual, cache=cache, use_cache=True, generation_steps=g
         )
         cache = _read_now(out.cache)
-        return cache, out.logits[:, -1:].argmax(-1)
+        logits = out.logits[:, -1:]  # [B, 1, V]
+        return cache, self.predictor_sampler(logits, base + g, temperature, top_p, top_k, seed)
 
     @loop
     def decode_chunk(self, chunk: Tensor, n_ctx: int) -> Tensor:

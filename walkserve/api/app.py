@@ -398,19 +398,24 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         top_k: int | None = None,
         seed: int | None = None,
     ) -> dict[str, Any]:
-        """The sampling inputs ``walk`` takes (greedy unless asked otherwise); none when it
-        takes none, and then the request must not ask for sampling."""
-        names = {i.name for i in captured.graph.walks[walk].inputs}
-        if not names & set(SAMPLING_INPUTS):
+        """The sampling inputs of ``walk`` that the request sets, plus greedy values for
+        those the walk requires without a default (a seed drawn at random); none when the
+        walk takes none, and then the request must not ask for sampling."""
+        inputs = {i.name: i for i in captured.graph.walks[walk].inputs}
+        if not inputs.keys() & set(SAMPLING_INPUTS):
             check_greedy(temperature, top_p, top_k)
             return {}
-        values = {
-            "temperature": temperature or 0.0,
-            "top_p": 1.0 if top_p is None else top_p,
-            "top_k": top_k or 0,
-            "seed": (secrets.randbits(63) if seed is None else seed) % 2**63,
-        }
-        return {k: v for k, v in values.items() if k in names}
+        given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+        greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": secrets.randbits(63)}
+        out: dict[str, Any] = {}
+        for name in SAMPLING_INPUTS:
+            if name not in inputs:
+                continue
+            if given[name] is not None:
+                out[name] = given[name]
+            elif inputs[name].default is None:
+                out[name] = greedy[name]
+        return out
 
     async def submit(inputs: dict[str, Any], walk: str) -> RequestHandle:
         try:

@@ -49,10 +49,27 @@ def required_inputs(captured: CapturedModel, walk: str) -> dict[str, ir.ValueMet
     return need
 
 
+def input_defaults(captured: CapturedModel, walk: str) -> dict[str, int | float | bool]:
+    """The defaults of the inputs of ``walk`` and of its ``next`` chain."""
+    found: dict[str, int | float | bool] = {}
+    current: str | None = walk
+    seen: set[str] = set()
+    while current is not None and current not in seen:
+        seen.add(current)
+        w = captured.walk(current)
+        for i in w.inputs:
+            if i.default is not None:
+                found.setdefault(i.name, i.default)
+        current = w.next
+    return found
+
+
 def decode_inputs(
     captured: CapturedModel, walk: str, raw: Mapping[str, Any]
 ) -> dict[str, torch.Tensor | int | float | bool]:
     need = required_inputs(captured, walk)
+    defaults = input_defaults(captured, walk)
+    raw = {**{n: v for n, v in defaults.items() if n in need}, **raw}
     missing = [n for n in need if n not in raw]
     if missing:
         raise ValueError(f"walk {walk!r} needs inputs {missing} (it takes {list(need)})")

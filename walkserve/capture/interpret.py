@@ -99,6 +99,7 @@ class Interpreter:
     def run_walk(self, name: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Run one walk; ``inputs`` may hold more values than it needs."""
         w = self.captured.graph.walks[name]
+        inputs = ir.with_defaults(w, inputs)
         missing = [i.name for i in w.inputs if i.name not in inputs]
         if missing:
             raise InterpreterError(f"walk {name!r} needs inputs {missing}")

@@ -48,7 +48,8 @@ IR as JSON that round-trips exactly, and ``lint()`` checks every structural inva
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import msgspec
 
@@ -310,8 +311,21 @@ class StreamEdge(msgspec.Struct, frozen=True):
 
 
 class WalkInput(msgspec.Struct, frozen=True):
+    """A walk parameter. ``default``: the value of a request that does not give it (the walk
+    method's own default; a scalar), None: the input is required."""
+
     name: str
     meta: ValueMeta | None = None
+    default: int | float | bool | None = None
+
+
+def with_defaults(walk: Walk, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """``inputs`` plus the default of every input of ``walk`` that it does not give."""
+    filled = dict(inputs)
+    for i in walk.inputs:
+        if i.default is not None and i.name not in filled:
+            filled[i.name] = i.default
+    return filled
 
 
 class Walk(msgspec.Struct):

@@ -62,7 +62,12 @@ def trace(
             name = next((w for w in pending if _inputs_ready(model, specs[w][0], state)), None)
             if name is None:
                 first = pending[0]
-                need = [p for p in _walk_params(model, specs[first][0]) if p not in state]
+                defaults = _walk_defaults(model, specs[first][0])
+                need = [
+                    p
+                    for p in _walk_params(model, specs[first][0])
+                    if p not in state and p not in defaults
+                ]
                 raise CaptureError(
                     "walk-inputs",
                     f"walk {first!r} needs inputs {need}: give them in sample_inputs or produce them "
@@ -78,7 +83,9 @@ def trace(
             outputs = runner.run_walk(name, state)
             traced = graph.walks[name]
             traced.values = record
-            traced.inputs = [ir.WalkInput(i.name, record.get(i.name)) for i in traced.inputs]
+            traced.inputs = [
+                ir.WalkInput(i.name, record.get(i.name), i.default) for i in traced.inputs
+            ]
             state.update(outputs)
     for w in graph.walks.values():
         if w.next is not None and w.next not in graph.walks:
@@ -98,8 +105,28 @@ def _walk_params(model: nn.Module, method: str) -> list[str]:
     return list(inspect.signature(fn).parameters)[1:]
 
 
+def _walk_defaults(model: nn.Module, method: str) -> dict[str, int | float | bool]:
+    """The walk method's scalar parameter defaults (inputs a request may leave out)."""
+    import inspect
+
+    fn = getattr(type(model), method)
+    found: dict[str, int | float | bool] = {}
+    for name, p in list(inspect.signature(fn).parameters.items())[1:]:
+        if p.default is p.empty:
+            continue
+        if not isinstance(p.default, int | float | bool):
+            raise CaptureError(
+                "walk-inputs",
+                f"walk parameter {name!r} has default {p.default!r}: a walk input's default "
+                "must be an int, float or bool",
+            )
+        found[name] = p.default
+    return found
+
+
 def _inputs_ready(model: nn.Module, method: str, state: Mapping[str, Any]) -> bool:
-    return all(p in state for p in _walk_params(model, method))
+    defaults = _walk_defaults(model, method)
+    return all(p in state or p in defaults for p in _walk_params(model, method))
 
 
 def _trace_walk(model: nn.Module, method: str, spec: WalkSpec, graph: ir.WalkGraph) -> ir.Walk:
@@ -115,6 +142,7 @@ def _trace_walk(model: nn.Module, method: str, spec: WalkSpec, graph: ir.WalkGra
     conv = BlockConverter(tracer, fx_graph, "")
     block, out = conv.convert()
     source = _method_source(model, method)
+    defaults = _walk_defaults(model, method)
     if out is None or (isinstance(out, dict) and not out):
         raise CaptureError(
             "walk-output", f"walk {spec.name!r} returns no output; return a dict of tensors", source
@@ -143,7 +171,7 @@ def _trace_walk(model: nn.Module, method: str, spec: WalkSpec, graph: ir.WalkGra
         graph.constants[path[len(CONST_PREFIX) :]] = tensor_to_data(tensor)
     return ir.Walk(
         name=spec.name,
-        inputs=[ir.WalkInput(p) for p in block.params],
+        inputs=[ir.WalkInput(p, default=defaults.get(p)) for p in block.params],
         body=block,
         outputs=outputs,
         streams=conv.streams,

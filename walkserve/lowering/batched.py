@@ -282,7 +282,8 @@ class BatchedRunner:
         w = self.captured.graph.walks[name]
         self.walk = w
         self.ops, self.loops = self.all_ops[name], self.all_loops[name]
-        envs = [{i.name: r[i.name] for i in w.inputs} for r in inputs]
+        given = [ir.with_defaults(w, r) for r in inputs]
+        envs = [{i.name: g[i.name] for i in w.inputs} for g in given]
         self.walk_inputs = [dict(e) for e in envs]
         self.block(self.plan.walks[name], envs, list(range(len(envs))))
         return [{k: self.interp.value(a, env) for k, a in w.outputs.items()} for env in envs]

@@ -679,7 +679,7 @@ class Conductor:
         current: str | None = walk
         while current is not None and current not in seen:
             w = graph.walks[current]
-            missing = [i.name for i in w.inputs if i.name not in have]
+            missing = [i.name for i in w.inputs if i.name not in have and i.default is None]
             if missing:
                 raise ValueError(f"walk {current!r} needs inputs {missing}")
             have |= set(w.outputs)
@@ -688,11 +688,12 @@ class Conductor:
 
     def _enter_walk(self, req: _Request, walk: str) -> None:
         w = self.captured.graph.walks[walk]
-        missing = [i.name for i in w.inputs if i.name not in req.state]
+        given = ir.with_defaults(w, req.state)
+        missing = [i.name for i in w.inputs if i.name not in given]
         if missing:
             raise _RequestFailed(f"walk {walk!r} needs inputs {missing}")
         req.walk = walk
-        req.walk_inputs = {i.name: req.state[i.name] for i in w.inputs}
+        req.walk_inputs = {i.name: given[i.name] for i in w.inputs}
         req.sent = set()
         req.root = self._new_frame(self._walks[walk], (), None, req.walk_inputs)
 

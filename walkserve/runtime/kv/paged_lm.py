@@ -33,7 +33,8 @@ caching: a new sequence reuses the cached full pages of an identical token prefi
 
 Sampling: temperature 0 is greedy (argmax; ``generate(do_sample=False)``). Otherwise the draw of
 row ``r`` at step ``step`` uses a generator seeded from ``(seed, r, step)``, so a request's
-tokens depend on its inputs only, not on its batch, its timing, or an eviction.
+tokens depend on its inputs only, not on its batch, its timing, or an eviction. A
+``repetition_penalty`` (transformers' rule) applies to the row's tokens so far, prompt included.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from walkserve.runtime.kv.hf import (
 from walkserve.runtime.kv.pool import KVPool, PoolExhausted, SeqId
 from walkserve.runtime.kv.sampling import SamplingParams, sample_row
 
-__all__ = ["PagedKV", "PagedLM", "PagedLMConfig", "PagedLMStats", "step_seed"]
+__all__ = ["PagedKV", "PagedLM", "PagedLMConfig", "PagedLMStats", "seeded_token", "step_seed"]
 
 Call = tuple[Sequence[Any], dict[str, Any]]
 
@@ -226,8 +227,10 @@ class PagedLM(nn.Module):
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int = 0,
+        repetition_penalty: float = 1.0,  # transformers' rule, on the row's tokens so far
     ) -> tuple[torch.Tensor, PagedKV]:  # token [B, 1] int64
-        out = self.forward_batch([((input_ids, cache, step, temperature, top_p, top_k, seed), {})])
+        args = (input_ids, cache, step, temperature, top_p, top_k, seed, repetition_penalty)
+        out = self.forward_batch([(args, {})])
         assert not isinstance(out[0], Deferred)  # a lone call runs (or raises)
         return out[0]
 
@@ -251,7 +254,9 @@ class PagedLM(nn.Module):
             logits = self._forward(state, [(r, w) for u in chosen for r, w in zip(u.rows, u.want)])
             out: list[tuple[torch.Tensor, PagedKV] | Deferred] = [DEFER] * len(units)
             for u in chosen:
-                tokens = [_sample(logits[id(r)], u.args, i) for i, r in enumerate(u.rows)]
+                tokens = [
+                    _sample(logits[id(r)], u.args, i, u.want[i]) for i, r in enumerate(u.rows)
+                ]
                 out[u.index] = (torch.tensor(tokens, dtype=torch.int64).unsqueeze(1), u.cache)
             return out
 
@@ -436,21 +441,52 @@ class PagedLM(nn.Module):
             state.lock.release()
 
 
-def _sample(logits: torch.Tensor, args: dict[str, Any], row: int) -> int:
-    temperature = float(args.get("temperature", 0.0))
-    if temperature == 0.0:
-        return int(logits.argmax())
+def _sample(logits: torch.Tensor, args: dict[str, Any], row: int, seen: Sequence[int]) -> int:
+    """Row ``row``'s token; ``seen``: its token ids so far, prompt included (what a repetition
+    penalty applies to, as in ``generate()``)."""
     step = args.get("step", 0)
     n = int(step[row].reshape(-1)[0]) if isinstance(step, torch.Tensor) else int(step)
-    seed = int(args.get("seed", 0))
-    params = SamplingParams(
-        temperature=temperature,
+    return seeded_token(
+        logits,
+        row,
+        n,
+        temperature=float(args.get("temperature", 0.0)),
         top_p=float(args.get("top_p", 1.0)),
         top_k=int(args.get("top_k", 0)),
-        seed=seed,
+        seed=int(args.get("seed", 0)),
+        repetition_penalty=float(args.get("repetition_penalty", 1.0)),
+        seen=seen,
     )
-    generator = torch.Generator(device=logits.device).manual_seed(step_seed(seed, row, n))
-    return sample_row(logits, params, generator, [])
+
+
+def seeded_token(
+    logits: torch.Tensor,  # [V]
+    row: int,
+    step: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    repetition_penalty: float = 1.0,
+    seen: Sequence[int] = (),
+) -> int:
+    """One token of row ``row`` at step ``step``: argmax at temperature 0, else ``sample_row``
+    with a generator seeded from ``step_seed(seed, row, step)`` (the rule of every sampling
+    component: the draw depends on the request's own inputs only). ``repetition_penalty``
+    applies to the token ids in ``seen`` (transformers' rule, before the argmax too)."""
+    if temperature == 0.0 and repetition_penalty == 1.0:
+        return int(logits.argmax())
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+    )
+    generator = None
+    if temperature > 0.0:
+        generator = torch.Generator(device=logits.device).manual_seed(step_seed(seed, row, step))
+    return sample_row(logits, params, generator, seen)
 
 
 def _shape(x: Any) -> str:
