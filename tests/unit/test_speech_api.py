@@ -280,3 +280,12 @@ def test_checkpoint_profile_uses_its_tokenizer_and_template(
     assert ids == head + want
     assert p.text.decode([72, 105, 251]) == "Hi" and p.text.eos_id == config.im_end_token_id
     assert p.speech.voices is not None and p.speech.voices.default == "ethan"
+
+
+def test_built_in_names_find_the_profiles() -> None:
+    """``walkserve serve --model tiny-qwen3-omni`` (a registry name) gets the same routes."""
+    for name in ("tiny-qwen3-omni", "tiny-qwen25-omni", "tiny-orpheus"):
+        p = profile_for(name)
+        assert p.name == name and p.speech is not None and p.speech.voices is not None
+    assert profile_for("tiny-orpheus").chat_audio is None
+    assert profile_for("tiny-qwen25-omni").chat_audio is not None
