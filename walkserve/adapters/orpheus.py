@@ -51,6 +51,7 @@ random weights. Nothing else of the upstream model is touched.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -419,7 +420,8 @@ def speech_profile(
 
 def tiny_profile(name: str) -> ModelProfile:
     """``tiny``'s speech task; text is UTF-8 bytes (ids 0..255)."""
-    return speech_profile(name, TINY_TOKENS, lambda text: list(text.encode("utf-8")), 24000)
+    profile = speech_profile(name, TINY_TOKENS, lambda text: list(text.encode("utf-8")), 24000)
+    return with_voices(profile, default=None)
 
 
 # The benchmark's CPU-friendly pair: a 4-layer Llama (~16M parameters, most in the 28.9k-token
@@ -522,4 +524,23 @@ def from_env_profile(name: str) -> ModelProfile:
     def encode(text: str) -> list[int]:
         return list(tok.encode(text, add_special_tokens=True))
 
-    return speech_profile(name, ORPHEUS_TOKENS, encode, rate)
+    return with_voices(speech_profile(name, ORPHEUS_TOKENS, encode, rate), default="tara")
+
+
+# ---------------------------------------------------------------------- voices
+
+#: Orpheus's voices; its prompt text is "{voice}: {text}".
+ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+
+
+def with_voices(profile: ModelProfile, default: str | None) -> ModelProfile:
+    """``profile`` with Orpheus's voices on its speech task: a voice puts ``"{voice}: "``
+    before the text. ``default=None``: a request naming no voice gets the bare text (the tiny
+    random instances, whose tests predate voices)."""
+    from walkserve.api.profile import Voice, Voices
+
+    if profile.speech is None:
+        raise ValueError(f"{profile.name} has no speech task to give voices to")
+    table = {v: Voice(prefix=f"{v}: ") for v in ORPHEUS_VOICES}
+    speech = dataclasses.replace(profile.speech, voices=Voices(table, default))
+    return dataclasses.replace(profile, speech=speech)

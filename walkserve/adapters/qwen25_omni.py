@@ -34,8 +34,9 @@ so the waveform depends on the request alone, and equals upstream ``generate()``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +45,9 @@ from walkserve.adapters.qwen3_omni import _read_now
 from walkserve.adapters.speech_sampling import SamplingDefaults, TokenSampler
 from walkserve.capture import FixedChunk, iterations, loop, register_component, stream, walk
 from walkserve.capture.api import component
+
+if TYPE_CHECKING:
+    from walkserve.api.profile import ModelProfile
 
 MAX_TALKER_STEPS = 4096
 MAX_THINKER_STEPS = 32768
@@ -512,3 +516,118 @@ def load_qwen25_omni(
         "text_bos_id": int(model.speaker_map[speaker]["bos_token"]),
     }
     return walks, sample
+
+
+# ---------------------------------------------------------------------- HTTP profiles
+# (``/v1/chat/completions`` text and audio, ``/v1/audio/speech``: see ``adapters.omni_http``).
+# Text chat runs ``speak`` with a one-code talker (the model has no thinker-only walk).
+
+QWEN_IM_END = 151645  # <|im_end|>: the thinker's EOS (as load_qwen25_omni's default)
+
+
+def qwen25_walk_names(default_bos: int) -> Any:
+    """Which walks, inputs and outputs serve which route (``omni_http.OmniWalkNames``)."""
+    from walkserve.adapters.omni_http import OmniWalkNames
+
+    return OmniWalkNames(
+        chat_walk="speak",
+        speech_walk="speak",
+        prompt_input="input_ids",
+        text_limit_input="max_new_tokens",
+        audio_limit_input="max_audio_tokens",
+        leads=("first_token", "second_token"),
+        text_channel="text_tokens",
+        waveform="waveform",
+        chat_extra={"max_audio_tokens": 1, "text_bos_id": default_bos},
+    )
+
+
+def qwen25_voices(speakers: Mapping[str, int]) -> Any:
+    """The speaker map's speakers (``spk_dict.pt``) as voices, each setting ``text_bos_id``
+    (the speaker's ``bos_token``); "Chelsie" by default, as ``load_qwen25_omni``."""
+    from walkserve.adapters.omni_http import voices_from
+
+    if not speakers:
+        raise ValueError("the speaker map names no speakers")
+    return voices_from(speakers, "text_bos_id", "Chelsie")
+
+
+def tiny_profile(name: str) -> ModelProfile:
+    """``tiny``'s routes (speakers "Chelsie", "Ethan"); text through ``TinyChatTokenizer``."""
+    from walkserve.adapters.omni_http import (
+        TINY_LIMITS,
+        ChatIds,
+        TinyChatTokenizer,
+        chatml,
+        omni_profile,
+    )
+
+    ids = ChatIds(
+        im_start=_Ids.im_start_token_id,
+        im_end=_Ids.im_end_token_id,
+        system=245,
+        user=_Ids.user_token_id,
+        assistant=_Ids.assistant_token_id,
+    )
+    tok = TinyChatTokenizer(ids, first_special=238)
+    return omni_profile(
+        name,
+        qwen25_walk_names(TINY_SPEAKER_BOS),
+        TINY_LIMITS,
+        eos_id=_Ids.im_end_token_id,
+        vocab_size=256,
+        encode=tok.encode,
+        decode=tok.decode,
+        chat=chatml,
+        voices=qwen25_voices({"Chelsie": TINY_SPEAKER_BOS, "Ethan": TINY_SPEAKER_BOS_2}),
+    )
+
+
+def checkpoint_profile(path: str, name: str) -> ModelProfile:
+    """A local Qwen2.5-Omni checkpoint's routes: its tokenizer and chat template, its
+    speakers from ``spk_dict.pt`` (read with ``weights_only=True``)."""
+    from walkserve.adapters.omni_http import (
+        CHECKPOINT_LIMITS,
+        checkpoint_text,
+        omni_profile,
+    )
+
+    spk_path = os.path.join(path, "spk_dict.pt")
+    if not os.path.isfile(spk_path):
+        raise ValueError(f"{path} has no spk_dict.pt: the speakers of a Qwen2.5-Omni checkpoint")
+    spk = torch.load(spk_path, map_location="cpu", weights_only=True)
+    speakers = {str(k): int(v["bos_token"]) for k, v in spk.items()}
+    voices = qwen25_voices(speakers)
+    default_bos = speakers[voices.default]
+    encode, decode, chat = checkpoint_text(path)
+    from transformers import AutoConfig
+
+    config: Any = AutoConfig.from_pretrained(path, local_files_only=True)
+    return omni_profile(
+        name,
+        qwen25_walk_names(default_bos),
+        CHECKPOINT_LIMITS,
+        eos_id=QWEN_IM_END,
+        vocab_size=int(config.thinker_config.text_config.vocab_size),
+        encode=encode,
+        decode=decode,
+        chat=chat,
+        voices=voices,
+    )
+
+
+AUDIBLE_GAIN = 4e6  # the random token2wav's waveform peaks near 1.2e-7: under one pcm16 step
+
+
+def tiny_audible(seed: int = 0) -> tuple[Qwen25OmniWalks, dict[str, Any]]:
+    """``tiny`` with BigVGAN's output convolution scaled by ``AUDIBLE_GAIN``, so that its
+    waveform survives 16-bit PCM (HTTP tests compare audio as pcm16; the plain tiny model's
+    is all zeros). Thinker, talker and DiT are ``tiny``'s."""
+    walks, sample = tiny(seed)
+    bigvgan: Any = walks.token2wav.token2wav.code2wav_bigvgan_model
+    bigvgan.conv_post.weight.mul_(AUDIBLE_GAIN)  # Conv1d(channels, 1, 7): the waveform
+    return walks, sample
+
+
+def tiny_audible_profile(name: str) -> ModelProfile:
+    return tiny_profile(name)

@@ -4,8 +4,10 @@ official ``openai`` client works unchanged.
     GET  /health                   per-rank status; 503 when a worker is dead (no auth)
     GET  /v1/models                the served model
     POST /v1/completions           text (prompt as text or token ids); SSE when stream
-    POST /v1/chat/completions      chat; SSE when stream
-    POST /v1/audio/speech          text in, wav or pcm out; chunked as produced when stream
+    POST /v1/chat/completions      chat; SSE when stream; with modalities ["text", "audio"]
+                                   the reply's audio and transcript (``api.audio``)
+    POST /v1/audio/speech          text in, wav or pcm out; chunked as produced when stream;
+                                   ``voice`` picks one of the model's voices
     POST /v1/images/generations    b64_json PNG
     POST /v1/images/edits          multipart: PNG image + prompt -> b64_json PNG (edit walk)
     POST /v1/walks/{walk}          any walk, inputs and outputs as JSON; SSE when stream
@@ -48,10 +50,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from walkserve.api import jsontensor, media
+from walkserve.api import audio, jsontensor, media
 from walkserve.api.form import parse_form
-from walkserve.api.metrics import Metrics
-from walkserve.api.profile import ImageTask, ModelProfile, TextTask
+from walkserve.api.metrics import Metrics, PlaybackClock
+from walkserve.api.profile import ChatAudioTask, ImageTask, ModelProfile, TextTask, Voice, Voices
 from walkserve.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,7 +61,14 @@ from walkserve.api.schemas import (
     SpeechRequest,
     WalkRequest,
 )
-from walkserve.api.textgen import TextAssembler, all_tokens, chunk, delta, text_response, usage
+from walkserve.api.textgen import (
+    TextAssembler,
+    all_tokens,
+    chunk,
+    delta,
+    text_response,
+    usage,
+)
 from walkserve.runtime.conductor import StreamItem
 from walkserve.runtime.server import RequestFailed, RequestHandle, Server
 
@@ -200,12 +209,43 @@ class _AuthAndCount:
         await self.app(scope, receive, counting_send)
 
 
+class _AudioWatch:
+    """Observes one streamed audio response: time to first audio, playback viability (see
+    ``api.metrics``) and the real-time factor, chunk by chunk."""
+
+    def __init__(self, metrics: Metrics, sample_rate: int, t0: float) -> None:
+        self.metrics, self.sample_rate, self.t0 = metrics, sample_rate, t0
+        self.clock = PlaybackClock()
+        self.samples = 0
+
+    def chunk(self, waveform: torch.Tensor) -> torch.Tensor:  # [..., samples]
+        now = time.perf_counter()
+        if self.clock.start is None:
+            self.metrics.observe_first("audio", now - self.t0)
+        self.clock.arrive(now, waveform.shape[-1] / self.sample_rate)
+        self.samples += waveform.shape[-1]
+        return waveform
+
+    def rest(self, waveform: torch.Tensor | None) -> torch.Tensor | None:
+        """The part of the final waveform output not streamed yet (all of it when the walk's
+        waveform is a plain output, not a streamed channel); None if nothing is left."""
+        if waveform is None or waveform.shape[-1] <= self.samples:
+            return None
+        return waveform[..., self.samples :]
+
+    def done(self) -> None:
+        self.metrics.observe_playback(self.clock)
+        elapsed = time.perf_counter() - self.t0
+        self.metrics.observe_real_time_factor(elapsed, self.samples / self.sample_rate)
+
+
 def sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
 SSE_DONE = b"data: [DONE]\n\n"
 MAX_CHOICES = 16  # n of a completion request
+SAMPLING_INPUTS = ("temperature", "top_p", "top_k", "seed")
 
 
 async def merge(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
@@ -337,6 +377,46 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             raise bad(f"max_tokens {value} is too large: at most {limit} for this model")
         return value
 
+    def pick_voice(voices: Voices | None, requested: str | dict[str, Any] | None) -> Voice:
+        try:
+            return audio.resolve_voice(voices, requested)
+        except ValueError as e:
+            raise bad(str(e)) from None
+
+    def need_output(walk: str, name: str, what: str) -> None:
+        """400 unless ``walk`` has output ``name`` (a profile written ahead of its walk)."""
+        if name not in captured.graph.walks[walk].outputs:
+            raise bad(
+                f"model {profile.name!r} has no {what} yet: its walk {walk!r} has no output"
+                f" {name!r}"
+            )
+
+    def walk_sampling(
+        walk: str,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+    ) -> dict[str, Any]:
+        """The sampling inputs of ``walk`` that the request sets, plus greedy values for
+        those the walk requires without a default (a seed drawn at random); none when the
+        walk takes none, and then the request must not ask for sampling."""
+        inputs = {i.name: i for i in captured.graph.walks[walk].inputs}
+        if not inputs.keys() & set(SAMPLING_INPUTS):
+            check_greedy(temperature, top_p, top_k)
+            return {}
+        given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+        greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": secrets.randbits(63)}
+        out: dict[str, Any] = {}
+        for name in SAMPLING_INPUTS:
+            if name not in inputs:
+                continue
+            if given[name] is not None:
+                out[name] = given[name]
+            elif inputs[name].default is None:
+                out[name] = greedy[name]
+        return out
+
     async def submit(inputs: dict[str, Any], walk: str) -> RequestHandle:
         try:
             return await server.submit_async(inputs, walk)
@@ -423,7 +503,8 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        tasks = [t for t in ("text", "speech", "image") if getattr(profile, t) is not None]
+        kinds = ("text", "speech", "image", "chat_audio")
+        tasks = [t for t in kinds if getattr(profile, t) is not None]
         return {
             "object": "list",
             "data": [
@@ -466,6 +547,10 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, ChatCompletionRequest)
         check_model(body.model)
+        if "audio" in (body.modalities or []):
+            return await run_chat_audio(request, body)
+        if body.audio is not None:
+            raise bad('audio is set but modalities has no "audio": send ["text", "audio"]')
         task = text_task()
         choices = sampling_inputs(task, body)
         prompt = task.chat_template([(m.role, m.content) for m in body.messages])
@@ -516,7 +601,12 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         try:
             prompt = torch.tensor([ids], dtype=torch.int64)
             for sampling in choices:
-                inputs = {task.prompt_input: prompt, task.max_tokens_input: max_tokens, **sampling}
+                inputs = {
+                    task.prompt_input: prompt,
+                    task.max_tokens_input: max_tokens,
+                    **task.extra_inputs,
+                    **sampling,
+                }
                 handles.append(await submit(inputs, task.walk))
         except BaseException:
             for handle in handles:
@@ -563,16 +653,17 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
                 yield sse(
                     chunk(rid, profile.name, True, {"role": "assistant", "content": ""}, index)
                 )
-            first_name = task.first_token_output
-            pending_first = first_name is not None
+            pending_first = bool(task.leads)
             async for item in stream_items(handle):
                 if item.channel != task.tokens_channel:
                     continue
                 observe(item)
                 tokens = [int(t) for t in item.value.reshape(-1).tolist()]
-                if first_name is not None and pending_first:
-                    # HF: prefill's token is an output routed before decode's first item.
-                    tokens = [int(handle._outputs[first_name]), *tokens]
+                if pending_first:
+                    # The lead tokens are outputs sent before the channel's first item (HF:
+                    # prefill's token; a walk's outputs that exist before its stream).
+                    got = handle._outputs
+                    tokens = [int(got[n].reshape(-1)[0]) for n in task.leads if n in got] + tokens
                     pending_first = False
                 for token in tokens:
                     stopped = text.feed(token)
@@ -619,6 +710,157 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
 
         return _ClosingStream(events(), close, "text/event-stream")
 
+    # ------------------------------------------------------------ chat with audio output
+
+    def chat_audio_task() -> tuple[ChatAudioTask, TextTask]:
+        task = profile.chat_audio
+        if task is None or profile.text is None:
+            raise bad(
+                f'model {profile.name!r} has no audio output: send modalities ["text"] (or'
+                " leave modalities out)"
+            )
+        need_output(task.walk, task.waveform_channel, "audio output")
+        return task, profile.text
+
+    async def run_chat_audio(request: Request, body: ChatCompletionRequest) -> Response:
+        """``modalities: ["text", "audio"]``: one request of the task's walk; the reply's text
+        tokens are the transcript, its waveform the audio (see ``api.audio``)."""
+        task, text_task_ = chat_audio_task()
+        params = body.audio
+        if params is None:
+            raise bad('modalities has "audio": send audio: {"voice": ..., "format": "wav"}')
+        try:
+            fmt = audio.chat_audio_format(params.format)
+        except ValueError as e:
+            raise bad(str(e)) from None
+        if body.n != 1:
+            raise bad(f"n={body.n} is not supported with audio output: send n=1")
+        if body.stop:
+            raise bad("stop is not supported with audio output (the audio would not stop)")
+        voice = pick_voice(task.voices, params.voice)
+        prompt = text_task_.chat_template([(m.role, m.content) for m in body.messages])
+        ids = text_task_.encode(prompt)
+        check_ids(
+            ids,
+            text_task_.vocab_size,
+            text_task_.max_prompt_tokens,
+            "prompt (after the chat template)",
+        )
+        limit = body.max_completion_tokens or body.max_tokens
+        max_tokens = check_max_tokens(
+            limit, text_task_.default_max_tokens, text_task_.max_tokens_limit
+        )
+        inputs = {
+            task.prompt_input: torch.tensor([ids], dtype=torch.int64),
+            task.max_tokens_input: max_tokens,
+            **task.extra_inputs,
+            **voice.inputs,
+            **walk_sampling(task.walk, body.temperature, body.top_p, body.top_k, body.seed),
+        }
+        ticket = admission.admit()
+        t0 = time.perf_counter()
+        try:
+            handle = await submit(inputs, task.walk)
+        except BaseException:
+            ticket.release()
+            raise
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        audio_ref = audio.audio_id()
+        text = TextAssembler(text_task_, [], max_tokens)
+        if not body.stream:
+            try:
+                on_audio = first_observer("audio", task.waveform_channel, t0)
+                on_token = first_observer("token", task.transcript_channel, t0)
+
+                def on_item(item: StreamItem) -> None:
+                    on_audio(item)
+                    on_token(item)
+
+                try:
+                    outputs = await unless_gone(request, drain(handle, on_item))
+                except RequestFailed as e:
+                    raise ApiError(500, f"the request failed: {e}", "server_error") from None
+            finally:
+                handle.cancel()
+                ticket.release()
+            audio.Transcript(text, task.leads, task.transcript_channel).finish(outputs)
+            waveform = outputs[task.waveform_channel]
+            elapsed = time.perf_counter() - t0
+            metrics.observe_latency(task.walk, elapsed)
+            metrics.observe_real_time_factor(elapsed, waveform.shape[-1] / task.sample_rate)
+            data = audio.audio_bytes(waveform, fmt, task.sample_rate)
+            return JSONResponse(
+                audio.chat_audio_response(
+                    rid,
+                    profile.name,
+                    created,
+                    audio_ref,
+                    data,
+                    text.text,
+                    text.finish_reason,
+                    usage(ids, [text]),
+                )
+            )
+
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+        def piece(**fields: Any) -> bytes:
+            return sse(audio.audio_chunk(rid, profile.name, {"id": audio_ref, **fields}))
+
+        async def events() -> AsyncIterator[bytes]:
+            yield sse(audio.audio_chunk(rid, profile.name, None, role=True))
+            watch = _AudioWatch(metrics, task.sample_rate, t0)
+            observe = first_observer("token", task.transcript_channel, t0)
+            header = fmt == "wav"  # a streamed WAV: the header (sizes open) leads the data
+            said = audio.Transcript(text, task.leads, task.transcript_channel)
+            try:
+                async for item in stream_items(handle):
+                    if item.channel == task.transcript_channel:
+                        observe(item)
+                        if piece_text := said.stream(item.value, handle._outputs):
+                            yield piece(transcript=piece_text)
+                    elif item.channel == task.waveform_channel:
+                        data = media.pcm16(watch.chunk(item.value))
+                        if header:
+                            data, header = media.wav_header(task.sample_rate, None) + data, False
+                        yield piece(data=audio.b64(data))
+                outputs = await finish(handle)
+            except ApiError as e:
+                yield sse(error_body(e.message, e.kind))
+                yield SSE_DONE
+                return
+            if tail := said.finish(outputs):
+                yield piece(transcript=tail)
+            rest = watch.rest(outputs.get(task.waveform_channel))
+            if rest is not None:
+                data = media.pcm16(watch.chunk(rest))
+                if header:
+                    data = media.wav_header(task.sample_rate, None) + data
+                yield piece(data=audio.b64(data))
+            watch.done()
+            expires = int(time.time()) + audio.AUDIO_EXPIRES_S
+            yield sse(
+                audio.audio_chunk(
+                    rid, profile.name, {"id": audio_ref, "expires_at": expires}, text.finish_reason
+                )
+            )
+            if include_usage:
+                yield sse(
+                    {
+                        **chunk(rid, profile.name, True, None),
+                        "choices": [],
+                        "usage": usage(ids, [text]),
+                    }
+                )
+            metrics.observe_latency(task.walk, time.perf_counter() - t0)
+            yield SSE_DONE
+
+        def close() -> None:
+            cancel(handle)
+            ticket.release()
+
+        return _ClosingStream(events(), close, "text/event-stream")
+
     # ------------------------------------------------------------ speech
 
     @app.post("/v1/audio/speech")
@@ -628,20 +870,25 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         task = profile.speech
         if task is None:
             raise bad(f"model {profile.name!r} has no speech generation")
+        need_output(task.walk, task.waveform_channel, "speech output")
         if body.speed != 1.0:
             raise bad(f"speed {body.speed} is not supported; send 1.0 or leave it out")
-        ids = task.encode(body.input)
+        voice = pick_voice(task.voices, body.voice)
+        ids = task.encode(voice.prefix + body.input)
         check_ids(ids, task.vocab_size, task.max_prompt_tokens, "input")
         max_tokens = check_max_tokens(
             body.max_tokens, task.default_max_tokens, task.max_tokens_limit
         )
+        inputs = {
+            task.prompt_input: torch.tensor([ids], dtype=torch.int64),
+            task.max_tokens_input: max_tokens,
+            **task.extra_inputs,
+            **voice.inputs,
+            **walk_sampling(task.walk),
+        }
         ticket = admission.admit()
         t0 = time.perf_counter()
         try:
-            inputs = {
-                task.prompt_input: torch.tensor([ids], dtype=torch.int64),
-                task.max_tokens_input: max_tokens,
-            }
             handle = await submit(inputs, task.walk)
         except BaseException:
             ticket.release()
@@ -668,19 +915,16 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         async def chunks() -> AsyncIterator[bytes]:
             if as_wav:
                 yield media.wav_header(task.sample_rate, None)
-            first, samples = True, 0
+            watch = _AudioWatch(metrics, task.sample_rate, t0)
             async for item in stream_items(handle):
-                if item.channel != task.waveform_channel:
-                    continue
-                if first:
-                    metrics.observe_first("audio", time.perf_counter() - t0)
-                    first = False
-                samples += item.value.shape[-1]
-                yield media.pcm16(item.value)
-            await finish(handle)
-            elapsed = time.perf_counter() - t0
-            metrics.observe_latency(task.walk, elapsed)
-            metrics.observe_real_time_factor(elapsed, samples / task.sample_rate)
+                if item.channel == task.waveform_channel:
+                    yield media.pcm16(watch.chunk(item.value))
+            outputs = await finish(handle)
+            rest = watch.rest(outputs.get(task.waveform_channel))
+            if rest is not None:
+                yield media.pcm16(watch.chunk(rest))
+            watch.done()
+            metrics.observe_latency(task.walk, time.perf_counter() - t0)
 
         def close() -> None:
             cancel(handle)

@@ -1,5 +1,16 @@
 """Prometheus text exposition of the HTTP server's counters and the conductor's stats. Plain
-Python, no client library: a few gauges, counters and fixed-bucket histograms."""
+Python, no client library: a few gauges, counters and fixed-bucket histograms.
+
+Streaming viability (streamed speech and chat audio): playback starts when a request's first
+audio chunk arrives and plays without pause; a later chunk is on time when it arrives before
+the audio delivered before it has finished playing::
+
+    arrivals   t0        t1            t2
+    audio      |-- d0 --|-- d1 --|
+    chunk 1 on time: t1 <= t0 + d0;  chunk 2 on time: t2 <= t0 + d0 + d1
+
+The gauge is on-time chunks over judged chunks (every chunk but each request's first), summed
+over the requests served so far; the same rule as ``benchmarks/loadgen.py``."""
 
 from __future__ import annotations
 
@@ -44,6 +55,27 @@ class Histogram:
         return out
 
 
+class PlaybackClock:
+    """One streamed request's playback: ``arrive(t, seconds)`` per audio chunk, in order;
+    ``on_time`` of ``judged`` chunks (the first chunk starts playback and is not judged)."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.played = 0.0  # seconds of audio delivered so far
+        self.on_time = 0
+        self.judged = 0
+
+    def arrive(self, t: float, seconds: float) -> None:
+        if seconds <= 0:
+            return  # an empty chunk plays nothing and is not judged
+        if self.start is None:
+            self.start = t
+        else:
+            self.judged += 1
+            self.on_time += int(t <= self.start + self.played)
+        self.played += seconds
+
+
 class Metrics:
     """Thread-safe; observed from the event loop and from pool threads."""
 
@@ -54,6 +86,8 @@ class Metrics:
         self.first_audio = Histogram()
         self.inter_token = Histogram()
         self.real_time_factor = Histogram()
+        self.chunks_on_time = 0
+        self.chunks_judged = 0
         self.requests: dict[tuple[str, int], int] = {}
         self.rejected_full = 0
         self.cancelled = 0
@@ -75,6 +109,12 @@ class Metrics:
         if audio_s > 0:
             with self._lock:
                 self.real_time_factor.observe(wall_s / audio_s)
+
+    def observe_playback(self, clock: PlaybackClock) -> None:
+        """A finished streamed audio response's chunks (see the module docstring)."""
+        with self._lock:
+            self.chunks_on_time += clock.on_time
+            self.chunks_judged += clock.judged
 
     def count(self, route: str, status: int) -> None:
         with self._lock:
@@ -139,6 +179,18 @@ class Metrics:
             )
             lines.append("# TYPE walkserve_real_time_factor histogram")
             lines += self.real_time_factor.lines("walkserve_real_time_factor")
+            viability = self.chunks_on_time / self.chunks_judged if self.chunks_judged else 1.0
+            lines += [
+                "# HELP walkserve_streaming_viability Streamed audio: share of chunks (after"
+                " each request's first) that arrived before the audio sent before them had"
+                " finished playing (1 when none was judged yet).",
+                "# TYPE walkserve_streaming_viability gauge",
+                f"walkserve_streaming_viability {viability:.6f}",
+                "# TYPE walkserve_audio_chunks_on_time_total counter",
+                f"walkserve_audio_chunks_on_time_total {self.chunks_on_time}",
+                "# TYPE walkserve_audio_chunks_judged_total counter",
+                f"walkserve_audio_chunks_judged_total {self.chunks_judged}",
+            ]
         return "\n".join(lines) + "\n"
 
 

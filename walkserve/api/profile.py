@@ -4,10 +4,16 @@ offers none of these tasks is still served through ``/v1/walks/{walk}``.
 
     profile_for("walkserve-default")   text + speech + image (adapters.default)
     profile_for("tiny-llama")          text (toy byte tokenizer)
-    profile_for("/path/to/checkpoint") text (the checkpoint's own AutoTokenizer)
+    profile_for("/path/to/checkpoint") text (the checkpoint's own AutoTokenizer); a Qwen-Omni
+                                       checkpoint: chat, chat audio, speech (adapters.omni_http)
     profile_for("example-speech")      no task: walks only
     profile_for("pkg.mod:factory")     ``pkg.mod.factory_profile(name)``, else
                                        ``pkg.mod.api_profile(name)``, if the module defines it
+
+Speech models may have voices (``Voices``): a voice name -> the walk inputs it sets (a speaker
+id) and the text put before the input (Orpheus's ``"tara: "``). A model that speaks in a chat
+(``ChatAudioTask``) names the walk whose text tokens are the transcript and whose waveform is
+the audio of ``/v1/chat/completions`` with ``modalities: ["text", "audio"]``.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from walkserve.adapters.tokenizer import ByteTokenizer
@@ -48,20 +54,90 @@ class TextTask:
     decode: Decode
     chat_template: ChatTemplate
     sampling: bool = False  # the walks take temperature, top_p, top_k and seed inputs
+    # Further outputs, after first_token_output, that hold the next reply tokens before the
+    # channel's (Qwen2.5-Omni's second token); each [B, 1].
+    lead_outputs: tuple[str, ...] = ()
+    # Inputs every request of the walk gets besides the prompt and the limit.
+    extra_inputs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def leads(self) -> tuple[str, ...]:
+        """The outputs holding the reply's first tokens, in order, before the channel's."""
+        first = () if self.first_token_output is None else (self.first_token_output,)
+        return first + self.lead_outputs
+
+
+@dataclass(frozen=True)
+class Voice:
+    """What choosing one voice changes in a request."""
+
+    inputs: Mapping[str, Any] = field(default_factory=dict)  # walk inputs (a speaker id)
+    prefix: str = ""  # text put before the input (Orpheus: "tara: ")
+
+
+@dataclass(frozen=True)
+class Voices:
+    """A model's voices by name. ``default`` is used when a request names none; ``None``:
+    the request then gets no voice inputs and no prefix (the model's own default)."""
+
+    table: Mapping[str, Voice]
+    default: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.table:
+            raise ValueError("Voices needs at least one voice")
+        if self.default is not None and self.default not in self.table:
+            raise ValueError(f"default voice {self.default!r} is not one of {self.names}")
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.table)
+
+    def resolve(self, name: str | None) -> Voice:
+        """The voice called ``name`` (exactly, else ignoring case); ``ValueError`` naming the
+        voices there are when there is none."""
+        if name is None:
+            return Voice() if self.default is None else self.table[self.default]
+        if name in self.table:
+            return self.table[name]
+        folded = {k.casefold(): v for k, v in self.table.items()}
+        if name.casefold() in folded:
+            return folded[name.casefold()]
+        raise ValueError(f"unknown voice {name!r}; this model's voices are {self.names}")
 
 
 @dataclass(frozen=True)
 class SpeechTask:
     walk: str
     prompt_input: str
-    max_tokens_input: str
-    waveform_channel: str  # [B, samples] chunks, float in [-1, 1]
+    max_tokens_input: str  # the request's max_tokens: audio tokens (Orpheus LM, Omni talker)
+    waveform_channel: str  # [B, samples] or [B, 1, samples] chunks, float in [-1, 1]
     sample_rate: int
     vocab_size: int
     max_prompt_tokens: int
     max_tokens_limit: int
     default_max_tokens: int
-    encode: Encode
+    encode: Encode  # the input text (after the voice's prefix) -> the walk's prompt ids
+    voices: Voices | None = None  # None: one voice; the request's voice is not checked
+    # Inputs every request gets (a thinker's text limit when a chat model reads text aloud).
+    extra_inputs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ChatAudioTask:
+    """Chat with audio output (``modalities: ["text", "audio"]``): one walk gives the reply's
+    text tokens (the transcript) and its waveform. The prompt is made and the transcript
+    decoded as the profile's ``TextTask`` does (its tokenizer, chat template, EOS, limits)."""
+
+    walk: str
+    prompt_input: str
+    max_tokens_input: str  # the reply's text tokens (max_tokens / max_completion_tokens)
+    leads: tuple[str, ...]  # outputs holding the reply's first tokens, before the channel's
+    transcript_channel: str  # the reply's further text tokens, streamed
+    waveform_channel: str  # [B, samples] or [B, 1, samples] chunks, float in [-1, 1]
+    sample_rate: int
+    voices: Voices | None = None
+    extra_inputs: Mapping[str, Any] = field(default_factory=dict)  # e.g. the audio limit
 
 
 @dataclass(frozen=True)
@@ -92,6 +168,11 @@ class ModelProfile:
     text: TextTask | None = None
     speech: SpeechTask | None = None
     image: ImageTask | None = None
+    chat_audio: ChatAudioTask | None = None  # needs text (tokenizer, template) as well
+
+    def __post_init__(self) -> None:
+        if self.chat_audio is not None and self.text is None:
+            raise ValueError(f"{self.name}: chat_audio needs a text task (tokenizer, template)")
 
 
 MAX_PROMPT_TOKENS = 256
@@ -156,7 +237,16 @@ def profile_for(name: str) -> ModelProfile:
     if os.path.isdir(name):
         from walkserve.adapters.registry import checkpoint_kind
 
-        if checkpoint_kind(name) != "causal-lm":
+        kind = checkpoint_kind(name)
+        if kind == "qwen3-omni":
+            from walkserve.adapters import qwen3_omni
+
+            return qwen3_omni.checkpoint_profile(name, name)
+        if kind == "qwen25-omni":
+            from walkserve.adapters import qwen25_omni
+
+            return qwen25_omni.checkpoint_profile(name, name)
+        if kind != "causal-lm":
             return ModelProfile(name)  # its walks, through /v1/walks/{walk}
         return ModelProfile(name, text=_checkpoint_text(name))
     from walkserve.adapters.registry import ADAPTERS

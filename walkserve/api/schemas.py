@@ -39,9 +39,19 @@ class ChatMessage(_Body):
     content: str
 
 
+class AudioOutput(_Body):
+    """``audio`` of a chat request that asks for ``modalities: ["text", "audio"]``. ``format``
+    is any string here, so that an unsupported one gets a 400 naming the supported ones."""
+
+    voice: str | dict[str, Any] | None = None
+    format: str = "wav"
+
+
 class ChatCompletionRequest(_TextGeneration):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioOutput | None = None
 
 
 class SpeechRequest(_Body):

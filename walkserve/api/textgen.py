@@ -5,7 +5,7 @@ build the response and SSE chunk bodies. Pure: no server, no I/O."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from walkserve.api.profile import TextTask
@@ -63,10 +63,17 @@ class TextAssembler:
 
 
 def all_tokens(task: TextTask, outputs: dict[str, Any]) -> Iterator[int]:
-    if task.first_token_output is not None and task.first_token_output in outputs:
-        yield int(outputs[task.first_token_output].reshape(-1)[0])
-    if task.tokens_channel in outputs:
-        yield from (int(t) for t in outputs[task.tokens_channel].reshape(-1).tolist())
+    yield from reply_tokens(task.leads, task.tokens_channel, outputs)
+
+
+def reply_tokens(leads: Sequence[str], channel: str, outputs: Mapping[str, Any]) -> Iterator[int]:
+    """A reply's tokens from a request's outputs: the lead outputs' (one token each, those
+    present), then the channel's."""
+    for name in leads:
+        if name in outputs:
+            yield int(outputs[name].reshape(-1)[0])
+    if channel in outputs:
+        yield from (int(t) for t in outputs[channel].reshape(-1).tolist())
 
 
 def chunk(

@@ -20,7 +20,8 @@ Data flow (every arrow is one method call on a ``Conductor``)::
                                                          stop(i) is unknown)
         stop values, in iteration order               -> confirm i+1, or discard it
         complete iterations, in order                 -> commit: accumulate, feed streams,
-                                                         StreamItem events
+                                                         StreamItem events (walk outputs that
+                                                         exist already go first, once)
         loop done (bound, stop, end of stream)        -> channels bound in the parent frame
         walk body done                                -> Output events, next_walk: the next
                                                          walk, or Finished and release
@@ -508,6 +509,7 @@ class _Request:
     root: _Frame
     walk_inputs: dict[str, Any]
     transitions: int = 0
+    sent: set[str] = field(default_factory=set)  # outputs of this walk sent before its end
 
 
 @dataclass(eq=False)
@@ -692,13 +694,14 @@ class Conductor:
             raise _RequestFailed(f"walk {walk!r} needs inputs {missing}")
         req.walk = walk
         req.walk_inputs = {i.name: given[i.name] for i in w.inputs}
+        req.sent = set()
         req.root = self._new_frame(self._walks[walk], (), None, req.walk_inputs)
 
     def _finish_walk(self, req: _Request) -> None:
         w = self.captured.graph.walks[req.walk]
         outputs = {k: self._interp.value(a, req.root.env) for k, a in w.outputs.items()}
         for k, v in outputs.items():
-            if k not in w.state:
+            if k not in w.state and k not in req.sent:
                 self._events.append(Output(req.id, w.name, k, v))
         req.state.update(outputs)
         nxt = self.captured.next_walk(req.state, w.name, outputs)
@@ -711,6 +714,18 @@ class Conductor:
             raise _RequestFailed(f"more than {MAX_TRANSITIONS} walk transitions")
         self._kill(req.root)
         self._enter_walk(req, nxt)
+
+    def _send_ready_outputs(self, req: _Request) -> None:
+        """Walk outputs whose values exist already (a prefill's first token, while the decode
+        loop streams the next ones) as ``Output`` events, each once per walk, so that a client
+        reading a stream has them before the stream's items."""
+        w = self.captured.graph.walks[req.walk]
+        env = req.root.env
+        for k, a in w.outputs.items():
+            if k in req.sent or k in w.state or not all(r in env for r in ir.arg_refs(a)):
+                continue
+            req.sent.add(k)
+            self._events.append(Output(req.id, w.name, k, self._interp.value(a, env)))
 
     def _advance(self, req: _Request) -> None:
         """Run the request's state machine until nothing changes; any error fails it."""
@@ -1020,6 +1035,7 @@ class Conductor:
             if ch in run.collected:
                 run.collected[ch].append(piece)
             for out in ls.emit.get(ch, ()):
+                self._send_ready_outputs(req)
                 self._events.append(StreamItem(req.id, out, i, piece))
         for stream, ch in ls.feeds:
             run.parent.streams[stream].append(outs[node.accumulated[ch].output])

@@ -1,0 +1,217 @@
+"""Speech over HTTP with the official ``openai`` client: ``walkserve serve`` of the tiny
+Qwen3-Omni (``tiny_audible``: its code2wav's output scaled so that the waveform survives
+pcm16); the tiny Orpheus's voices are in ``test_speech_orpheus_http``. Every result is checked against the same walk run by
+the reference interpreter with the same inputs, built here with the adapters' own prompt
+builders; audio is compared as 16-bit PCM (the relation: equal within one LSB of rounding)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from walkserve.adapters import omni_http, qwen3_omni  # noqa: E402
+from walkserve.adapters.registry import capture_model  # noqa: E402
+from walkserve.api import media  # noqa: E402
+
+OMNI = "walkserve.adapters.qwen3_omni:tiny_audible"
+CONFIG = qwen3_omni.tiny_config()
+SPEAKERS = CONFIG.talker_config.speaker_id
+LIMITS = omni_http.TINY_LIMITS
+
+
+@pytest.fixture(scope="module")
+def omni(walkserve_serve: Any) -> Iterator[Any]:
+    with walkserve_serve("--model", OMNI) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(omni: Any) -> Any:
+    return openai.OpenAI(base_url=f"{omni.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ref() -> Any:
+    return capture_model(OMNI)
+
+
+def chat_ids(user_text: str) -> torch.Tensor:
+    """The ChatML prompt of one user turn, by the adapter's own builder ([1, P])."""
+    return qwen3_omni.chat_prompt(CONFIG, list(b"\n" + user_text.encode()), 10)
+
+
+def pcm(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.int16).to(torch.int32)
+
+
+def ref_pcm(waveform: torch.Tensor) -> torch.Tensor:
+    return pcm(media.pcm16(waveform))
+
+
+def assert_pcm_close(got: bytes, want: torch.Tensor) -> None:
+    samples = pcm(got)
+    assert samples.shape == want.shape and samples.numel() > 0
+    assert want.abs().max() > 1000  # audible: the comparison means something
+    assert (samples - want).abs().max().item() <= 1  # float rounding may flip one LSB
+
+
+def ref_speech(ref: Any, text: str, speaker: str, max_tokens: int) -> dict[str, Any]:
+    inputs = {
+        "input_ids": chat_ids(omni_http.READ_ALOUD.format(text=text)),
+        "max_new_tokens": LIMITS.read_aloud_tokens,
+        "max_audio_tokens": max_tokens,
+        "speaker_id": SPEAKERS[speaker],
+    }
+    return dict(ref.run(inputs, walk="speak"))
+
+
+def transcript(out: dict[str, Any], eos: int, max_tokens: int) -> str:
+    """The reply's text: t0 then the streamed tokens, up to (without) EOS, at most
+    ``max_tokens``; the tiny tokenizer's bytes (ids >= 238 are specials, dropped)."""
+    tokens = [int(out["first_token"]), *out["text_tokens"].reshape(-1).tolist()][:max_tokens]
+    tokens = tokens[: tokens.index(eos)] if eos in tokens else tokens
+    return bytes(t for t in tokens if t < 238).decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="module")
+def eos() -> int:
+    return qwen3_omni.tiny()[0].eos
+
+
+# ---------------------------------------------------------------- /v1/audio/speech
+
+
+def test_speech_wav_equals_the_reference_per_voice(client: Any, ref: Any) -> None:
+    chelsie = client.audio.speech.create(model=OMNI, voice="chelsie", input="Good day").read()
+    assert chelsie[:4] == b"RIFF" and struct.unpack("<I", chelsie[24:28])[0] == 24000
+    want = ref_speech(ref, "Good day", "chelsie", LIMITS.default_audio_tokens)
+    assert_pcm_close(chelsie[44:], ref_pcm(want["waveform"]))
+    other = ref_pcm(ref_speech(ref, "Good day", "ethan", LIMITS.default_audio_tokens)["waveform"])
+    assert not torch.equal(other, ref_pcm(want["waveform"]))  # the voice changes the audio
+
+
+def test_speech_stream_equals_the_reference(client: Any, ref: Any) -> None:
+    with client.audio.speech.with_streaming_response.create(
+        model=OMNI,
+        voice="ethan",
+        input="Streamed",
+        response_format="pcm",
+        extra_body={"stream": True, "max_tokens": 24},
+    ) as response:
+        chunks = [c for c in response.iter_bytes() if c]
+    assert_pcm_close(
+        b"".join(chunks), ref_pcm(ref_speech(ref, "Streamed", "ethan", 24)["waveform"])
+    )
+
+
+def test_unknown_voice_is_400_naming_the_voices(client: Any) -> None:
+    with pytest.raises(openai.BadRequestError, match=r"unknown voice 'alloy'.*chelsie.*ethan"):
+        client.audio.speech.create(model=OMNI, voice="alloy", input="hi").read()
+
+
+# ---------------------------------------------------------------- chat
+
+
+def ref_chat_audio(ref: Any, text: str, speaker: str, max_tokens: int) -> dict[str, Any]:
+    inputs = {
+        "input_ids": chat_ids(text),
+        "max_new_tokens": max_tokens,
+        "max_audio_tokens": LIMITS.chat_audio_tokens,
+        "speaker_id": SPEAKERS[speaker],
+    }
+    return dict(ref.run(inputs, walk="speak"))
+
+
+def test_chat_with_audio_equals_the_reference(client: Any, ref: Any, eos: int) -> None:
+    reply = client.chat.completions.create(
+        model=OMNI,
+        messages=[{"role": "user", "content": "Hi"}],
+        modalities=["text", "audio"],
+        audio={"voice": "chelsie", "format": "wav"},
+        max_tokens=6,
+    )
+    message = reply.choices[0].message
+    want = ref_chat_audio(ref, "Hi", "chelsie", 6)
+    assert message.content is None and message.audio is not None
+    assert message.audio.transcript == transcript(want, eos, 6)
+    data = base64.b64decode(message.audio.data)
+    assert data[:4] == b"RIFF"
+    assert_pcm_close(data[44:], ref_pcm(want["waveform"]))
+    assert reply.usage.prompt_tokens == chat_ids("Hi").shape[1]
+
+
+def test_chat_with_audio_streams_transcript_and_pcm(client: Any, ref: Any, eos: int) -> None:
+    stream = client.chat.completions.create(
+        model=OMNI,
+        messages=[{"role": "user", "content": "Sing"}],
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16"},
+        max_tokens=12,
+        stream=True,
+    )
+    said, data, kinds, finish = [], [], [], None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        piece = choice.delta.audio
+        if piece is None:
+            continue
+        piece = piece if isinstance(piece, dict) else piece.model_dump()
+        if piece.get("transcript"):
+            said.append(piece["transcript"])
+            kinds.append("t")
+        if piece.get("data"):
+            data.append(base64.b64decode(piece["data"]))
+            kinds.append("a")
+    want = ref_chat_audio(ref, "Sing", "ethan", 12)
+    assert "".join(said) == transcript(want, eos, 12)
+    assert_pcm_close(b"".join(data), ref_pcm(want["waveform"]))
+    assert kinds.count("a") > 1 and finish == "stop"  # several audio chunks; the reply hit EOS
+
+
+def test_text_only_chat_runs_the_chat_walk(client: Any, ref: Any, eos: int) -> None:
+    messages = [{"role": "user", "content": "Words"}]
+    want = ref.run({"input_ids": chat_ids("Words"), "max_new_tokens": 7}, walk="chat")
+    reply = client.chat.completions.create(model=OMNI, messages=messages, max_tokens=7)
+    assert reply.choices[0].message.content == transcript(want, eos, 7)
+    stream = client.chat.completions.create(
+        model=OMNI, messages=messages, max_tokens=7, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == transcript(want, eos, 7)
+
+
+def test_chat_audio_rejects_what_it_cannot_do(client: Any) -> None:
+    messages = [{"role": "user", "content": "x"}]
+    audio = {"voice": "ethan", "format": "mp3"}
+    with pytest.raises(openai.BadRequestError, match=r"'mp3' is not supported"):
+        client.chat.completions.create(
+            model=OMNI, messages=messages, modalities=["text", "audio"], audio=audio
+        )
+    with pytest.raises(openai.BadRequestError, match=r"unknown voice 'nova'"):
+        client.chat.completions.create(
+            model=OMNI,
+            messages=messages,
+            modalities=["text", "audio"],
+            audio={"voice": "nova", "format": "wav"},
+        )
+
+
+def test_metrics_have_the_viability_gauge(omni: Any, client: Any) -> None:
+    text = httpx.get(f"{omni.url}/metrics", timeout=30).text
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert 0.0 <= values["walkserve_streaming_viability"] <= 1.0
+    assert values["walkserve_audio_chunks_judged_total"] >= 2  # the streamed tests' chunks
+    assert values["walkserve_time_to_first_audio_seconds_count"] >= 3
