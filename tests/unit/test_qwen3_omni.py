@@ -159,6 +159,21 @@ def test_a_short_first_chunk_streams_the_same_spans_sooner(tiny: Any) -> None:
     assert torch.equal(got["waveform"], torch.cat(pieces, dim=-1))
 
 
+def test_an_eos_frame_decodes_to_silence(tiny: Any) -> None:
+    """A talker whose first code is codec EOS leaves a frame that is not a code: its chunk plays
+    as silence (upstream decodes no frame then) instead of failing the request; valid chunks are
+    code2wav's samples exactly."""
+    walks, _, _ = tiny
+    codes = torch.randint(0, q.TINY_CODEBOOK, (1, 4, 6), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(
+        walks.decode_chunk(codes, 2), walks.code2wav(codes)[..., 2 * walks.upsample :]
+    )
+    eos = codes[..., :1].clone()
+    eos[:, 0] = walks.tokens.codec_eos
+    silent = walks.decode_chunk(eos, 0)
+    assert silent.shape[-1] > 0 and not silent.any()
+
+
 def test_bad_prompt_is_refused(tiny: Any) -> None:
     walks, sample, _ = tiny
     with pytest.raises(ValueError, match="assistant header"):

@@ -399,6 +399,7 @@ class Qwen3OmniWalks(nn.Module):
         # LeftContext(L, C, first=F): the first audio after F frames, then C at a time.
         self.first_chunk = first_chunk
         self.upsample = int(model.code2wav.total_upsample)
+        self.codebook = int(model.config.code2wav_config.codebook_size)
         self.thinker: Any = model.thinker  # Qwen3OmniMoeThinkerForConditionalGeneration
         self.talker: Any = model.talker  # Qwen3OmniMoeTalkerForConditionalGeneration
         self.code2wav: Any = model.code2wav  # Qwen3OmniMoeCode2Wav
@@ -855,7 +856,11 @@ class Qwen3OmniWalks(nn.Module):
 
     @loop
     def decode_chunk(self, chunk: Tensor, n_ctx: int) -> Tensor:
-        wav = self.code2wav(chunk)  # [B, 1, (n_ctx + new) * upsample - lost]
+        # A talker that ends at once (its first code is codec EOS) leaves one frame of EOS's
+        # residuals, which upstream never decodes: it plays as silence here, not an error.
+        valid = (chunk < self.codebook).all(1).all(1)  # [B]
+        wav = self.code2wav(chunk.clamp_max(self.codebook - 1))  # [B, 1, samples]
+        wav = wav * valid.view(-1, 1, 1)  # exact for valid rows (x * 1.0 == x)
         return wav[..., n_ctx * self.upsample :]  # the context's samples dropped
 
     def next_walk(
