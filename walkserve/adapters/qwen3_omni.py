@@ -363,6 +363,27 @@ class StepInput(nn.Module):
         return torch.cat(parts, dim=1).sum(1, keepdim=True) + self.text(feed)
 
 
+def _speak_sampling(
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int,
+    talker_temperature: float,
+    talker_top_p: float,
+    talker_top_k: int,
+    predictor_temperature: float,
+    predictor_top_p: float,
+    predictor_top_k: int,
+    talker_repetition_penalty: float,
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The speech walks' sampling inputs as ``_speak`` takes them: the thinker's
+    ``(temperature, top_p, top_k, seed)``, then the talker's ``(temperature, top_p, top_k, seed,
+    repetition_penalty)`` followed by the code predictor's ``(temperature, top_p, top_k)``."""
+    talker = (talker_temperature, talker_top_p, talker_top_k, seed, talker_repetition_penalty)
+    predictor = (predictor_temperature, predictor_top_p, predictor_top_k)
+    return (temperature, top_p, top_k, seed), (*talker, *predictor)
+
+
 class Qwen3OmniWalks(nn.Module):
     """Walks ``chat`` (thinker only) and ``speak`` (thinker -> talker -> code2wav) around an
     upstream ``Qwen3OmniMoeForConditionalGeneration``."""
@@ -589,13 +610,20 @@ class Qwen3OmniWalks(nn.Module):
         predictor_top_k: int = 0,
         talker_repetition_penalty: float = 1.0,
     ) -> dict[str, Tensor]:
-        sampling = (temperature, top_p, top_k, seed)
-        talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
-        talker_sampling += (talker_repetition_penalty,)
-        talker_sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
-        return self._speak(
-            input_ids, max_new_tokens, max_audio_tokens, speaker_id, None, sampling, talker_sampling
+        sampling = _speak_sampling(
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            talker_temperature,
+            talker_top_p,
+            talker_top_k,
+            predictor_temperature,
+            predictor_top_p,
+            predictor_top_k,
+            talker_repetition_penalty,
         )
+        return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id, None, *sampling)
 
     @walk
     def speak_audio(
@@ -621,18 +649,21 @@ class Qwen3OmniWalks(nn.Module):
         """``speak`` with one audio clip per prompt row (inputs as in ``chat_audio``)."""
         input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
         media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
-        sampling = (temperature, top_p, top_k, seed)
-        talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
-        talker_sampling += (talker_repetition_penalty,)
-        talker_sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
+        sampling = _speak_sampling(
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            talker_temperature,
+            talker_top_p,
+            talker_top_k,
+            predictor_temperature,
+            predictor_top_p,
+            predictor_top_k,
+            talker_repetition_penalty,
+        )
         return self._speak(
-            input_ids,
-            max_new_tokens,
-            max_audio_tokens,
-            speaker_id,
-            media,
-            sampling,
-            talker_sampling,
+            input_ids, max_new_tokens, max_audio_tokens, speaker_id, media, *sampling
         )
 
     @walk
@@ -659,18 +690,21 @@ class Qwen3OmniWalks(nn.Module):
         """``speak`` with one image per prompt row (inputs as in ``chat_image``)."""
         input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
         media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-        sampling = (temperature, top_p, top_k, seed)
-        talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
-        talker_sampling += (talker_repetition_penalty,)
-        talker_sampling += (predictor_temperature, predictor_top_p, predictor_top_k)
+        sampling = _speak_sampling(
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            talker_temperature,
+            talker_top_p,
+            talker_top_k,
+            predictor_temperature,
+            predictor_top_p,
+            predictor_top_k,
+            talker_repetition_penalty,
+        )
         return self._speak(
-            input_ids,
-            max_new_tokens,
-            max_audio_tokens,
-            speaker_id,
-            media,
-            sampling,
-            talker_sampling,
+            input_ids, max_new_tokens, max_audio_tokens, speaker_id, media, *sampling
         )
 
     def _speak(

@@ -425,6 +425,19 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
         except RuntimeError as e:
             raise ApiError(503, str(e), "server_error") from None
 
+    async def admit_and_submit(
+        inputs: dict[str, Any], walk: str
+    ) -> tuple[_Ticket, RequestHandle, float]:
+        """Admit one request (or 503) and submit it: its ticket (the caller releases it when
+        the request is done), its handle and its start time."""
+        ticket = admission.admit()
+        t0 = time.perf_counter()
+        try:
+            return ticket, await submit(inputs, walk), t0
+        except BaseException:
+            ticket.release()
+            raise
+
     def stream_items(handle: RequestHandle) -> AsyncIterator[StreamItem]:
         return handle.astream()
 
@@ -757,13 +770,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             **voice.inputs,
             **walk_sampling(task.walk, body.temperature, body.top_p, body.top_k, body.seed),
         }
-        ticket = admission.admit()
-        t0 = time.perf_counter()
-        try:
-            handle = await submit(inputs, task.walk)
-        except BaseException:
-            ticket.release()
-            raise
+        ticket, handle, t0 = await admit_and_submit(inputs, task.walk)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         audio_ref = audio.audio_id()
         text = TextAssembler(text_task_, [], max_tokens)
@@ -886,13 +893,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             **voice.inputs,
             **walk_sampling(task.walk),
         }
-        ticket = admission.admit()
-        t0 = time.perf_counter()
-        try:
-            handle = await submit(inputs, task.walk)
-        except BaseException:
-            ticket.release()
-            raise
+        ticket, handle, t0 = await admit_and_submit(inputs, task.walk)
         as_wav = body.response_format == "wav"
         media_type = "audio/wav" if as_wav else "audio/pcm"
         if not body.stream:
@@ -1043,13 +1044,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             inputs = jsontensor.decode_inputs(captured, walk, body.inputs)
         except ValueError as e:
             raise bad(str(e)) from None
-        ticket = admission.admit()
-        t0 = time.perf_counter()
-        try:
-            handle = await submit(inputs, walk)
-        except BaseException:
-            ticket.release()
-            raise
+        ticket, handle, t0 = await admit_and_submit(inputs, walk)
         if not body.stream:
             try:
                 outputs = await unless_gone(request, finish(handle))

@@ -17,6 +17,7 @@ from walkserve.capture.api import (
 )
 from walkserve.capture.chunk import EndOfStream, FixedChunk, LeftContext, SlidingWindow
 from walkserve.capture.errors import CaptureError
+from walkserve.capture.gluefn import glue_function
 from walkserve.capture.model import CapturedModel
 from walkserve.capture.trace import trace
 
@@ -29,6 +30,7 @@ __all__ = [
     "LeftContext",
     "SlidingWindow",
     "component",
+    "glue_function",
     "iterations",
     "loop",
     "mark_component",

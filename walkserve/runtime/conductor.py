@@ -625,6 +625,11 @@ class Conductor:
                 frame.env[op] = value[op]
         self._advance(p.request)
 
+    def wanted(self, item_id: int) -> bool:
+        """Whether a dispatched item's result is still awaited (not cancelled, failed or
+        dropped with a mispredicted speculative step)."""
+        return item_id in self._items
+
     def defer(self, item_id: int) -> None:
         """The runner could not run the item now (its component had no memory for it): it is
         ready again, unchanged, in the next ``ready()``. Released items: no-op."""

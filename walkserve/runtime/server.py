@@ -177,7 +177,10 @@ class Server:
         *,
         speculate: bool = True,
         stream_buffer_limit: int = 64,
+        max_inflight: int = 2,
     ) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.captured = captured
         self.plan = plan
         self.pool = pool
@@ -195,6 +198,13 @@ class Server:
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
         self._round_robin = itertools.count()
+        # Continuous batching: at most max_inflight batches per rank are sent ahead (one runs,
+        # the next waits in the worker's queue); items ready meanwhile are held and leave
+        # together when a batch of that rank returns, so requests that fell out of step share
+        # forwards again instead of each going alone.
+        self.max_inflight = max_inflight
+        self._inflight: dict[int, int] = {}
+        self._held: list[WorkItem] = []
         self._closed = False
         self.batch_sizes: dict[int, int] = {}
         self.cross_host_edges: list[Any] = []  # runtime.net.link.CrossHostEdge
@@ -302,20 +312,43 @@ class Server:
             self._route(self.conductor.events())
 
     def _dispatch(self, items: list[WorkItem]) -> None:
+        """Send ready ``items`` (and those held before) as one batch per node and rank, to
+        ranks with fewer than ``max_inflight`` batches out; hold the rest."""
+        held = [it for it in self._held if self.conductor.wanted(it.id)]
+        items, self._held = held + items, []
         groups: dict[tuple[str, str, tuple[str, ...], int], list[WorkItem]] = {}
         for item in items:
             ranks = self._nodes[(item.walk, item.node)].ranks
-            rank = ranks[next(self._round_robin) % len(ranks)]
+            if len(ranks) == 1:
+                rank = ranks[0]
+            else:  # replicas: the least busy, ties in turn
+                turn = next(self._round_robin)
+                rank = min(
+                    (ranks[(turn + k) % len(ranks)] for k in range(len(ranks))),
+                    key=lambda r: self._inflight.get(r, 0),
+                )
             groups.setdefault((item.walk, item.node, item.ops, rank), []).append(item)
         for (walk, node_name, ops, rank), group in groups.items():
+            if self._inflight.get(rank, 0) >= self.max_inflight:
+                self._held += group
+                continue
+            self._inflight[rank] = self._inflight.get(rank, 0) + 1
             self.batch_sizes[len(group)] = self.batch_sizes.get(len(group), 0) + 1
             payload = [(it.id, it.request, self._inputs(it)) for it in group]
-            future = self.pool.submit_batch(rank, walk, node_name, payload, ops=list(ops))
-            future.add_done_callback(self._reply_callback(group))
+            try:
+                future = self.pool.submit_batch(rank, walk, node_name, payload, ops=list(ops))
+            except BaseException:
+                self._inflight[rank] -= 1
+                raise
+            future.add_done_callback(self._reply_callback(group, rank))
 
-    def _reply_callback(self, group: list[WorkItem]) -> Any:
+    def _reply_callback(self, group: list[WorkItem], rank: int) -> Any:
         def on_reply(future: Future[BatchResult]) -> None:
-            self._inbox.put(lambda: self._finished(future, group))
+            def finished() -> None:
+                self._inflight[rank] -= 1
+                self._finished(future, group)
+
+            self._inbox.put(finished)
 
         return on_reply
 
@@ -379,6 +412,7 @@ def serve(
     remote_data: str | None = None,
     backend: str = "processes",
     ray_address: str | None = None,
+    max_inflight: int = 2,
 ) -> Server:
     """Start serving ``model``: a name ``adapters.registry`` knows (a built-in model, a local
     checkpoint directory, ``module:factory``), or a ``CapturedModel`` made by
@@ -386,6 +420,9 @@ def serve(
     ``placement`` (a ``Placement``, a YAML/JSON file, or None for everything on one rank) and
     one worker process per rank is started; workers load the same weights themselves.
     ``on_stage`` is told as each step begins ("lowering", "starting N workers").
+    ``max_inflight``: batches sent ahead to one rank; ready work beyond it waits and leaves as
+    one batch when the rank answers (1: the largest batches; 2, the default, also keeps the
+    next batch queued at the worker while one runs).
 
     Beyond one host (``runtime.net``): ``bind="tcp://HOST:PORT"`` puts the control sockets on
     TCP with CURVE authentication; ``remote_ranks`` are not spawned here but awaited from
@@ -482,7 +519,12 @@ def serve(
         raise
     try:
         server = Server(
-            captured, plan, pool, speculate=speculate, stream_buffer_limit=stream_buffer_limit
+            captured,
+            plan,
+            pool,
+            speculate=speculate,
+            stream_buffer_limit=stream_buffer_limit,
+            max_inflight=max_inflight,
         )
         if launcher is not None:
             server.closers.append(launcher.close)
