@@ -153,6 +153,18 @@ class BatchedComponent:
         return _split(out, self.out_dim, sizes)
 
 
+def merges_calls(node: NodePlan) -> bool:
+    """Whether the component of ``node`` runs many requests' calls as one (by concatenation
+    along a batch dimension, or a ``forward_batch`` such as ``PagedLM``'s, whose token
+    output batches too): only then is it worth waiting to send calls together."""
+    if node.kind != "component":
+        return False
+    return _has_batch(node.out_dim) and (
+        any(isinstance(d, int) for d in node.in_dims)
+        or any(isinstance(d, int) for d in node.kw_dims.values())
+    )
+
+
 def _has_batch(dim: Any) -> bool:
     if isinstance(dim, (list, tuple)):
         return any(_has_batch(d) for d in dim)

@@ -99,7 +99,10 @@ class WorkItem:
     ``env`` holds every value the item's glue ops read from outside the item (by name; model
     attributes and constants are resolved by the runner). ``frame`` is the loop iteration path,
     outer to inner (``()`` outside loops). ``speculative``: dispatched before the stop of the
-    previous iteration was known. Report with ``complete(id, {op: value for op in ops})``.
+    previous iteration was known. ``outputs``: the ops whose values are read after the item
+    (by later items, the client or the frame's end); the others are used inside the item only
+    and need not come back. Report with ``complete(id, {op: value for op in outputs})`` (more
+    values are ignored).
     """
 
     id: int
@@ -112,6 +115,7 @@ class WorkItem:
     speculative: bool
     call: tuple[list[Any], dict[str, Any]] | None = field(default=None, repr=False)
     env: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    outputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -613,7 +617,8 @@ class Conductor:
         p = self._take(item_id)
         if p is None:
             return
-        missing = [op for op in p.ops if op not in value] if isinstance(value, Mapping) else p.ops
+        need = p.item.outputs
+        missing = [op for op in need if op not in value] if isinstance(value, Mapping) else need
         if missing:
             self._node_failed(p, f"result has no value for ops {list(missing)}")
             return
@@ -852,6 +857,12 @@ class Conductor:
             for r in spec.reads:
                 if r not in produced:
                     self._consume(f, r)
+        outputs = tuple(  # what complete() keeps: read after this item, or pinned
+            s.op.name
+            for s in ops
+            if f.uses.get(s.op.name, 0) - internal.get(s.op.name, 0) > 0
+            or s.op.name in f.spec.pinned
+        )
         item = WorkItem(
             id=next(self._ids),
             request=req.id,
@@ -863,6 +874,7 @@ class Conductor:
             speculative=f.in_speculation(),
             call=call,
             env=env,
+            outputs=outputs,
         )
         self._next_id = item.id + 1
         self._items[item.id] = _Pending(req, f, node.name, item.ops, internal, item)

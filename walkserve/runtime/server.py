@@ -42,6 +42,7 @@ from typeguard import typechecked
 
 from walkserve.capture import ir
 from walkserve.capture.model import CapturedModel
+from walkserve.lowering.batched import merges_calls
 from walkserve.lowering.placement import LOCAL_HOST, Placement
 from walkserve.lowering.plan import ExecutablePlan, NodePlan
 from walkserve.runtime.conductor import (
@@ -177,7 +178,7 @@ class Server:
         *,
         speculate: bool = True,
         stream_buffer_limit: int = 64,
-        max_inflight: int = 2,
+        max_inflight: int = 1,
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -198,12 +199,24 @@ class Server:
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
         self._round_robin = itertools.count()
-        # Continuous batching: at most max_inflight batches per rank are sent ahead (one runs,
-        # the next waits in the worker's queue); items ready meanwhile are held and leave
-        # together when a batch of that rank returns, so requests that fell out of step share
-        # forwards again instead of each going alone.
+        # Continuous batching: at most max_inflight batches of one node are out on a rank;
+        # items of that node that become ready meanwhile are held and leave together when its
+        # batch returns, so requests that fell out of step share a forward again instead of
+        # each going alone. Other nodes' items go at once (a pipeline keeps its stages busy).
+        # Only KV-cache engines that run a batch as one forward (PagedLM: merges_calls) wait:
+        # their step reads the weights once for every request in it. A stateless component
+        # costs about the same per request batched or not, and a Hugging Face cache object per
+        # request is a call per request: waiting would only add latency.
         self.max_inflight = max_inflight
-        self._inflight: dict[int, int] = {}
+        components = captured.graph.components
+        self._merging = {
+            key
+            for key, node in self._nodes.items()
+            if merges_calls(node)
+            and node.target in components
+            and components[node.target].engine == "kv_cache"
+        }
+        self._inflight: dict[tuple[int, str, str], int] = {}
         self._held: list[WorkItem] = []
         self._closed = False
         self.batch_sizes: dict[int, int] = {}
@@ -312,11 +325,11 @@ class Server:
             self._route(self.conductor.events())
 
     def _dispatch(self, items: list[WorkItem]) -> None:
-        """Send ready ``items`` (and those held before) as one batch per node and rank, to
-        ranks with fewer than ``max_inflight`` batches out; hold the rest."""
+        """Send ready ``items`` (and those held before) as one batch per node and rank, unless
+        ``max_inflight`` batches of that node are out on that rank; hold those."""
         held = [it for it in self._held if self.conductor.wanted(it.id)]
         items, self._held = held + items, []
-        groups: dict[tuple[str, str, tuple[str, ...], int], list[WorkItem]] = {}
+        groups: dict[tuple[str, str, tuple[str, ...], tuple[str, ...], int], list[WorkItem]] = {}
         for item in items:
             ranks = self._nodes[(item.walk, item.node)].ranks
             if len(ranks) == 1:
@@ -325,27 +338,33 @@ class Server:
                 turn = next(self._round_robin)
                 rank = min(
                     (ranks[(turn + k) % len(ranks)] for k in range(len(ranks))),
-                    key=lambda r: self._inflight.get(r, 0),
+                    key=lambda r: self._inflight.get((r, item.walk, item.node), 0),
                 )
-            groups.setdefault((item.walk, item.node, item.ops, rank), []).append(item)
-        for (walk, node_name, ops, rank), group in groups.items():
-            if self._inflight.get(rank, 0) >= self.max_inflight:
+            key = (item.walk, item.node, item.ops, item.outputs, rank)
+            groups.setdefault(key, []).append(item)
+        for (walk, node_name, ops, outputs, rank), group in groups.items():
+            out = (rank, walk, node_name)
+            if (walk, node_name) in self._merging and self._inflight.get(
+                out, 0
+            ) >= self.max_inflight:
                 self._held += group
                 continue
-            self._inflight[rank] = self._inflight.get(rank, 0) + 1
+            self._inflight[out] = self._inflight.get(out, 0) + 1
             self.batch_sizes[len(group)] = self.batch_sizes.get(len(group), 0) + 1
             payload = [(it.id, it.request, self._inputs(it)) for it in group]
             try:
-                future = self.pool.submit_batch(rank, walk, node_name, payload, ops=list(ops))
+                future = self.pool.submit_batch(
+                    rank, walk, node_name, payload, ops=list(ops), outputs=list(outputs)
+                )
             except BaseException:
-                self._inflight[rank] -= 1
+                self._inflight[out] -= 1
                 raise
-            future.add_done_callback(self._reply_callback(group, rank))
+            future.add_done_callback(self._reply_callback(group, out))
 
-    def _reply_callback(self, group: list[WorkItem], rank: int) -> Any:
+    def _reply_callback(self, group: list[WorkItem], out: tuple[int, str, str]) -> Any:
         def on_reply(future: Future[BatchResult]) -> None:
             def finished() -> None:
-                self._inflight[rank] -= 1
+                self._inflight[out] -= 1
                 self._finished(future, group)
 
             self._inbox.put(finished)
@@ -412,7 +431,7 @@ def serve(
     remote_data: str | None = None,
     backend: str = "processes",
     ray_address: str | None = None,
-    max_inflight: int = 2,
+    max_inflight: int = 1,
 ) -> Server:
     """Start serving ``model``: a name ``adapters.registry`` knows (a built-in model, a local
     checkpoint directory, ``module:factory``), or a ``CapturedModel`` made by
@@ -420,9 +439,9 @@ def serve(
     ``placement`` (a ``Placement``, a YAML/JSON file, or None for everything on one rank) and
     one worker process per rank is started; workers load the same weights themselves.
     ``on_stage`` is told as each step begins ("lowering", "starting N workers").
-    ``max_inflight``: batches sent ahead to one rank; ready work beyond it waits and leaves as
-    one batch when the rank answers (1: the largest batches; 2, the default, also keeps the
-    next batch queued at the worker while one runs).
+    ``max_inflight``: batches of one node out on a rank at a time; that node's work that
+    becomes ready meanwhile waits and leaves as one batch when the rank answers (1, the
+    default: the largest batches; 2 also keeps the node's next batch queued at the worker).
 
     Beyond one host (``runtime.net``): ``bind="tcp://HOST:PORT"`` puts the control sockets on
     TCP with CURVE authentication; ``remote_ranks`` are not spawned here but awaited from
