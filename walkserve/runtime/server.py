@@ -199,14 +199,13 @@ class Server:
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
         self._round_robin = itertools.count()
-        # Continuous batching: at most max_inflight batches of one node are out on a rank;
-        # items of that node that become ready meanwhile are held and leave together when its
-        # batch returns, so requests that fell out of step share a forward again instead of
-        # each going alone. Other nodes' items go at once (a pipeline keeps its stages busy).
-        # Only KV-cache engines that run a batch as one forward (PagedLM: merges_calls) wait:
-        # their step reads the weights once for every request in it. A stateless component
-        # costs about the same per request batched or not, and a Hugging Face cache object per
-        # request is a call per request: waiting would only add latency.
+        # Continuous batching: for a KV-cache engine that runs a batch as one forward
+        # (PagedLM: merges_calls), at most max_inflight batches of a node are out on a rank;
+        # its items that become ready meanwhile are held and leave together when the batch
+        # returns, so requests that fell out of step share a forward again. Other nodes'
+        # items go at once: a stateless component costs about the same per request batched
+        # or not, a Hugging Face cache object per request is a call per request, and a
+        # pipeline's stages stay busy.
         self.max_inflight = max_inflight
         components = captured.graph.components
         self._merging = {
