@@ -73,34 +73,13 @@ def run_generate(work: list[dict[str, Any]]) -> dict[str, Any]:
     from walkserve.adapters import qwen3_omni as q
 
     walks, _ = q.tiny()
-    model = walks.upstream
-    frames: list[int] = []
-    decode = model.code2wav.chunked_decode
-
-    def spy(codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        frames.append(int(codes.shape[-1]))
-        return decode(codes, **kwargs)
-
-    model.code2wav.chunked_decode = spy
-
-    def generate(r: dict[str, Any]) -> None:
-        model.generate(
-            r["input_ids"],
-            thinker_max_new_tokens=r["max_new_tokens"],
-            thinker_eos_token_id=walks.eos,
-            thinker_do_sample=False,
-            talker_max_new_tokens=r["max_audio_tokens"],
-            talker_do_sample=False,
-            talker_repetition_penalty=1.0,
-        )
-
-    generate(work[0])  # first-call costs stay out of the timing
-    frames.clear()
-    seconds = []
+    q.upstream_speech(walks, work[0])  # first-call costs stay out of the timing
+    seconds, frames = [], []
     for r in work:
         start = time.perf_counter()
-        generate(r)
+        _, codes, _ = q.upstream_speech(walks, r)
         seconds.append(time.perf_counter() - start)
+        frames.append(int(codes.shape[-1]))
     return {"seconds": seconds, "frames": frames}
 
 

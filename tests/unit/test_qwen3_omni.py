@@ -46,31 +46,8 @@ def request(walks: q.Qwen3OmniWalks, i: int, speaker: str = "ethan") -> dict[str
 def upstream_generate(
     walks: q.Qwen3OmniWalks, r: dict[str, Any], speaker: str = "ethan"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Upstream ``generate()``, greedy: (new text tokens [1, n], codes [1, G, frames],
-    waveform [1, 1, samples]); the codes are those it hands to ``code2wav.chunked_decode``."""
-    model = walks.upstream
-    seen: dict[str, torch.Tensor] = {}
-    decode = model.code2wav.chunked_decode
-
-    def spy(codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        seen["codes"] = codes
-        return decode(codes, **kwargs)
-
-    model.code2wav.chunked_decode = spy
-    try:
-        sequences, waveform = model.generate(
-            r["input_ids"],
-            speaker=speaker,
-            thinker_max_new_tokens=r["max_new_tokens"],
-            thinker_eos_token_id=walks.eos,
-            thinker_do_sample=False,
-            talker_max_new_tokens=r["max_audio_tokens"],
-            talker_do_sample=False,
-            talker_repetition_penalty=1.0,
-        )
-    finally:
-        del model.code2wav.chunked_decode
-    return sequences[:, r["input_ids"].shape[1] :], seen["codes"], waveform
+    """Upstream ``generate()``, greedy: (new text tokens, codes, waveform)."""
+    return q.upstream_speech(walks, r, speaker)
 
 
 def test_speech_walk_equals_upstream_generate_token_for_token(tiny: Any) -> None:

@@ -68,39 +68,12 @@ def image(walks: q.Qwen3OmniWalks, i: int) -> dict[str, Any]:
     }
 
 
-MEDIA_KEYS = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw")
-
-
 def upstream_generate(
     walks: q.Qwen3OmniWalks, r: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Upstream ``generate()``, greedy, with the request's audio if it has one: (new text
-    tokens [1, n], the codes it hands to ``code2wav.chunked_decode`` [1, G, frames], waveform)."""
-    model = walks.upstream
-    seen: dict[str, torch.Tensor] = {}
-    decode = model.code2wav.chunked_decode
-
-    def spy(codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        seen["codes"] = codes
-        return decode(codes, **kwargs)
-
-    media = {k: r[k] for k in MEDIA_KEYS if k in r}
-    model.code2wav.chunked_decode = spy
-    try:
-        sequences, waveform = model.generate(
-            r["input_ids"],
-            speaker="ethan",
-            thinker_max_new_tokens=r["max_new_tokens"],
-            thinker_eos_token_id=walks.eos,
-            thinker_do_sample=False,
-            talker_max_new_tokens=r["max_audio_tokens"],
-            talker_do_sample=False,
-            talker_repetition_penalty=1.0,
-            **media,
-        )
-    finally:
-        del model.code2wav.chunked_decode
-    return sequences[:, r["input_ids"].shape[1] :], seen["codes"], waveform
+    """Upstream ``generate()``, greedy, with the request's media: (new text tokens, codes,
+    waveform)."""
+    return q.upstream_speech(walks, r)
 
 
 def text_of(out: dict[str, Any]) -> torch.Tensor:

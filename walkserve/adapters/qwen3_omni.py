@@ -1160,6 +1160,42 @@ def tiny(seed: int = 0, first_chunk: int | None = None) -> tuple[Qwen3OmniWalks,
     return walks, sample
 
 
+MEDIA_INPUTS = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw")
+
+
+def upstream_speech(
+    walks: Qwen3OmniWalks, request: Mapping[str, Any], speaker: str = "ethan", **generate: Any
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The reference for a ``speak*`` request: upstream ``generate()`` on the request (its media
+    too), greedy unless ``generate`` says otherwise -> (new text tokens [1, n], the codes it
+    hands to ``code2wav.chunked_decode`` [1, G, frames], waveform [1, 1, samples])."""
+    model: Any = walks.upstream
+    seen: dict[str, Tensor] = {}
+    decode = model.code2wav.chunked_decode
+
+    def spy(codes: Tensor, **kwargs: Any) -> Tensor:
+        seen["codes"] = codes
+        return decode(codes, **kwargs)
+
+    settings: dict[str, Any] = {
+        "speaker": speaker,
+        "thinker_max_new_tokens": request["max_new_tokens"],
+        "thinker_eos_token_id": walks.eos,
+        "thinker_do_sample": False,
+        "talker_max_new_tokens": request["max_audio_tokens"],
+        "talker_do_sample": False,
+        "talker_repetition_penalty": 1.0,
+        **{k: request[k] for k in MEDIA_INPUTS if k in request},
+        **generate,
+    }
+    model.code2wav.chunked_decode = spy
+    try:
+        sequences, waveform = model.generate(request["input_ids"], **settings)
+    finally:
+        del model.code2wav.chunked_decode
+    return sequences[:, request["input_ids"].shape[1] :], seen["codes"], waveform
+
+
 def streaming() -> tuple[Qwen3OmniWalks, dict[str, Any]]:
     """``tiny`` with a short first code2wav chunk (``TINY_FIRST`` frames, then ``TINY_CHUNK``):
     the configuration a speech server streams with, so that audio starts before a whole chunk
