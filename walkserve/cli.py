@@ -262,9 +262,8 @@ ROUTES = (
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from walkserve.adapters.registry import capture_model
+    from walkserve.adapters.registry import capture_model, profile_for
     from walkserve.api.app import ApiConfig, create_app
-    from walkserve.api.profile import profile_for
     from walkserve.progress import StartupProgress
     from walkserve.runtime.server import serve
     from walkserve.runtime.workers import PoolConfig

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from walkserve.adapters import default
+from walkserve.adapters.registry import profile_for
 from walkserve.adapters.tokenizer import ByteTokenizer
 from walkserve.api import jsontensor, media
-from walkserve.api.profile import profile_for
 from walkserve.api.textgen import TextAssembler
 from walkserve.capture import trace
 from walkserve.capture.model import CapturedModel

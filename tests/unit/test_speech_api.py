@@ -15,9 +15,10 @@ import torch
 from benchmarks.loadgen import Record
 from walkserve import capture
 from walkserve.adapters import omni_http, orpheus, qwen3_omni, qwen25_omni
+from walkserve.adapters.registry import profile_for
 from walkserve.api import audio
 from walkserve.api.metrics import Metrics, PlaybackClock
-from walkserve.api.profile import ModelProfile, Voice, Voices, profile_for
+from walkserve.api.profile import ModelProfile, Voice, Voices
 from walkserve.api.textgen import TextAssembler, reply_tokens
 from walkserve.lowering.lower import lower
 from walkserve.runtime.conductor import ConductorStats, Output, StreamItem

@@ -46,6 +46,7 @@ NOISE_SHAPE = (cfg_image.LATENT_CHANNELS, cfg_image.LATENT_SIZE, cfg_image.LATEN
 HOP = speech.HOP  # waveform samples per codec frame
 SAMPLE_RATE = 16000  # nominal: the waveform is random-weight noise at any rate
 MAX_NEW_TOKENS = 16
+MAX_PROMPT_TOKENS = 256  # of each task's prompt over HTTP
 
 
 class DefaultModel(TextWalks, nn.Module):
@@ -121,3 +122,52 @@ def build(seed: int = 0) -> tuple[DefaultModel, dict[str, Any]]:
         "noise": image_inputs["noise"],
         "image": image_inputs["image"],
     }
+
+
+def api_profile(name: str = NAME) -> Any:
+    """The HTTP routes' view of the model: text, speech and image tasks over its walks, each
+    with its own byte vocabulary (``ByteTokenizer``)."""
+    from walkserve.adapters.hf_causal_lm import text_task
+    from walkserve.adapters.tokenizer import ByteTokenizer
+    from walkserve.api.profile import ImageTask, ModelProfile, SpeechTask, plain_chat
+
+    text_tok = ByteTokenizer(TEXT_VOCAB)
+    speech_tok = ByteTokenizer(SPEECH_VOCAB)
+    image_tok = ByteTokenizer(IMAGE_VOCAB)
+    return ModelProfile(
+        name,
+        text=text_task(
+            TEXT_VOCAB,
+            EOS_ID,
+            text_tok.encode,
+            text_tok.decode,
+            plain_chat,
+            max_prompt_tokens=MAX_PROMPT_TOKENS,
+            max_tokens_limit=TEXT_CONTEXT - MAX_PROMPT_TOKENS,
+        ),
+        speech=SpeechTask(
+            walk="speak",
+            prompt_input="prompt_ids",
+            max_tokens_input="max_new_tokens",
+            waveform_channel="waveform",
+            sample_rate=SAMPLE_RATE,
+            vocab_size=SPEECH_VOCAB,
+            max_prompt_tokens=MAX_PROMPT_TOKENS,
+            max_tokens_limit=128,
+            default_max_tokens=32,
+            encode=speech_tok.encode,
+        ),
+        image=ImageTask(
+            walk="generate",
+            prompt_input="prompt_ids",
+            noise_input="noise",
+            noise_shape=NOISE_SHAPE,
+            size=IMAGE_SIZE,
+            vocab_size=IMAGE_VOCAB,
+            max_prompt_tokens=MAX_PROMPT_TOKENS,
+            image_output="image",
+            encode=image_tok.encode,
+            edit_walk="edit",
+            image_input="image",
+        ),
+    )

@@ -101,3 +101,72 @@ def load_causal_lm(path: str) -> tuple[CausalLMWalks, dict[str, Any]]:
     eos = lm.config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     return CausalLMWalks(lm, int(eos if eos is not None else 0)), sample_request([1, 2, 3], 4)
+
+
+def text_task(
+    vocab: int,
+    eos: int | None,
+    encode: Any,
+    decode: Any,
+    chat: Any,
+    max_prompt_tokens: int = 2048,
+    max_tokens_limit: int = 1024,
+) -> Any:
+    """The HTTP text task of the walks above (``prefill`` -> ``decode``), for a tokenizer."""
+    from walkserve.api.profile import TextTask
+
+    return TextTask(
+        walk="prefill",
+        prompt_input="input_ids",
+        max_tokens_input="max_new_tokens",
+        tokens_channel="tokens",
+        first_token_output="token",
+        eos_id=eos,
+        vocab_size=vocab,
+        max_prompt_tokens=max_prompt_tokens,
+        max_tokens_limit=max_tokens_limit,
+        default_max_tokens=16,
+        encode=encode,
+        decode=decode,
+        chat_template=chat,
+        sampling=True,
+    )
+
+
+def tiny_profile(name: str) -> Any:
+    """The tiny random models (``registry.TINY_HF``): a byte tokenizer over their 256 ids."""
+    from walkserve.adapters.tokenizer import ByteTokenizer
+    from walkserve.api.profile import ModelProfile, plain_chat
+
+    tok = ByteTokenizer(256)
+    return ModelProfile(name, text=text_task(256, 2, tok.encode, tok.decode, plain_chat))
+
+
+def checkpoint_profile(path: str, name: str) -> Any:
+    """A local checkpoint's own tokenizer and chat template (``AutoTokenizer``)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from walkserve.api.profile import ModelProfile, plain_chat
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    eos = config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+
+    def encode(text: str) -> list[int]:
+        return list(tok.encode(text))
+
+    def decode(ids: list[int]) -> str:
+        return str(tok.decode(ids, skip_special_tokens=True))
+
+    def chat(messages: Any) -> str:
+        if getattr(tok, "chat_template", None):
+            rendered = tok.apply_chat_template(
+                [{"role": r, "content": c} for r, c in messages],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            return str(rendered)
+        return plain_chat(messages)
+
+    return ModelProfile(name, text=text_task(int(config.vocab_size), eos, encode, decode, chat))

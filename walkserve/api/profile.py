@@ -2,13 +2,9 @@
 speech or image generation, which inputs it takes, its tokenizer and its limits. A model that
 offers none of these tasks is still served through ``/v1/walks/{walk}``.
 
-    profile_for("walkserve-default")   text + speech + image (adapters.default)
-    profile_for("tiny-llama")          text (toy byte tokenizer)
-    profile_for("/path/to/checkpoint") text (the checkpoint's own AutoTokenizer); a Qwen-Omni
-                                       checkpoint: chat, chat audio, speech (adapters.omni_http)
-    profile_for("example-speech")      no task: walks only
-    profile_for("pkg.mod:factory")     ``pkg.mod.factory_profile(name)``, else
-                                       ``pkg.mod.api_profile(name)``, if the module defines it
+The types only: this module imports nothing from the runtime or the adapters. The adapters
+build their models' profiles from these types, and ``adapters.registry.profile_for(name)``
+finds the profile of a served name (so no model is named here).
 
 Speech models may have voices (``Voices``): a voice name -> the walk inputs it sets (a speaker
 id) and the text put before the input (Orpheus's ``"tara: "``). A model that speaks in a chat
@@ -18,14 +14,9 @@ the audio of ``/v1/chat/completions`` with ``modalities: ["text", "audio"]``.
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-from walkserve.adapters.tokenizer import ByteTokenizer
 
 Encode = Callable[[str], list[int]]
 Decode = Callable[[list[int]], str]
@@ -173,148 +164,3 @@ class ModelProfile:
     def __post_init__(self) -> None:
         if self.chat_audio is not None and self.text is None:
             raise ValueError(f"{self.name}: chat_audio needs a text task (tokenizer, template)")
-
-
-MAX_PROMPT_TOKENS = 256
-
-
-def profile_for(name: str) -> ModelProfile:
-    """The tasks of model ``name`` (a name ``adapters.registry`` resolves)."""
-    from walkserve.adapters import default
-    from walkserve.adapters.registry import DEFAULT_MODEL, TINY_HF
-
-    if name == DEFAULT_MODEL:
-        text_tok = ByteTokenizer(default.TEXT_VOCAB)
-        speech_tok = ByteTokenizer(default.SPEECH_VOCAB)
-        image_tok = ByteTokenizer(default.IMAGE_VOCAB)
-        return ModelProfile(
-            name,
-            text=TextTask(
-                walk="prefill",
-                prompt_input="input_ids",
-                max_tokens_input="max_new_tokens",
-                tokens_channel="tokens",
-                first_token_output="token",
-                eos_id=default.EOS_ID,
-                vocab_size=default.TEXT_VOCAB,
-                max_prompt_tokens=MAX_PROMPT_TOKENS,
-                max_tokens_limit=default.TEXT_CONTEXT - MAX_PROMPT_TOKENS,
-                default_max_tokens=16,
-                encode=text_tok.encode,
-                decode=text_tok.decode,
-                chat_template=plain_chat,
-                sampling=True,
-            ),
-            speech=SpeechTask(
-                walk="speak",
-                prompt_input="prompt_ids",
-                max_tokens_input="max_new_tokens",
-                waveform_channel="waveform",
-                sample_rate=default.SAMPLE_RATE,
-                vocab_size=default.SPEECH_VOCAB,
-                max_prompt_tokens=MAX_PROMPT_TOKENS,
-                max_tokens_limit=128,
-                default_max_tokens=32,
-                encode=speech_tok.encode,
-            ),
-            image=ImageTask(
-                walk="generate",
-                prompt_input="prompt_ids",
-                noise_input="noise",
-                noise_shape=default.NOISE_SHAPE,
-                size=default.IMAGE_SIZE,
-                vocab_size=default.IMAGE_VOCAB,
-                max_prompt_tokens=MAX_PROMPT_TOKENS,
-                image_output="image",
-                encode=image_tok.encode,
-                edit_walk="edit",
-                image_input="image",
-            ),
-        )
-    if name in TINY_HF:
-        tok = ByteTokenizer(256)
-        return ModelProfile(name, text=_hf_text(256, 2, tok.encode, tok.decode, plain_chat))
-    if os.path.isdir(name):
-        from walkserve.adapters.registry import checkpoint_kind
-
-        kind = checkpoint_kind(name)
-        if kind == "qwen3-omni":
-            from walkserve.adapters import qwen3_omni
-
-            return qwen3_omni.checkpoint_profile(name, name)
-        if kind == "qwen25-omni":
-            from walkserve.adapters import qwen25_omni
-
-            return qwen25_omni.checkpoint_profile(name, name)
-        if kind != "causal-lm":
-            return ModelProfile(name)  # its walks, through /v1/walks/{walk}
-        return ModelProfile(name, text=_checkpoint_text(name))
-    from walkserve.adapters.registry import ADAPTERS
-
-    target = ADAPTERS.get(name, name)  # the module:factory behind a built-in adapter name
-    if ":" in target:
-        # A module:factory model may describe its tasks: <factory>_profile(name) beside the
-        # factory, or a module-level api_profile(name).
-        module_name, _, factory = target.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            return ModelProfile(name)
-        describe = getattr(module, f"{factory}_profile", None) or getattr(
-            module, "api_profile", None
-        )
-        if callable(describe):
-            profile = describe(target)
-            if not isinstance(profile, ModelProfile):
-                raise ValueError(f"{name}: {describe.__name__}() must return a ModelProfile")
-            return dataclasses.replace(profile, name=name)  # clients use the name served
-    return ModelProfile(name)
-
-
-def _hf_text(
-    vocab: int, eos: int | None, encode: Encode, decode: Decode, chat: ChatTemplate
-) -> TextTask:
-    return TextTask(
-        walk="prefill",
-        prompt_input="input_ids",
-        max_tokens_input="max_new_tokens",
-        tokens_channel="tokens",
-        first_token_output="token",
-        eos_id=eos,
-        vocab_size=vocab,
-        max_prompt_tokens=2048,
-        max_tokens_limit=1024,
-        default_max_tokens=16,
-        encode=encode,
-        decode=decode,
-        chat_template=chat,
-        sampling=True,
-    )
-
-
-def _checkpoint_text(path: str) -> TextTask:
-    """A local Hugging Face checkpoint's own tokenizer and chat template."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    eos = config.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-
-    def encode(text: str) -> list[int]:
-        return list(tok.encode(text))
-
-    def decode(ids: list[int]) -> str:
-        return str(tok.decode(ids, skip_special_tokens=True))
-
-    def chat(messages: Sequence[tuple[str, str]]) -> str:
-        if getattr(tok, "chat_template", None):
-            rendered = tok.apply_chat_template(
-                [{"role": r, "content": c} for r, c in messages],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            return str(rendered)
-        return plain_chat(messages)
-
-    return _hf_text(int(config.vocab_size), eos, encode, decode, chat)

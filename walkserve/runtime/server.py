@@ -123,6 +123,10 @@ class RequestHandle:
                     return
                 yield item
 
+    def outputs(self) -> dict[str, Any]:
+        """The outputs received so far (a copy): those a walk sends before its stream ends."""
+        return dict(self._outputs)
+
     def cancel(self) -> None:
         self._server.cancel(self.request_id)
 
