@@ -30,6 +30,7 @@ from walkserve.adapters.examples import cfg_image, speech
 from walkserve.adapters.examples.blocks import seeded
 from walkserve.adapters.hf_causal_lm import TextWalks, sample_request
 from walkserve.capture.api import walk
+from walkserve.runtime.kv.grammar import ByteVocabulary
 from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig
 
 NAME = "walkserve-default"
@@ -60,7 +61,12 @@ class DefaultModel(TextWalks, nn.Module):
         image_model: cfg_image.CFGImageModel,
     ) -> None:
         super().__init__()
-        self.lm = PagedLM(text_lm, PagedLMConfig(pool_tokens=TEXT_KV_TOKENS))
+        self.lm = PagedLM(
+            text_lm,
+            PagedLMConfig(pool_tokens=TEXT_KV_TOKENS),
+            stop_ids=(EOS_ID,),
+            vocabulary=ByteVocabulary(TEXT_VOCAB, SPECIAL_IDS, EOS_ID),
+        )
         self.eos = EOS_ID
         self.speech = speech_model
         self.image = image_model
@@ -127,21 +133,17 @@ def build(seed: int = 0) -> tuple[DefaultModel, dict[str, Any]]:
 def api_profile(name: str = NAME) -> Any:
     """The HTTP routes' view of the model: text, speech and image tasks over its walks, each
     with its own byte vocabulary (``ByteTokenizer``)."""
-    from walkserve.adapters.hf_causal_lm import text_task
+    from walkserve.adapters.hf_causal_lm import byte_text_task
     from walkserve.adapters.tokenizer import ByteTokenizer
-    from walkserve.api.profile import ImageTask, ModelProfile, SpeechTask, plain_chat
+    from walkserve.api.profile import ImageTask, ModelProfile, SpeechTask
 
-    text_tok = ByteTokenizer(TEXT_VOCAB)
     speech_tok = ByteTokenizer(SPEECH_VOCAB)
     image_tok = ByteTokenizer(IMAGE_VOCAB)
     return ModelProfile(
         name,
-        text=text_task(
+        text=byte_text_task(
             TEXT_VOCAB,
             EOS_ID,
-            text_tok.encode,
-            text_tok.decode,
-            plain_chat,
             max_prompt_tokens=MAX_PROMPT_TOKENS,
             max_tokens_limit=TEXT_CONTEXT - MAX_PROMPT_TOKENS,
         ),

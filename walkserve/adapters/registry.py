@@ -192,7 +192,10 @@ def tiny_hf_lm(arch: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
         pad_token_id=0,
     )
     lm = model_cls(config).eval()
-    return CausalLMWalks(lm, 2), sample_request([1, 17, 42, 99], 8)
+    from walkserve.runtime.kv.grammar import ByteVocabulary
+
+    vocabulary = ByteVocabulary(256, specials=3, eos=2)  # the profile's ByteTokenizer(256)
+    return CausalLMWalks(lm, 2, vocabulary=vocabulary), sample_request([1, 17, 42, 99], 8)
 
 
 def checkpoint_kind(path: str) -> str:

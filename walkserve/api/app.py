@@ -64,7 +64,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         headers = exc.headers or {}
         if exc.status == 503 and exc.kind == "server_busy":
-            ctx.metrics.rejected_full += 1
+            ctx.metrics.count_rejected()
             headers = {"Retry-After": str(config.retry_after_s)}
         return JSONResponse(
             error_body(exc.message, exc.kind, exc.param), exc.status, headers=headers

@@ -55,12 +55,12 @@ class ApiContext:
     server: Server
     profile: ModelProfile
     config: ApiConfig
-    metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.max_queued)
         self.names = self.config.served_names or (self.profile.name,)
+        self.metrics = Metrics(self.names[0])
 
     @property
     def name(self) -> str:
@@ -159,8 +159,11 @@ class ApiContext:
     # ------------------------------------------------------------ running requests
 
     async def submit(self, inputs: dict[str, Any], walk: str) -> RequestHandle:
+        t0 = time.perf_counter()
         try:
-            return await self.server.submit_async(inputs, walk)
+            handle = await self.server.submit_async(inputs, walk)
+            self.metrics.observe_queue(time.perf_counter() - t0)
+            return handle
         except (ValueError, KeyError, TypeError) as e:
             raise bad(f"the model rejected the request: {e}") from None
         except RuntimeError as e:
@@ -188,7 +191,7 @@ class ApiContext:
     def cancel(self, handle: RequestHandle) -> None:
         """End the request if it is still running (the client left, or a stop string)."""
         if not handle.done():
-            self.metrics.cancelled += 1
+            self.metrics.count_cancelled()
             handle.cancel()
 
     def cancel_all(self, handles: Iterable[RequestHandle], ticket: Ticket) -> None:
@@ -222,16 +225,24 @@ def context(request: Request) -> ApiContext:
     return ctx
 
 
-def validate(data: dict[str, Any], schema: type[B]) -> B:
+def validate(data: dict[str, Any], schema: type[B], strict: bool = True) -> B:
+    """``data`` as ``schema`` or a 400 naming each field at fault (an unknown one as such);
+    ``strict=False`` for form fields, which are all strings."""
     try:
-        return schema.model_validate(data)
+        return schema.model_validate(data, strict=strict)
     except ValidationError as e:
-        errors = e.errors()
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in errors
-        )
+        errors = e.errors(include_url=False)
+        problems = []
+        for err in errors[:8]:
+            where = ".".join(str(p) for p in err["loc"]) or "body"
+            if err["type"] == "extra_forbidden":
+                problems.append(f"unknown field {where!r}: this route does not take it")
+            elif err["type"] == "refused_field":
+                problems.append(f"{where}: {err['msg']}" if err["loc"] else err["msg"])
+            else:
+                problems.append(f"{where}: {err['msg']}")
         param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
-        raise bad(f"invalid request: {problems}", param or None) from None
+        raise bad(f"invalid request: {'; '.join(problems)}", param or None) from None
 
 
 def check_greedy(temperature: float | None, top_p: float | None, top_k: int | None) -> None:

@@ -14,19 +14,42 @@ the audio of ``/v1/chat/completions`` with ``modalities: ["text", "audio"]``.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 Encode = Callable[[str], list[int]]
 Decode = Callable[[list[int]], str]
 ChatTemplate = Callable[[Sequence[tuple[str, str]]], str]
+#: OpenAI-shaped messages (dicts: role, content, and name, tool_calls, tool_call_id where
+#: given; tool call arguments as objects) and the request's tools -> the prompt
+ToolTemplate = Callable[[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]] | None], str]
+#: how a model writes a tool call (``api.tools``)
+ToolFormat = Literal["hermes", "llama3_json"]
 
 
 def plain_chat(messages: Sequence[tuple[str, str]]) -> str:
     """The toy chat template of the built-in models: ``role: content`` lines, then
     ``assistant:``."""
     return "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
+
+
+def plain_tool_chat(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> str:
+    """``plain_chat`` with tools (a ``tools:`` line of their JSON first), an assistant's calls
+    in the hermes format and tool results as ``tool:`` lines."""
+    lines = [f"tools: {json.dumps(list(tools), separators=(',', ':'))}\n"] if tools else []
+    for m in messages:
+        text = m.get("content") or ""
+        for call in m.get("tool_calls") or ():
+            body = {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+            text += f"<tool_call>\n{json.dumps(body, separators=(',', ':'))}\n</tool_call>"
+        who = m["role"] if not m.get("name") else f"{m['role']} ({m['name']})"
+        lines.append(f"{who}: {text}\n")
+    return "".join(lines) + "assistant:"
 
 
 @dataclass(frozen=True)
@@ -50,6 +73,17 @@ class TextTask:
     lead_outputs: tuple[str, ...] = ()
     # Inputs every request of the walk gets besides the prompt and the limit.
     extra_inputs: Mapping[str, Any] = field(default_factory=dict)
+    # The entry walk for requests with logprobs, a logit bias or a grammar (the text walks'
+    # ``prefill_ext``: inputs ``constraints`` and ``logprobs``, outputs ``logprob`` /
+    # ``logprob_id`` beside the lead token and ``logprobs`` / ``logprob_ids`` beside the
+    # channel); None: such requests get a 400.
+    ext_walk: str | None = None
+    structured_output: bool = False  # the LM's worker has a vocabulary for grammars
+    tool_template: ToolTemplate | None = None  # None: requests with tools get a 400
+    tool_format: ToolFormat = "hermes"
+    token_bytes: Callable[[int], bytes] | None = None  # one id's bytes (logprobs' ``bytes``)
+    has_tokenizer: bool = True  # False: prompts as token ids only, answers as token ids
+    max_model_len: int | None = None  # prompt + max_tokens at most this (--max-model-len)
 
     @property
     def leads(self) -> tuple[str, ...]:
@@ -164,3 +198,30 @@ class ModelProfile:
     def __post_init__(self) -> None:
         if self.chat_audio is not None and self.text is None:
             raise ValueError(f"{self.name}: chat_audio needs a text task (tokenizer, template)")
+
+
+def with_limits(profile: ModelProfile, max_model_len: int) -> ModelProfile:
+    """``profile`` whose text requests hold at most ``max_model_len`` tokens, prompt and
+    generated together (``--max-model-len``); ``ValueError`` past what the model takes."""
+    text = profile.text
+    if text is None:
+        raise ValueError(f"--max-model-len: model {profile.name!r} has no text generation")
+    most = text.max_prompt_tokens + text.max_tokens_limit
+    if not 2 <= max_model_len <= most:
+        raise ValueError(
+            f"--max-model-len must be in [2, {most}] for {profile.name!r}, got {max_model_len}"
+        )
+    limited = dataclasses.replace(
+        text,
+        max_prompt_tokens=min(text.max_prompt_tokens, max_model_len - 1),
+        max_tokens_limit=min(text.max_tokens_limit, max_model_len - 1),
+        max_model_len=max_model_len,
+    )
+    return dataclasses.replace(profile, text=limited)
+
+
+def without_tokenizer(profile: ModelProfile) -> ModelProfile:
+    """``profile`` whose text task takes token ids only (``--skip-tokenizer-init``)."""
+    if profile.text is None:
+        return profile
+    return dataclasses.replace(profile, text=dataclasses.replace(profile.text, has_tokenizer=False))

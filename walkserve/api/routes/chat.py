@@ -14,15 +14,15 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from walkserve.api import audio, media
+from walkserve.api import audio, chatprompt, media, tools
 from walkserve.api.audio import AudioWatch
 from walkserve.api.context import ApiContext, context, drain, stream_items, unless_gone
 from walkserve.api.errors import ApiError, bad, error_body
 from walkserve.api.profile import ChatAudioTask, TextTask
-from walkserve.api.routes.text import run_text, sampling_inputs, text_task
+from walkserve.api.routes.text import Step, plan_text, request_grammar, run_text, text_task
 from walkserve.api.schemas import ChatCompletionRequest
 from walkserve.api.sse import SSE_DONE, ClosingStream, sse
-from walkserve.api.textgen import TextAssembler, chunk, usage
+from walkserve.api.textgen import Choice, TextAssembler, chat_logprobs, envelope, usage
 from walkserve.runtime.conductor import StreamItem
 from walkserve.runtime.server import RequestFailed
 
@@ -39,11 +39,129 @@ async def chat_completions(request: Request) -> Response:
     if body.audio is not None:
         raise bad('audio is set but modalities has no "audio": send ["text", "audio"]', "audio")
     task = text_task(ctx)
-    choices = sampling_inputs(task, body)
-    prompt = task.chat_template([(m.role, m.content) for m in body.messages])
+    if not task.has_tokenizer:
+        raise bad(
+            "this server has no tokenizer (--skip-tokenizer-init, or the checkpoint has none),"
+            " so it cannot apply a chat template: use /v1/completions with token ids",
+            "messages",
+        )
+    if body.top_logprobs and not body.logprobs:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    mode, grammar = tool_mode(ctx, task, body)
+    prompt = chatprompt.render(task, body.messages, body.tools, ctx.name)
     ids = task.encode(prompt)
     ctx.check_ids(ids, task.vocab_size, task.max_prompt_tokens, "prompt (after the chat template)")
-    return await run_text(ctx, request, task, ids, body, choices, chat=True)
+    columns = 1 + (body.top_logprobs or 0) if body.logprobs else 0
+    plan = plan_text(ctx, task, body, ids, columns, grammar)
+    return await run_text(ctx, request, task, plan, body, ChatShape(task, body, mode))
+
+
+ToolMode = str  # "none" (no parsing), "auto", "forced"
+
+
+def tool_mode(
+    ctx: ApiContext, task: TextTask, body: ChatCompletionRequest
+) -> tuple[ToolMode, str | None]:
+    """How the reply is read for tool calls, and the grammar of the request (a forced call's
+    or the response format's)."""
+    grammar = request_grammar(body)
+    if not body.tools:
+        if body.tool_choice not in (None, "none"):
+            raise bad("tool_choice needs tools", "tool_choice")
+        return "none", grammar
+    choice = body.tool_choice or "auto"
+    if choice == "none":
+        return "none", grammar
+    if choice == "auto":
+        return "auto", grammar
+    if grammar is not None:
+        raise bad(
+            "a forced tool call and a response format cannot both constrain the reply",
+            "tool_choice",
+        )
+    functions = [(t.function.name, t.function.parameters) for t in body.tools]
+    if not isinstance(choice, str):
+        functions = [f for f in functions if f[0] == choice.function.name]
+        if not functions:
+            raise bad(
+                f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice"
+            )
+    if not task.structured_output:
+        raise bad(
+            f"model {ctx.name!r} cannot force a tool call (no grammar vocabulary)", "tool_choice"
+        )
+    try:
+        return "forced", tools.call_grammar(functions, task.tool_format)
+    except ValueError as e:
+        raise bad(str(e), "tools") from None
+
+
+class ChatShape:
+    """The chat API's bodies: ``choices[i].message`` (content, tool calls) and its logprobs;
+    streamed as ``delta`` chunks (content as it comes; a tool call once complete)."""
+
+    chat = True
+
+    def __init__(self, task: TextTask, body: ChatCompletionRequest, mode: ToolMode) -> None:
+        self.task, self.body, self.mode = task, body, mode
+        self.top = body.top_logprobs or 0
+        self.parsers: dict[int, tools.StreamParser] = {}
+        self.calls_sent: dict[int, int] = {}
+
+    def _calls(self, calls: list[tools.Call]) -> list[tools.Call]:
+        return calls[:1] if self.body.parallel_tool_calls is False else calls
+
+    def choice(self, index: int, c: Choice, echo: str) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text.text}
+        finish = c.text.finish_reason
+        if self.mode != "none":
+            content, calls = tools.parse_calls(c.text.text, self.task.tool_format)
+            calls = self._calls(calls)
+            if calls:
+                message = {"role": "assistant", "content": content}
+                message["tool_calls"] = [call.as_json() for call in calls]
+                finish = "tool_calls"
+        out: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish}
+        out["logprobs"] = chat_logprobs(self.task, c.kept, self.top) if self.body.logprobs else None
+        if self.body.return_token_ids:
+            out["token_ids"] = list(c.text.tokens)
+        return out
+
+    def start(self, index: int, echo: str) -> list[dict[str, Any]]:
+        delta = {"role": "assistant", "content": ""}
+        return [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]
+
+    def delta(
+        self, index: int, c: Choice, text: str, steps: list[Step], final: bool
+    ) -> list[dict[str, Any]]:
+        delta: dict[str, Any] = {}
+        if self.mode == "none":
+            delta["content"] = text
+        else:
+            parser = self.parsers.setdefault(index, tools.StreamParser(self.task.tool_format))
+            content, calls = parser.feed(text, final)
+            if content:
+                delta["content"] = content
+            sent = self.calls_sent.get(index, 0)
+            calls = self._calls(calls)[
+                : (1 - sent) if self.body.parallel_tool_calls is False else None
+            ]
+            if calls:
+                delta["tool_calls"] = [call.as_json(sent + k) for k, call in enumerate(calls)]
+                self.calls_sent[index] = sent + len(calls)
+        if not delta and not (steps and self.body.logprobs) and not final:
+            return []
+        out: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": None}
+        if final:
+            out["finish_reason"] = (
+                "tool_calls" if self.calls_sent.get(index) else c.text.finish_reason
+            )
+        out["logprobs"] = (
+            chat_logprobs(self.task, steps, self.top) if self.body.logprobs and steps else None
+        )
+        if self.body.return_token_ids:
+            out["token_ids"] = [s.token for s in steps]
+        return [out]
 
 
 def chat_audio_task(ctx: ApiContext) -> tuple[ChatAudioTask, TextTask]:
@@ -64,6 +182,32 @@ async def run_chat_audio(
     """``modalities: ["text", "audio"]``: one request of the task's walk; the reply's text
     tokens are the transcript, its waveform the audio (see ``api.audio``)."""
     task, text_task_ = chat_audio_task(ctx)
+    unsupported = (
+        [
+            name
+            for name in (
+                "logprobs",
+                "top_logprobs",
+                "tools",
+                "tool_choice",
+                "response_format",
+                "guided_json",
+                "guided_regex",
+                "guided_choice",
+                "logit_bias",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+                "min_tokens",
+                "parallel_tool_calls",
+            )
+            if getattr(body, name) not in (None, False)
+        ]
+        + (["ignore_eos"] if body.ignore_eos else [])
+        + (["return_token_ids"] if body.return_token_ids else [])
+    )
+    if unsupported:
+        raise bad(f"{unsupported[0]} is not supported with audio output", unsupported[0])
     params = body.audio
     if params is None:
         raise bad('modalities has "audio": send audio: {"voice": ..., "format": "wav"}', "audio")
@@ -76,7 +220,7 @@ async def run_chat_audio(
     if body.stop:
         raise bad("stop is not supported with audio output (the audio would not stop)", "stop")
     voice = ctx.pick_voice(task.voices, params.voice)
-    prompt = text_task_.chat_template([(m.role, m.content) for m in body.messages])
+    prompt = chatprompt.render(text_task_, body.messages, body.tools, ctx.name)
     ids = text_task_.encode(prompt)
     ctx.check_ids(
         ids, text_task_.vocab_size, text_task_.max_prompt_tokens, "prompt (after the chat template)"
@@ -132,7 +276,7 @@ async def run_chat_audio(
             )
         )
 
-    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def piece(**fields: Any) -> bytes:
         return sse(audio.audio_chunk(rid, name, {"id": audio_ref, **fields}))
@@ -175,7 +319,8 @@ async def run_chat_audio(
             )
         )
         if include_usage:
-            yield sse({**chunk(rid, name, True, None), "choices": [], "usage": usage(ids, [text])})
+            head = {**envelope(rid, name, True), "object": "chat.completion.chunk"}
+            yield sse({**head, "choices": [], "usage": usage(ids, [text])})
         metrics.observe_latency(task.walk, time.perf_counter() - t0)
         yield SSE_DONE
 

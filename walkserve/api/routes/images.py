@@ -31,7 +31,10 @@ def check_image_request(ctx: ApiContext, task: ImageTask, body: ImageRequest) ->
     if body.n != 1:
         raise bad(f"n={body.n} is not supported: send n=1", "n")
     if body.response_format != "b64_json":
-        raise bad("response_format 'url' is not supported: use 'b64_json'", "response_format")
+        raise bad(
+            f"response_format {body.response_format!r} is not supported: use 'b64_json'",
+            "response_format",
+        )
     ids = task.encode(body.prompt)
     ctx.check_ids(ids, task.vocab_size, task.max_prompt_tokens, "prompt")
     return ids
@@ -102,7 +105,8 @@ async def image_edits(request: Request) -> Response:
     upload = form.files.get("image")
     if upload is None:
         raise bad("send the image to edit as the multipart file field 'image' (a PNG)", "image")
-    body = validate({k: v for k, v in form.fields.items() if k != "image"}, ImageRequest)
+    fields = {k: v for k, v in form.fields.items() if k != "image"}
+    body = validate(fields, ImageRequest, strict=False)
     ctx.check_model(body.model)
     ids = check_image_request(ctx, task, body)
     try:

@@ -32,6 +32,11 @@ async def speech(request: Request) -> Response:
     ctx.need_output(task.walk, task.waveform_channel, "speech output")
     if body.speed != 1.0:
         raise bad(f"speed {body.speed} is not supported; send 1.0 or leave it out", "speed")
+    if body.response_format not in ("wav", "pcm"):
+        raise bad(
+            f"response_format {body.response_format!r} is not supported: use 'wav' or 'pcm'",
+            "response_format",
+        )
     voice = ctx.pick_voice(task.voices, body.voice)
     ids = task.encode(voice.prefix + body.input)
     ctx.check_ids(ids, task.vocab_size, task.max_prompt_tokens, "input")
