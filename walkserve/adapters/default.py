@@ -47,7 +47,8 @@ NOISE_SHAPE = (cfg_image.LATENT_CHANNELS, cfg_image.LATENT_SIZE, cfg_image.LATEN
 HOP = speech.HOP  # waveform samples per codec frame
 SAMPLE_RATE = 16000  # nominal: the waveform is random-weight noise at any rate
 MAX_NEW_TOKENS = 16
-MAX_PROMPT_TOKENS = 256  # of each task's prompt over HTTP
+MAX_PROMPT_TOKENS = 256  # of the speech and image prompts over HTTP
+TEXT_PROMPT_TOKENS = 512  # of a text prompt (a chat with tools is long); TEXT_CONTEXT in all
 
 
 class DefaultModel(TextWalks, nn.Module):
@@ -144,8 +145,8 @@ def api_profile(name: str = NAME) -> Any:
         text=byte_text_task(
             TEXT_VOCAB,
             EOS_ID,
-            max_prompt_tokens=MAX_PROMPT_TOKENS,
-            max_tokens_limit=TEXT_CONTEXT - MAX_PROMPT_TOKENS,
+            max_prompt_tokens=TEXT_PROMPT_TOKENS,
+            max_tokens_limit=TEXT_CONTEXT - TEXT_PROMPT_TOKENS,
         ),
         speech=SpeechTask(
             walk="speak",

@@ -311,3 +311,16 @@ class _Snapshot(Collector):
                 share = pool.pages_in_use / pool.num_pages if pool.num_pages else 0.0
                 usage.add_metric([*m, str(rank), pool.component], share)
         yield usage
+
+
+def read_metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of sample ``name`` whose labels include ``labels`` in exposition ``text``
+    (parsed with prometheus_client's own parser); None if there is none. For tests and
+    load generators."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None
