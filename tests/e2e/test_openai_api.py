@@ -10,7 +10,6 @@ with the JSON error shape, never a 5xx, and the server stays healthy."""
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from typing import Any
 
