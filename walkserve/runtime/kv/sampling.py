@@ -184,7 +184,7 @@ def sample_row(
     ``generated``: the ids generated so far (a suffix of ``seen``)."""
     logits = logits.float()
     if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     if params.min_tokens and len(generated) < params.min_tokens and params.stop_token_ids:
         stops = torch.tensor(params.stop_token_ids, dtype=torch.int64, device=logits.device)
         kept = logits.index_fill(0, stops, float("-inf"))
