@@ -20,6 +20,25 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every option belongs to the load generator
         return _bench(argv[1:])
+    try:
+        args = parse(argv)
+        if args.command == "trace":
+            return _trace(args)
+        if args.command == "plan":
+            return _plan(args)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "worker":
+            return _worker(args)
+        return _demo(args)
+    except (ValueError, KeyError, OSError) as e:
+        print(f"walkserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line's arguments; for ``serve``, with its ``--config`` file's values for
+    the flags the command line leaves out."""
     parser = argparse.ArgumentParser(prog="walkserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -196,21 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     args = parser.parse_args(argv)
-    try:
-        if args.command == "serve":
-            args = _with_config(parser, sub.choices["serve"], argv, args)
-        if args.command == "trace":
-            return _trace(args)
-        if args.command == "plan":
-            return _plan(args)
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "worker":
-            return _worker(args)
-        return _demo(args)
-    except (ValueError, KeyError, OSError) as e:
-        print(f"walkserve: error: {e}", file=sys.stderr)
-        return 2
+    if args.command == "serve":
+        args = _with_config(parser, sv, argv, args)
+    return args
 
 
 def _bench(argv: list[str]) -> int:

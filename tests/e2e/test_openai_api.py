@@ -484,6 +484,8 @@ def test_a_path_cannot_inject_a_metric_line(server: Any) -> None:
         read_metric(before, "walkserve:http_requests_total", route="unmatched", code="404") or 0
     )
     assert read_metric(text, "walkserve:prompt_tokens_total", model_name=ALIAS) is not None
+    ok = read_metric(text, "walkserve:http_requests_total", route="/v1/completions", code="200")
+    assert ok is not None and ok >= 1
 
 
 # ---------------------------------------------------------------- fuzz

@@ -22,12 +22,11 @@ from hypothesis import strategies as st
 from walkserve.runtime.kv.attention import (
     AttentionConfig,
     AttentionMetadata,
-    DoubleBufferedPlanner,
     SequenceSpec,
-    TorchPagedAttention,
-    TorchPlan,
     write_kv,
 )
+from walkserve.runtime.kv.planner import DoubleBufferedPlanner
+from walkserve.runtime.kv.torch_attention import TorchPagedAttention, TorchPlan
 
 FAST = settings(max_examples=80, deadline=None)
 ATOL = 1e-5

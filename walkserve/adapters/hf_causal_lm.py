@@ -1,11 +1,14 @@
-"""Hugging Face causal LMs (Llama, Qwen2, Qwen3, ...) as text walks: ``prefill`` -> ``decode``,
-and ``prefill_ext`` -> ``decode_ext`` for requests that ask for more (logprobs, a logit bias,
-structured output).
+"""Hugging Face causal LMs (Llama, Qwen2, Gemma, GPT-2, Mixtral, ...) as text walks: ``prefill``
+-> ``decode``, and ``prefill_ext`` -> ``decode_ext`` for requests that ask for more (logprobs, a
+logit bias, structured output).
 
-The upstream model runs unmodified inside ``runtime.kv.paged_lm.PagedLM`` (one ``kv_cache``
-component): its attention goes through transformers' attention-function registry to the paged
-KV pool, and the worker that hosts it packs every ready request's prefill or decode step into
-one forward. The cache value (``PagedKV``) travels as request state from prefill to decode.
+The upstream model runs unmodified inside one ``kv_cache`` component, chosen at load time
+(``hf_engine.text_engine``): ``runtime.kv.paged_lm.PagedLM`` when its attention goes through
+transformers' attention-function registry in a way the paged KV pool computes exactly (the
+worker that hosts it packs every ready request's prefill or decode step into one forward), else
+the fallback ``runtime.kv.hf_cache_lm.HFCacheLM`` (the model's own cache per request: exact,
+slower). The cache value (``PagedKV`` or ``HFCache``) travels as request state from prefill to
+decode.
 
     prefill(input_ids, sampling...)                      -> token, cache, count
     decode(token, cache, count, max_new_tokens, sampling...) -> tokens (one per step)
@@ -37,9 +40,11 @@ from torch import nn
 
 from walkserve.capture import iterations, loop, register_component, walk
 from walkserve.runtime.kv.grammar import HFVocabulary, Vocabulary
+from walkserve.runtime.kv.hf_cache_lm import HFCacheLM
 from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig
 
 register_component(PagedLM, engine="kv_cache")
+register_component(HFCacheLM, engine="kv_cache")
 
 #: The sampling inputs of the text walks, with the values that mean "greedy".
 GREEDY_INPUTS: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
@@ -48,10 +53,10 @@ PENALTY_INPUTS = ("repetition_penalty", "presence_penalty", "frequency_penalty",
 
 
 class TextWalks:
-    """Text walks over ``self.lm`` (a ``PagedLM``) stopping at ``self.eos``: mixed into a model
-    class (``CausalLMWalks``, the built-in default model)."""
+    """Text walks over ``self.lm`` (a ``PagedLM`` or an ``HFCacheLM``) stopping at ``self.eos``:
+    mixed into a model class (``CausalLMWalks``, the built-in default model)."""
 
-    lm: PagedLM
+    lm: PagedLM | HFCacheLM
     eos: int
 
     @walk(next="decode", state=("cache", "count"))
@@ -196,8 +201,8 @@ class TextWalks:
 
 
 class CausalLMWalks(TextWalks, nn.Module):
-    """Walks around ``lm`` (any transformers ``*ForCausalLM`` whose attention goes through the
-    attention-function registry); ``vocabulary``: its tokenizer's bytes, for grammars."""
+    """Walks around ``lm`` (any transformers ``*ForCausalLM``) on the engine that serves it
+    exactly (``hf_engine.text_engine``); ``vocabulary``: its tokenizer's bytes, for grammars."""
 
     def __init__(
         self,
@@ -207,7 +212,9 @@ class CausalLMWalks(TextWalks, nn.Module):
         vocabulary: Vocabulary | None = None,
     ) -> None:
         super().__init__()
-        self.lm = PagedLM(lm, kv, stop_ids=(eos_token_id,), vocabulary=vocabulary)
+        from walkserve.adapters.hf_engine import text_engine
+
+        self.lm = text_engine(lm, kv, stop_ids=(eos_token_id,), vocabulary=vocabulary)
         self.eos = eos_token_id
 
 
@@ -224,17 +231,12 @@ def sample_request(input_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
 
 def load_causal_lm(path: str) -> tuple[CausalLMWalks, dict[str, Any]]:
     """A local checkpoint directory (``from_pretrained`` on a path, safetensors) as walks, with
-    sample inputs for capture."""
+    sample inputs for capture. The engine is chosen by ``hf_engine.text_engine``."""
     from transformers import AutoModelForCausalLM
 
-    from walkserve.runtime.kv.hf import register
-
-    lm = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, attn_implementation=register()
-    )
+    lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     lm.eval()
-    eos = lm.config.eos_token_id
-    eos = int((eos[0] if isinstance(eos, list) else eos) or 0)
+    eos = eos_token_id(lm)
     vocabulary = HFVocabulary(path, eos) if has_tokenizer(path) else None
     return CausalLMWalks(lm, eos, vocabulary=vocabulary), sample_request([1, 2, 3], 4)
 
@@ -403,3 +405,19 @@ def _no_ids(ids: list[int]) -> str:
 
 def _no_chat(messages: Any) -> str:
     return _no_text("")  # type: ignore[return-value]
+
+
+def eos_token_id(lm: nn.Module) -> int:
+    """The model's end-of-sequence id, as ``generate()`` reads it (its generation config, then
+    its config and text config); the first of a list; 0 when it has none."""
+    config: Any = lm.config
+    sources = [getattr(lm, "generation_config", None), config]
+    if hasattr(config, "get_text_config"):
+        sources.append(config.get_text_config())
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is not None:
+            return int(eos)
+    return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from torch import nn
 
 if TYPE_CHECKING:
     from walkserve.api.profile import ModelProfile
+
+logger = logging.getLogger("walkserve")
 
 DEFAULT_MODEL = "walkserve-default"
 TINY_HF = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
@@ -154,12 +157,20 @@ def _factory_profile(module_name: str, factory: str, name: str) -> ModelProfile:
 def capture_model(name: str, seed: int = 0, on_stage: Callable[[str], None] | None = None) -> Any:
     """``capture.trace`` of ``load_model(name, seed)``, remembering the name and seed so that
     ``runtime.serve`` can have worker processes load the same weights. ``on_stage`` is told as
-    each step begins ("loading weights", "capturing walks")."""
+    each step begins ("loading weights", "checking text engines", one "engine: ..." line per text
+    engine with its self-check result, "capturing walks"). A paged engine whose start-up
+    self-check fails raises ``hf_engine.SelfCheckFailed``: the server does not start."""
     from walkserve import capture
+    from walkserve.adapters.hf_engine import check_engines
 
     stage = on_stage or (lambda name: None)
     stage("loading weights")
     model, sample = load_model(name, seed)
+    stage("checking text engines")
+    for line in check_engines(model).values():
+        message = line.describe()
+        logger.info("engine: %s", message)
+        stage(f"engine: {message}")
     stage("capturing walks")
     captured = capture.trace(model, sample)
     captured.origin = (name, seed)

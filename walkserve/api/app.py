@@ -88,7 +88,8 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
             500,
         )
 
-    app.add_middleware(AuthAndCount, api_key=config.api_key, metrics=ctx.metrics, routes=app.routes)
+    routes = [route for router in ROUTERS for route in router.routes]  # the leaf routes
+    app.add_middleware(AuthAndCount, api_key=config.api_key, metrics=ctx.metrics, routes=routes)
     if config.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 

@@ -51,7 +51,6 @@ until that many tokens were generated.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import itertools
 import threading
@@ -66,14 +65,17 @@ from torch import nn
 
 from walkserve.lowering.batched import DEFER, Deferred
 from walkserve.runtime.kv import grammar
+from walkserve.runtime.kv.engine_report import EngineChoice
 from walkserve.runtime.kv.hf import (
     PagedCausalLMRunner,
     SeqChunk,
     pool_for,
-    register,
 )
-from walkserve.runtime.kv.pool import KVPool, PoolExhausted, SeqId
-from walkserve.runtime.kv.sampling import SamplingParams, sample_row, token_logprobs
+from walkserve.runtime.kv.hf_attention import ModelAttention, use_paged_attention
+from walkserve.runtime.kv.layer_groups import GroupedKVPool
+from walkserve.runtime.kv.pool import PoolExhausted, SeqId
+from walkserve.runtime.kv.row_sampling import RowState, TextSampler, vocab_size
+from walkserve.runtime.kv.sampling import seeded_token, step_seed
 
 __all__ = ["PagedKV", "PagedLM", "PagedLMConfig", "PagedLMStats", "seeded_token", "step_seed"]
 
@@ -125,9 +127,7 @@ class _Row:
     last_used: int = 0
     admitted: int = 0  # clock when it last got pages
     arrived: int = 0  # clock when its request first came
-    prompt: int = 0  # leading tokens that are the prompt (the rest were generated)
-    guide: grammar.Guide | None = None  # a structured-output request's grammar state
-    bias: tuple[tuple[int, float], ...] = ()  # logit_bias
+    sampling: RowState = field(default_factory=RowState)  # prompt length, bias, grammar
 
 
 @dataclass
@@ -156,8 +156,12 @@ class _Unit:
 class _State:
     """The pool and the live sequences of one ``PagedLM`` in one process."""
 
-    def __init__(self, model: nn.Module, config: PagedLMConfig) -> None:
-        self.pool: KVPool = pool_for(model, config.num_pages, config.page_size)
+    def __init__(
+        self, model: nn.Module, config: PagedLMConfig, attention: ModelAttention | None
+    ) -> None:
+        self.pool: GroupedKVPool = pool_for(
+            model, config.num_pages, config.page_size, attention=attention
+        )
         self.runner = PagedCausalLMRunner(model, self.pool)
         self.rows: dict[SeqId, _Row] = {}
         self.lock = threading.Lock()
@@ -213,20 +217,18 @@ class PagedKV:
         return f"PagedKV({self.seqs[0].request_id}, rows={len(self.seqs)})"
 
 
-def step_seed(seed: int, row: int, step: int) -> int:
-    """The generator seed of one draw: a hash of ``(seed, row, step)``, 63 bits."""
-    digest = hashlib.blake2b(f"{seed}:{row}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
 class PagedLM(nn.Module):
     """``lm`` (any transformers ``*ForCausalLM`` using the attention-function registry) over a
-    paged pool; see the module docstring for the calling convention."""
+    paged pool; see the module docstring for the calling convention. ``attention``: what
+    ``hf_attention.probe_attention(lm)`` found, when the caller probed already (else the pool's
+    first allocation probes). Raises ``UnsupportedAttention`` for a model that computes attention
+    outside transformers' interface."""
 
     def __init__(
         self,
         lm: nn.Module,
         config: PagedLMConfig | None = None,
+        attention: ModelAttention | None = None,
         *,
         stop_ids: Sequence[int] = (),
         vocabulary: grammar.Vocabulary | None = None,
@@ -235,14 +237,12 @@ class PagedLM(nn.Module):
         holds back; ``vocabulary``: the tokenizer's bytes, for grammars (None: a request
         with a grammar fails)."""
         super().__init__()
-        self.stop_ids = tuple(int(t) for t in stop_ids)
-        self.vocabulary = vocabulary
-        self._grammars: grammar.GrammarCache | None = None
-        impl = register()
-        if getattr(lm.config, "_attn_implementation", None) != impl:
-            lm.set_attn_implementation(impl)  # type: ignore[operator]
+        self.sampler = TextSampler(stop_ids, vocabulary)
+        use_paged_attention(lm)
         self.lm = lm
         self.config_kv = config or PagedLMConfig()
+        self.engine_choice = EngineChoice("paged", type(lm).__name__)
+        self._attention = attention
         self._state: _State | None = None
         self._namespace = f"{type(lm).__name__}:{id(self)}"
         self._signature = inspect.signature(self.forward)  # binds each call's arguments
@@ -304,42 +304,15 @@ class PagedLM(nn.Module):
             return out
 
     def _start_rows(self, rows: list[_Row], ids: torch.Tensor, constraints: Any) -> None:
-        """A new request's rows: its prompt length and its constraints (every row the same)."""
-        wanted = grammar.decode(constraints)
-        n_vocab = self._vocab_size()
-        if any(not 0 <= t < n_vocab for t, _ in wanted.logit_bias):
-            raise ValueError(f"logit_bias ids must be in [0, {n_vocab})")
-        for r in rows:
-            r.prompt = ids.shape[1]
-            r.bias = tuple(wanted.logit_bias)
-            if wanted.grammar is not None:
-                if self.vocabulary is None:
-                    raise ValueError("this model has no vocabulary for grammars")
-                if self._grammars is None:
-                    self._grammars = grammar.GrammarCache(self.vocabulary)
-                r.guide = self._grammars.guide(wanted.grammar, n_vocab)
-
-    def _vocab_size(self) -> int:
-        return int(self.lm.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
+        """A new request's rows: its prompt length and its constraints."""
+        n_vocab = vocab_size(self.lm)
+        self.sampler.start([r.sampling for r in rows], ids.shape[1], constraints, n_vocab)
 
     def _sample_unit(self, u: _Unit, logits: dict[int, torch.Tensor]) -> Any:
         """One call's outputs: its tokens [B, 1] and cache, and its logprobs if asked."""
-        tokens, values, ids = [], [], []
-        n = int(u.args.get("logprobs", 0))
-        for i, r in enumerate(u.rows):
-            row_logits = logits[id(r)]
-            token = _sample(row_logits, u.args, i, u.want[i], r, self.stop_ids)
-            if r.guide is not None:
-                r.guide.advance(token)
-            tokens.append(token)
-            if u.args.get("with_logprobs"):
-                v, t = token_logprobs(row_logits, token, n)
-                values.append(v)
-                ids.append(t)
-        token_out = torch.tensor(tokens, dtype=torch.int64).unsqueeze(1)  # [B, 1]
-        if not u.args.get("with_logprobs"):
-            return token_out, u.cache
-        return token_out, u.cache, torch.stack(values)[:, None], torch.stack(ids)[:, None]
+        rows = [logits[id(r)] for r in u.rows]
+        token, *rest = self.sampler.sample_call(u.args, rows, u.want, [r.sampling for r in u.rows])
+        return (token, u.cache, *rest)
 
     def _cache(self, state: _State, args: dict[str, Any]) -> PagedKV:
         ids, cache = args["input_ids"], args.get("cache")
@@ -474,10 +447,7 @@ class PagedLM(nn.Module):
         pool = state.pool
         for r, want in rows:
             r.tokens = want
-        chunks = [
-            SeqChunk(tuple(r.tokens[r.computed :]), r.computed, pool.block_table(r.seq).pages)
-            for r, _ in rows
-        ]
+        chunks = [SeqChunk(tuple(r.tokens[r.computed :]), r.computed, r.seq) for r, _ in rows]
         logits = state.runner.forward(chunks)  # [rows, vocab]
         now = next(state.clock)
         for r, _ in rows:
@@ -491,7 +461,7 @@ class PagedLM(nn.Module):
 
     def _ensure_state(self) -> _State:
         if self._state is None:
-            self._state = _State(self.lm, self.config_kv)
+            self._state = _State(self.lm, self.config_kv, self._attention)
         return self._state
 
     def release_kv(self) -> None:
@@ -520,83 +490,6 @@ class PagedLM(nn.Module):
             )
         finally:
             state.lock.release()
-
-
-def _sample(
-    logits: torch.Tensor,
-    args: dict[str, Any],
-    row: int,
-    seen: Sequence[int],
-    state: _Row,
-    stop_ids: tuple[int, ...],
-) -> int:
-    """Row ``row``'s token; ``seen``: its token ids so far, prompt included (what a repetition
-    penalty applies to, as in ``generate()``); ``state``: the row (its prompt length, grammar
-    and logit bias)."""
-    step = args.get("step", 0)
-    n = int(step[row].reshape(-1)[0]) if isinstance(step, torch.Tensor) else int(step)
-    return seeded_token(
-        logits,
-        row,
-        n,
-        temperature=float(args.get("temperature", 0.0)),
-        top_p=float(args.get("top_p", 1.0)),
-        top_k=int(args.get("top_k", 0)),
-        seed=int(args.get("seed", 0)),
-        repetition_penalty=float(args.get("repetition_penalty", 1.0)),
-        seen=seen,
-        presence_penalty=float(args.get("presence_penalty", 0.0)),
-        frequency_penalty=float(args.get("frequency_penalty", 0.0)),
-        min_tokens=int(args.get("min_tokens", 0)),
-        stop_ids=stop_ids,
-        generated=seen[state.prompt :],
-        logit_bias=state.bias,
-        allowed=None if state.guide is None else state.guide.allowed(),
-    )
-
-
-def seeded_token(
-    logits: torch.Tensor,  # [V]
-    row: int,
-    step: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    repetition_penalty: float = 1.0,
-    seen: Sequence[int] = (),
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    min_tokens: int = 0,
-    stop_ids: tuple[int, ...] = (),
-    generated: Sequence[int] = (),
-    logit_bias: tuple[tuple[int, float], ...] = (),
-    allowed: torch.Tensor | None = None,
-) -> int:
-    """One token of row ``row`` at step ``step``: argmax when greedy, else ``sample_row``
-    with a generator seeded from ``step_seed(seed, row, step)`` (the rule of every sampling
-    component: the draw depends on the request's own inputs only). ``repetition_penalty``
-    applies to the token ids in ``seen`` (transformers' rule, before the argmax too); the
-    presence and frequency penalties and ``min_tokens`` to ``generated``; ``allowed`` is a
-    grammar's mask."""
-    params = SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        repetition_penalty=repetition_penalty,
-        stop_token_ids=stop_ids,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        min_tokens=min_tokens,
-        logit_bias=logit_bias,
-    )
-    if params.plain and allowed is None:
-        return int(logits.argmax())
-    generator = None
-    if not params.greedy:
-        generator = torch.Generator(device=logits.device).manual_seed(step_seed(seed, row, step))
-    return sample_row(logits, params, generator, seen, generated, allowed)
 
 
 def _shape(x: Any) -> str:

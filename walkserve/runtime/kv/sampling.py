@@ -27,6 +27,7 @@ A temperature below ``SAMPLING_EPS`` (1e-5, vLLM's) is greedy: dividing by it ov
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ __all__ = [
     "apply_repetition_penalty",
     "sample",
     "sample_row",
+    "seeded_token",
+    "step_seed",
     "top_k_filter",
     "top_p_filter",
 ]
@@ -236,3 +239,53 @@ def token_logprobs(
     top = torch.topk(logp, min(n - 1, logp.shape[-1]))
     ids = torch.cat([torch.tensor([token], device=logp.device), top.indices])
     return torch.cat([logp[token : token + 1], top.values]).cpu(), ids.cpu()
+
+
+def step_seed(seed: int, row: int, step: int) -> int:
+    """The generator seed of one draw: a hash of ``(seed, row, step)``, 63 bits."""
+    digest = hashlib.blake2b(f"{seed}:{row}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def seeded_token(
+    logits: torch.Tensor,  # [V]
+    row: int,
+    step: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    repetition_penalty: float = 1.0,
+    seen: Sequence[int] = (),
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    min_tokens: int = 0,
+    stop_ids: tuple[int, ...] = (),
+    generated: Sequence[int] = (),
+    logit_bias: tuple[tuple[int, float], ...] = (),
+    allowed: torch.Tensor | None = None,
+) -> int:
+    """One token of row ``row`` at step ``step``: argmax when greedy, else ``sample_row``
+    with a generator seeded from ``step_seed(seed, row, step)`` (the rule of every sampling
+    component: the draw depends on the request's own inputs only). ``repetition_penalty``
+    applies to the token ids in ``seen`` (transformers' rule, before the argmax too); the
+    presence and frequency penalties and ``min_tokens`` to ``generated``; ``allowed`` is a
+    grammar's mask."""
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+        stop_token_ids=stop_ids,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        min_tokens=min_tokens,
+        logit_bias=logit_bias,
+    )
+    if params.plain and allowed is None:
+        return int(logits.argmax())
+    generator = None
+    if not params.greedy:
+        generator = torch.Generator(device=logits.device).manual_seed(step_seed(seed, row, step))
+    return sample_row(logits, params, generator, seen, generated, allowed)
