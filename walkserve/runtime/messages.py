@@ -19,8 +19,9 @@ Objects never cross a process; only that worker resolves the handle.
 
 Direction (C: conductor, W: worker):
 
-    W->C  Join, Hello, Heartbeat, Fatal, NodeDone, NodeFailed, BatchDone, BatchFailed
-    C->W  WorkerSetup, RunNode, RunBatch, Cancel, Shutdown
+    W->C  Join, Hello, Heartbeat, Fatal, NodeDone, NodeFailed, BatchDone, BatchFailed,
+          RegionEvents, RankStatsReply
+    C->W  WorkerSetup, RunNode, RunBatch, StartRegions, DropRuns, Cancel, StatsQuery, Shutdown
     both  AttachPools (the sender's own pools), Ack (to the owner of the handles' pool)
 
 Worker start-up: ``Join`` (connected) -> ``WorkerSetup`` -> ``AttachPools`` (the worker's output
@@ -222,6 +223,8 @@ class WorkerSetup(_Msg, frozen=True):
     rank: NonNegInt
     pool: ShmPoolSpec
     data: Literal["shm", "inline", "mooncake"] = "shm"
+    speculate: bool = True  # the rank scheduler's (see ``rankscheduler``)
+    stream_buffer_limit: PosInt = 64
 
 
 class Fatal(_Msg, frozen=True):
@@ -248,12 +251,14 @@ class RunBatch(_Msg, frozen=True):
 
 class BatchDone(_Msg, frozen=True):
     """Batch ``batch`` ran on ``rank``; one ``ItemOutput`` per item that ran, in the batch's
-    order; ``deferred``: the items its component could not run now (send them again later)."""
+    order; ``deferred``: the items its component could not run now (send them again later);
+    ``errors``: the items that failed (alone: the others of the batch are in ``outputs``)."""
 
     batch: NonNegInt
     rank: NonNegInt
     outputs: list[ItemOutput]
     deferred: list[NonNegInt] = []
+    errors: list[ItemError] = []
 
 
 class BatchFailed(_Msg, frozen=True):
@@ -263,6 +268,86 @@ class BatchFailed(_Msg, frozen=True):
     batch: NonNegInt
     rank: NonNegInt
     errors: list[ItemError]
+
+
+class RegionStart(msgspec.Struct, frozen=True):
+    """Run region ``region`` of ``walk`` for ``request_id`` (the conductor's item ``item``)."""
+
+    item: NonNegInt
+    request_id: RequestId
+    walk: Name
+    region: Name
+    inputs: dict[Name, Value]
+
+
+class StartRegions(_Msg, frozen=True):
+    """Region runs for the receiving rank to start; it reports them in ``RegionEvents``."""
+
+    starts: list[RegionStart]
+
+
+class RegionStreamed(msgspec.Struct, frozen=True, tag="streamed", tag_field="type"):
+    """Iteration ``index`` of region item ``item``'s streamed channel committed."""
+
+    item: NonNegInt
+    channel: Name
+    index: NonNegInt
+    value: Value
+
+
+class RegionOutput(msgspec.Struct, frozen=True, tag="output", tag_field="type"):
+    """Outputs of region item ``item`` that exist before its exit."""
+
+    item: NonNegInt
+    outputs: dict[Name, Value]
+
+
+class RegionDone(msgspec.Struct, frozen=True, tag="done", tag_field="type"):
+    """Region item ``item`` finished; ``outputs``: those no ``RegionOutput`` brought."""
+
+    item: NonNegInt
+    outputs: dict[Name, Value]
+
+
+class RegionFailed(msgspec.Struct, frozen=True, tag="failed", tag_field="type"):
+    item: NonNegInt
+    error: str
+
+
+RegionEvent: TypeAlias = RegionStreamed | RegionOutput | RegionDone | RegionFailed
+
+
+class RegionEvents(_Msg, frozen=True):
+    """What the region runs of ``rank`` did in one engine step, in order."""
+
+    rank: NonNegInt
+    events: list[RegionEvent]
+
+
+class DropRuns(_Msg, frozen=True):
+    """The conductor no longer wants these region items (their iteration was discarded):
+    drop their runs, report nothing more of them."""
+
+    items: list[NonNegInt]
+
+
+class StatsQuery(_Msg, frozen=True):
+    """Ask for ``RankStatsReply``; answered after every command sent before it."""
+
+    seq: NonNegInt
+
+
+class RankStatsReply(_Msg, frozen=True):
+    """A rank's scheduler and stores, as of the moment it answered ``StatsQuery`` ``seq``."""
+
+    seq: NonNegInt
+    rank: NonNegInt
+    runs: NonNegInt  # region runs live
+    live_values: NonNegInt  # values its region runs hold
+    objects: NonNegInt  # objects its per-request store holds
+    speculated_steps: NonNegInt
+    wasted_steps: NonNegInt
+    batch_sizes: dict[int, int]  # items per step -> steps (region runs and node batches)
 
 
 class Probe(_Msg, frozen=True):
@@ -296,6 +381,11 @@ Message: TypeAlias = (
     | BatchFailed
     | Probe
     | ProbeReply
+    | StartRegions
+    | RegionEvents
+    | DropRuns
+    | StatsQuery
+    | RankStatsReply
 )
 
 _encoder = msgspec.msgpack.Encoder()
