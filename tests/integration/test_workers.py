@@ -32,6 +32,7 @@ from walkserve.lowering.lower import lower
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.lowering.split import fuse_elementwise
 from walkserve.runtime.messages import ObjectRef, Seq
+from walkserve.runtime.runner import NodeRunner, RunItem
 from walkserve.runtime.shm import KiB, ShmHandle, ShmPool, ShmPoolConfig, ShmReader
 from walkserve.runtime.tensorcodec import from_bytes, to_bytes
 from walkserve.runtime.transport import (
@@ -43,7 +44,6 @@ from walkserve.runtime.transport import (
     from_inline,
     inline,
 )
-from walkserve.runtime.runner import NodeRunner, RunItem
 from walkserve.runtime.workers import (
     BatchError,
     BatchResult,

@@ -47,7 +47,9 @@ from walkserve.runtime.conductor import (
 )
 from walkserve.runtime.local import LocalExecutor, run_local
 
-CACHE: dict[tuple[str, str, bool], tuple[capture.CapturedModel, ExecutablePlan, dict[str, Any]]] = {}
+CACHE: dict[
+    tuple[str, str, bool], tuple[capture.CapturedModel, ExecutablePlan, dict[str, Any]]
+] = {}
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -21,7 +21,7 @@ from walkserve.lowering.compile import check_capturable, compile_plan
 from walkserve.lowering.memory import MemoryLimits, estimate_memory
 from walkserve.lowering.placement import Placement, resolve
 from walkserve.lowering.plan import BlockPlan, ExecutablePlan, MemoryLine, NodePlan, RankPlan
-from walkserve.lowering.regions import find_regions
+from walkserve.lowering.regions import conductor_values, find_regions
 from walkserve.lowering.split import POLICIES, GluePolicy, split_block
 from walkserve.lowering.valueflow import node_io, value_readers
 
@@ -80,6 +80,10 @@ def lower(
             for name, walk in captured.graph.walks.items()
             if (found := find_regions(walk, plan.walks[name]))
         }
+    plan.conductor_values = {
+        name: conductor_values(walk, plan.regions.get(name, []))
+        for name, walk in captured.graph.walks.items()
+    }
     return plan
 
 

@@ -109,6 +109,9 @@ class ExecutablePlan(msgspec.Struct):
     walks: dict[str, BlockPlan]
     ranks: dict[int, RankPlan]
     regions: dict[str, list[RegionPlan]] = {}
+    # per walk: values whose bytes the conductor's process needs (``regions.conductor_values``);
+    # every other value stays on the rank that made it
+    conductor_values: dict[str, list[str]] = {}
     glue_policy: str = "fuse"
     max_batch: int = 32
     version: int = PLAN_VERSION

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from walkserve.capture import ir
 from walkserve.lowering.plan import BlockPlan, LoopPlan, NodePlan, RegionPlan
 
-__all__ = ["find_regions"]
+__all__ = ["conductor_values", "find_regions"]
 
 
 def find_regions(walk: ir.Walk, block: BlockPlan) -> list[RegionPlan]:
@@ -234,3 +234,40 @@ def _plan_nodes(item: NodePlan | LoopPlan) -> list[NodePlan]:
     for n in item.body.nodes:
         out += _plan_nodes(n)
     return out
+
+
+def conductor_values(walk: ir.Walk, regions: list[RegionPlan]) -> list[str]:
+    """The values of ``walk`` whose bytes must reach the conductor's process: what a client
+    receives (the walk's outputs but its state) and what the conductor computes with itself
+    for the loops it drives (a per-step slice's source, a stop, the pieces it accumulates or
+    cuts into stream chunks). Every other value may stay on the rank that made it."""
+    out: dict[str, None] = {}
+    for name, arg in walk.outputs.items():
+        if name not in walk.state:
+            out.update(dict.fromkeys(ir.arg_refs(arg)))
+    inside = {
+        (tuple(r.path), item) for r in regions for item in r.items
+    }  # (block path, item name) run by a rank
+    edges = {e.name: e for e in walk.streams}
+
+    def visit(block: ir.Block, path: tuple[str, ...]) -> None:
+        for node in block.nodes:
+            if not isinstance(node, ir.LoopNode) or (path, node.name) in inside:
+                continue
+            for p in node.params:
+                role = p.role
+                if isinstance(role, ir.PerStep) and isinstance(role.source, ir.SelectStep):
+                    out.update(dict.fromkeys(ir.arg_refs(role.source.source)))
+                if isinstance(role, ir.PerStep) and isinstance(role.source, ir.ChunkStep):
+                    out[role.source.source] = None  # a whole value cut into chunks
+            if node.stop is not None:
+                out[node.stop] = None
+            for acc in node.accumulated.values():
+                out[node.outputs[acc.output]] = None
+            for e in edges.values():
+                if e.consumer == node.name:
+                    out[e.source] = None
+            visit(node.body, (*path, node.name))
+
+    visit(walk.body, ())
+    return list(out)

@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.runtime import messages as m
 from walkserve.runtime.rankscheduler import (
@@ -44,6 +46,8 @@ from walkserve.runtime.runner import ItemResult, NodeRunner, RunItem
 from walkserve.runtime.transport import ObjectStore, Token, Transport, shm_handles
 
 log = logging.getLogger("walkserve.engine")
+
+TINY = 256  # bytes: a tensor this small (a token, a stop flag) always travels with its report
 
 __all__ = [
     "CancelRequest",
@@ -113,6 +117,8 @@ class EngineLoop:
         transport: Transport,
         objects: ObjectStore,
         send: Callable[[m.Message], None],
+        *,
+        hold: bool = False,
     ) -> None:
         self.rank = rank
         self.runner = runner
@@ -121,8 +127,14 @@ class EngineLoop:
         self.objects = objects
         self.send = send
         self._nodes = {(w, n.name): n for w in plan.walks for n in plan.nodes(w)}
+        # What stays here: with ``hold`` (other ranks can pull from this one), every tensor of
+        # more than TINY bytes that neither a client nor the conductor needs the bytes of.
+        self.hold = hold
+        self._conductor_values = {w: frozenset(v) for w, v in plan.conductor_values.items()}
+        self._walk_of = scheduler.regions.walk_of
         self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._requests: dict[int, str] = {}  # region item -> request (for encoding)
+        self._region_walk: dict[int, str] = {}
         self._batches: dict[int, NodeBatch] = {}
         self.node_batch_sizes: dict[int, int] = {}
 
@@ -160,6 +172,7 @@ class EngineLoop:
     def _apply(self, command: Command) -> None:
         if isinstance(command, StartRun):
             self._requests[command.item] = command.request
+            self._region_walk[command.item] = command.walk
             self.scheduler.start(
                 command.item, command.request, command.walk, command.region, command.inputs
             )
@@ -216,16 +229,17 @@ class EngineLoop:
                 self.send(self._batch_done(rep))
             elif isinstance(rep, RegionStreamed):
                 request = self._requests[rep.item]
-                value = self._encode({"v": rep.value}, request)
+                value = self._encode({"v": rep.value}, request, None)
                 if isinstance(value, str):
                     events.append(m.RegionFailed(rep.item, value))
                 else:
                     events.append(m.RegionStreamed(rep.item, rep.channel, rep.index, value["v"]))
             elif isinstance(rep, (RegionOutput, RegionDone)):
                 request = self._requests[rep.item]
-                outputs = self._encode(rep.outputs, request)
+                outputs = self._encode(rep.outputs, request, self._region_walk[rep.item])
                 if isinstance(rep, RegionDone):
                     del self._requests[rep.item]
+                    del self._region_walk[rep.item]
                 if isinstance(outputs, str):
                     events.append(m.RegionFailed(rep.item, outputs))
                 elif isinstance(rep, RegionDone):
@@ -235,6 +249,7 @@ class EngineLoop:
             else:
                 assert isinstance(rep, RegionFailed)
                 self._requests.pop(rep.item, None)
+                self._region_walk.pop(rep.item, None)
                 events.append(m.RegionFailed(rep.item, f"rank {self.rank}: {rep.error}"))
         if events:
             self.send(m.RegionEvents(self.rank, events))
@@ -253,7 +268,7 @@ class EngineLoop:
                 errors.append(m.ItemError(r.item, f"{where}: {r.error}"))
             else:
                 assert r.values is not None
-                encoded = self._encode(r.values, requests[r.item])
+                encoded = self._encode(r.values, requests[r.item], job.walk)
                 if isinstance(encoded, str):
                     errors.append(m.ItemError(r.item, f"{where}: {encoded}"))
                 else:
@@ -262,16 +277,30 @@ class EngineLoop:
             return m.BatchFailed(rep.batch, self.rank, errors)
         return m.BatchDone(rep.batch, self.rank, outputs, deferred, errors)
 
-    def _encode(self, values: Mapping[str, Any], request: str) -> dict[str, m.Value] | str:
-        """``values`` on the wire, or the error that says why they cannot go (nothing of
-        them stays held then)."""
+    def _encode(
+        self, values: Mapping[str, Any], request: str, walk: str | None
+    ) -> dict[str, m.Value] | str:
+        """``values`` (of ``walk``; None: a client's) on the wire, or the error that says why
+        they cannot go (nothing of them stays held then)."""
         written: list[Token] = []
         out: dict[str, m.Value] = {}
+        needed = self._conductor_values.get(walk, frozenset()) if walk is not None else None
         try:
             for name, value in values.items():
+                if needed is not None and self._holds(name, value, needed):
+                    out[name] = self.objects.put(request, value)
+                    continue
                 out[name] = payload = self.transport.send(value, request)
                 written += shm_handles(payload)
         except Exception as e:
             self.transport.release(written)
             return f"outputs could not be sent: {type(e).__name__}: {e}"
         return out
+
+    def _holds(self, name: str, value: Any, needed: frozenset[str]) -> bool:
+        return (
+            self.hold
+            and name not in needed
+            and isinstance(value, torch.Tensor)
+            and value.numel() * value.element_size() > TINY
+        )

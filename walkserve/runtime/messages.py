@@ -71,14 +71,18 @@ TensorRef: TypeAlias = Inline | ShmHandle
 # ------------------------------------------------------------------------------ values
 
 
-class ObjectRef(msgspec.Struct, frozen=True, tag="object", tag_field="type"):
-    """A Python object that cannot be encoded (a Hugging Face cache object): it stays in the
-    per-request object store of worker ``rank`` under ``key``. Only that worker resolves it,
-    and only for the request that made it; the object itself never leaves that process, so a
-    plan must place its producer and all its consumers on one rank."""
+class ObjectRef(msgspec.Struct, frozen=True, tag="object", tag_field="type", weakref=True):
+    """A value that stays where it was made: in the per-request store of worker ``rank``
+    under ``key``. Objects that cannot be encoded (a Hugging Face cache) are always held;
+    tensors are held unless a client or the conductor itself needs their bytes (``shape``
+    then says what the tensor is). Only that worker resolves a key, and only for the request
+    that made it; a consumer on another rank of the same host pulls a held tensor from it
+    directly (``Fetch``), never through the server process; an object never leaves it. The
+    conductor's process releases a key (``Release``) when its last reader is done."""
 
     rank: NonNegInt
     key: ObjectKey
+    shape: list[NonNegInt] | None = None
 
 
 class Seq(msgspec.Struct, frozen=True, tag="seq", tag_field="type"):
@@ -225,6 +229,7 @@ class WorkerSetup(_Msg, frozen=True):
     data: Literal["shm", "inline", "mooncake"] = "shm"
     speculate: bool = True  # the rank scheduler's (see ``rankscheduler``)
     stream_buffer_limit: PosInt = 64
+    peers: dict[int, str] = {}  # rank -> its peer socket (``Fetch``); empty: hold nothing
 
 
 class Fatal(_Msg, frozen=True):
@@ -350,6 +355,32 @@ class RankStatsReply(_Msg, frozen=True):
     batch_sizes: dict[int, int]  # items per step -> steps (region runs and node batches)
 
 
+class Release(_Msg, frozen=True):
+    """The conductor holds these keys of ``request_id``'s store no more: drop them."""
+
+    request_id: RequestId
+    keys: list[ObjectKey]
+
+
+class Fetch(_Msg, frozen=True):
+    """Worker to worker (its peer socket): the values of ``refs`` (this rank's keys of
+    ``request_id``), answered by ``Fetched`` with the same ``seq``."""
+
+    seq: NonNegInt
+    request_id: RequestId
+    keys: list[ObjectKey]
+
+
+class Fetched(_Msg, frozen=True):
+    """The values asked for (in order), or why not; ``pool``: the sender's output pool, which
+    the handles among them are in (the reader attaches it once)."""
+
+    seq: NonNegInt
+    values: list[Value] = []
+    error: str | None = None
+    pool: ShmPoolSpec | None = None
+
+
 class Probe(_Msg, frozen=True):
     """A link measurement (``runtime.net.link``): the worker reads ``value`` through its
     transport and answers ``ProbeReply``; the conductor releases what ``value`` held."""
@@ -386,6 +417,9 @@ Message: TypeAlias = (
     | DropRuns
     | StatsQuery
     | RankStatsReply
+    | Release
+    | Fetch
+    | Fetched
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
         StartRegions,
         WorkerSetup,
     )
+    from walkserve.runtime.peers import PeerClient, PeerServer
     from walkserve.runtime.shm import ShmPool, ShmReader
     from walkserve.runtime.transport import ObjectStore, ShmTransport
 
@@ -206,13 +207,15 @@ class Worker:
         self.transport: ShmTransport
         self._kv: list[tuple[str, PagedLM]] = []
         self._kv_last: dict[str, KVStats] = {}
+        self.peer_server: PeerServer | None = None
+        self.peers: PeerClient | None = None
 
     def run(self) -> int:
         import zmq
 
         from walkserve.runtime.messages import AttachPools, Fatal, Hello, Join
 
-        ctx = zmq.Context()
+        ctx = self._ctx = zmq.Context()
         rx = ctx.socket(zmq.DEALER)  # commands; the io thread's alone once it runs
         rx.setsockopt(zmq.LINGER, 0)
         rx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
@@ -249,6 +252,10 @@ class Worker:
             return 0
         finally:
             if built:
+                if self.peer_server is not None:
+                    self.peer_server.close()
+                if self.peers is not None:
+                    self.peers.close()
                 self.pool.close()
                 self.reader.close()
             rx.close()
@@ -339,6 +346,18 @@ class Worker:
             self.transport = remote_transport(
                 setup.data, self.address, self.objects, self.config.inline_max_bytes
             )
+        if setup.peers and self.rank in setup.peers and setup.data == "shm":
+            from walkserve.runtime.peers import PeerClient, PeerServer
+
+            self.peer_server = PeerServer(
+                self._ctx,
+                setup.peers[self.rank],
+                self.objects,
+                self.pool,
+                self.reader,
+                self.config.inline_max_bytes,
+            )
+            self.peers = PeerClient(self._ctx, self.rank, dict(setup.peers), self.reader)
         scheduler = RankScheduler(
             region_walks(captured, plan, self.rank),
             speculate=setup.speculate,
@@ -353,6 +372,7 @@ class Worker:
             self.transport,
             self.objects,
             self._send,
+            hold=self.peers is not None,
         )
 
     # ------------------------------------------------------------------ main thread
@@ -379,6 +399,7 @@ class Worker:
             Heartbeat,
             MessageError,
             Probe,
+            Release,
             RunBatch,
             Shutdown,
             StartRegions,
@@ -393,6 +414,7 @@ class Worker:
             Cancel: lambda m: self.engine.put(CancelRequest(m.request_id)),
             DropRuns: lambda m: self.engine.put(DropItems(list(m.items))),
             StatsQuery: lambda m: self.engine.put(StatsAsk(m.seq)),
+            Release: lambda m: self.objects.release(m.request_id, m.keys),
             Shutdown: lambda m: self._stop(),
             Probe: self._on_probe,
         }
@@ -447,11 +469,33 @@ class Worker:
             engine.stop()
 
     def _receive(self, inputs: Any, request_id: str, handles: list[Any]) -> dict[str, Any]:
-        env = {}
-        for name, payload in inputs.items():
-            env[name], tokens = self.transport.receive(payload, request_id)
-            handles += tokens
-        return env
+        """The values of ``inputs`` (payloads by name): held ones of other ranks pulled from
+        them first (``peers``), in one round trip per rank."""
+        from walkserve.runtime.messages import ObjectRef, Seq
+
+        remote: list[ObjectRef] = []
+        todo = list(inputs.values())
+        while todo:
+            p = todo.pop()
+            if isinstance(p, ObjectRef) and p.rank != self.rank:
+                remote.append(p)
+            elif isinstance(p, Seq):
+                todo += p.items
+        if remote:
+            if self.peers is None:
+                raise ValueError(
+                    f"values held by ranks {sorted({r.rank for r in remote})} "
+                    "cannot reach this rank (no peer sockets)"
+                )
+            self.transport.fetched = self.peers.fetch(request_id, remote)
+        try:
+            env = {}
+            for name, payload in inputs.items():
+                env[name], tokens = self.transport.receive(payload, request_id)
+                handles += tokens
+            return env
+        finally:
+            self.transport.fetched = {}
 
     def _prepare(self, msg: RunBatch) -> None:
         """Decode a batch's inputs (while the main thread runs), ack the shared-memory inputs

@@ -41,6 +41,7 @@ link to each is measured at start-up (``links``, ``measure_link``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -78,6 +79,7 @@ from walkserve.runtime.messages import (
     KVStats,
     Message,
     MessageError,
+    ObjectRef,
     Probe,
     ProbeReply,
     RankStatsReply,
@@ -88,6 +90,7 @@ from walkserve.runtime.messages import (
     RegionOutput,
     RegionStart,
     RegionStreamed,
+    Release,
     RunBatch,
     Shutdown,
     StartRegions,
@@ -259,6 +262,7 @@ class _Pending:
     items: list[int]
     future: Future[BatchResult]
     handles: set[Token]  # input slots the worker has not acked yet
+    requests: dict[int, str] = field(default_factory=dict)  # item -> request
 
 
 @dataclass(eq=False)
@@ -320,6 +324,7 @@ class WorkerPool:
         self._regions: dict[int, dict[int, str]] = {}  # rank -> region item -> request
         self._region_handles: dict[Token, int] = {}  # input slots of region starts -> rank
         self._stats_replies: dict[int, tuple[threading.Event, dict[int, RankStatsReply]]] = {}
+        self._releases: collections.deque[tuple[int, str, str]] = collections.deque()
         self._stats_seq = itertools.count()
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
@@ -621,7 +626,13 @@ class WorkerPool:
                         f"worker rank {rank} is dead ({_describe_exit(state.exitcode)})", rank
                     )
                 self._pending[batch] = _Pending(
-                    rank, walk, node, [i.item for i in batch_items], future, set(handles)
+                    rank,
+                    walk,
+                    node,
+                    [i.item for i in batch_items],
+                    future,
+                    set(handles),
+                    {i.item: i.request_id for i in batch_items},
                 )
                 for h in handles:
                     self._handle_batch[h] = batch
@@ -647,6 +658,7 @@ class WorkerPool:
         """Start region runs on ``rank``: (item id, request id, walk, region, inputs by
         name). What they do arrives at ``on_regions(rank, events)`` (on the io thread),
         their exits included; a rank that dies fails its runs there too."""
+        self.flush_releases()
         state = self._rank(rank)
         transport = self._transport_for(rank)
         wire: list[RegionStart] = []
@@ -828,6 +840,7 @@ class WorkerPool:
                     self._on_exit(sentinels.pop(sock), closing=self._closed)
             for rank, setup in list(self._setups_due.items()):
                 self._send_setup(self._ranks[rank], setup)
+            self.flush_releases()
 
     def _drain_reports(self, wait_ms: int = 20) -> None:
         """Dispatch what the workers sent so far, waiting up to ``wait_ms`` for stragglers."""
@@ -882,9 +895,18 @@ class WorkerPool:
         data = self.remote_data(state.rank) if remote else "shm"
         speculate, limit = self._scheduling
         setup = WorkerSetup(
-            model, seed, ir, plan, state.rank, self._shm.spec, data, speculate, limit
+            model, seed, ir, plan, state.rank, self._shm.spec, data, speculate, limit, self._peers()
         )
         self._send_setup(state, encode(setup))
+
+    def _peers(self) -> dict[int, str]:
+        """Every rank's peer socket, when all ranks share this host and its private
+        directory (else none: values then travel through this process)."""
+        from walkserve.runtime.peers import peer_address
+
+        if self._tmpdir is None or self.config.remote_ranks:
+            return {}
+        return {r: peer_address(self._tmpdir, r) for r in self._ranks}
 
     def _on_heartbeat(self, state: _Rank, msg: Heartbeat) -> None:
         state.kv = list(msg.kv)
@@ -939,6 +961,7 @@ class WorkerPool:
                     name: self._transport_for(state.rank).receive(payload, "")[0]
                     for name, payload in out.values.items()
                 }
+                self._track(outputs[out.item], pending.requests.get(out.item, ""))
         except Exception as e:
             assert pending is not None
             error = f"outputs of batch {msg.batch} from rank {state.rank} are unreadable: {e}"
@@ -973,6 +996,7 @@ class WorkerPool:
         with self._lock:
             live = self._regions.setdefault(state.rank, {})
         for event in msg.events:
+            request = live.get(event.item, "")
             try:
                 if isinstance(event, RegionStreamed):
                     value, tokens = transport.receive(event.value, "")
@@ -983,6 +1007,7 @@ class WorkerPool:
                     for name, payload in event.outputs.items():
                         outputs[name], tokens = transport.receive(payload, "")
                         handles += tokens
+                    self._track(outputs, request)
                     events.append(msgspec.structs.replace(event, outputs=outputs))
                 else:
                     events.append(event)
@@ -998,6 +1023,30 @@ class WorkerPool:
             with contextlib.suppress(zmq.ZMQError):
                 self._send(state, encode(Ack(handles)))
         self.on_regions(state.rank, events)
+
+    def _track(self, values: Mapping[str, Any], request: str) -> None:
+        """Release each held value of ``values`` (an ``ObjectRef``) on its rank once this
+        process drops its last reference to it: its last reader is done."""
+        todo = list(values.values())
+        while todo:
+            v = todo.pop()
+            if isinstance(v, ObjectRef):
+                weakref.finalize(v, self._releases.append, (v.rank, request, v.key))
+            elif isinstance(v, (list, tuple)):
+                todo += v
+
+    def flush_releases(self) -> None:
+        """Send the ``Release`` of every held value dropped since the last flush (the
+        finalizers only queue them: they may run in any thread, holding any lock)."""
+        by: dict[tuple[int, str], list[str]] = {}
+        while self._releases:
+            rank, request, key = self._releases.popleft()
+            by.setdefault((rank, request), []).append(key)
+        for (rank, request), keys in by.items():
+            state = self._ranks.get(rank)
+            if request and state is not None and state.status == "ready":
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(state, encode(Release(request, keys)))
 
     def _on_rank_stats(self, state: _Rank, msg: RankStatsReply) -> None:
         with self._lock:
