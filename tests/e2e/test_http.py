@@ -336,7 +336,8 @@ def test_walk_route_json_b64_and_sse(base_url: str, ref: Any) -> None:
     want_text = ref.run({"input_ids": prompt, "max_new_tokens": 5, **sampling}, walk="prefill")
     assert r.json()["outputs"]["tokens"] == want_text["tokens"].tolist()
 
-    inputs = {**sample_request([5, 6, 7], 3), "input_ids": [[5, 6, 7]]}
+    plain = {k: v for k, v in sample_request([5, 6, 7], 3).items() if k != "constraints"}
+    inputs = {**plain, "input_ids": [[5, 6, 7]]}  # the prefill walk takes no constraints
     body = {"inputs": inputs, "stream": True}
     with httpx.stream("POST", f"{base_url}/v1/walks/prefill", json=body, headers=AUTH) as s:
         lines = [line for line in s.iter_lines() if line.startswith("data: ")]

@@ -233,3 +233,91 @@ def test_metric_routes_are_templates_and_labels_are_escaped() -> None:
     assert (
         read_metric(text, "walkserve:http_requests_total", model_name=name, route="unmatched") == 1
     )
+
+
+# ---------------------------------------------------------------- checkpoints with a tokenizer
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}</tools>"
+    " answer with <tool_call>{json}</tool_call>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function']['name'] }}</tool_call>"
+    "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def fake_checkpoint(path: Any, template: str | None) -> None:
+    """A weightless checkpoint: a Llama config and a byte-level BPE tokenizer (trained here
+    on a few words), with ``template`` as its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    LlamaConfig(
+        vocab_size=300, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, eos_token_id=2
+    ).save_pretrained(path)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(["hello world tool call weather", "yes no maybe"] * 20, trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="</s>", bos_token="<s>", pad_token="<pad>"
+    )
+    if template is not None:
+        tok.chat_template = template
+    tok.save_pretrained(path)
+
+
+def test_a_checkpoint_profile_renders_tools_with_its_template(tmp_path: Any) -> None:
+    from walkserve.adapters.hf_causal_lm import checkpoint_profile
+    from walkserve.api.schemas import Tool
+
+    fake_checkpoint(tmp_path, HERMES_TEMPLATE)
+    text = checkpoint_profile(str(tmp_path), "ckpt").text
+    assert text.tool_template is not None and text.tool_format == "hermes"
+    assert text.structured_output and text.has_tokenizer
+    tool = Tool.model_validate({"type": "function", "function": {"name": "get_weather"}})
+    history = [
+        ChatMessage.model_validate({"role": "user", "content": "hi"}),
+        ChatMessage.model_validate(
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c1", "function": {"name": "get_weather", "arguments": "{}"}}
+                ],
+            }
+        ),
+        ChatMessage.model_validate({"role": "tool", "tool_call_id": "c1", "content": "sunny"}),
+    ]
+    prompt = chatprompt.render(text, history, [tool], "ckpt")
+    assert prompt.startswith("<tools>get_weather </tools>")
+    assert "<tool_call>get_weather</tool_call>" in prompt and "<|tool|>sunny" in prompt
+    assert prompt.endswith("<|assistant|>")
+    llama = HERMES_TEMPLATE.replace("<tool_call>{json}</tool_call>", '{"name", "parameters"}')
+    llama = llama.replace("<tool_call>{{", "<|python_tag|>{{").replace("}}</tool_call>", "}}")
+    fake_checkpoint(tmp_path, llama)
+    assert checkpoint_profile(str(tmp_path), "ckpt").text.tool_format == "llama3_json"
+    fake_checkpoint(tmp_path, "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert checkpoint_profile(str(tmp_path), "ckpt").text.tool_template is None
+
+
+def test_a_checkpoint_vocabulary_masks_by_its_own_tokens(tmp_path: Any) -> None:
+    """``HFVocabulary``: the grammar engine reads the checkpoint's tokenizer; under the regex
+    ``yes|no`` every allowed id decodes to a prefix of one of the two."""
+    from transformers import AutoTokenizer
+
+    fake_checkpoint(tmp_path, None)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    guide = grammar.GrammarCache(grammar.HFVocabulary(str(tmp_path), eos=2)).guide(
+        structured.regex_grammar("yes|no", "guided_regex"), 300
+    )
+    allowed = guide.allowed()
+    assert allowed is not None
+    ids = allowed.nonzero().flatten().tolist()
+    assert ids and all(
+        "yes".startswith(tok.decode([i])) or "no".startswith(tok.decode([i])) for i in ids
+    )
