@@ -165,7 +165,8 @@ class ApiContext:
             self.metrics.observe_queue(time.perf_counter() - t0)
             return handle
         except (ValueError, KeyError, TypeError) as e:
-            raise bad(f"the model rejected the request: {e}") from None
+            # capture's InputError (a ValueError) names the walk input at fault: ``input``
+            raise bad(f"the model rejected the request: {e}", getattr(e, "input", None)) from None
         except RuntimeError as e:
             raise ApiError(503, str(e), "server_error") from None
 
