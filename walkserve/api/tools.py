@@ -19,11 +19,11 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from walkserve.api import structured
+from walkserve.api.profile import ToolFormat
 
-ToolFormat = Literal["hermes", "llama3_json"]
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
