@@ -180,6 +180,16 @@ def test_penalties_and_logit_bias_equal_the_reference_loop(client: Any, upstream
     assert want != plain  # the penalties and the bias changed the reply
 
 
+def test_echo_puts_the_prompt_first_and_user_is_accepted(client: Any) -> None:
+    args: dict[str, Any] = {"model": ALIAS, "prompt": "Echo me", "max_tokens": 4, "echo": True}
+    out = client.completions.create(**args, user="someone")
+    text = out.choices[0].text
+    plain = client.completions.create(model=ALIAS, prompt="Echo me", max_tokens=4)
+    assert text == "Echo me" + plain.choices[0].text
+    chunks = list(client.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+
+
 def test_min_tokens_and_ignore_eos_hold_the_eos(client: Any, upstream: Any) -> None:
     out = client.completions.create(
         model=ALIAS,
