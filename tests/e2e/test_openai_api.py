@@ -190,12 +190,20 @@ def test_echo_puts_the_prompt_first_and_user_is_accepted(client: Any) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
 
 
-def test_min_tokens_and_ignore_eos_hold_the_eos(client: Any, upstream: Any) -> None:
+def test_min_tokens_and_ignore_eos_hold_the_eos(client: Any) -> None:
+    """A logit bias makes the EOS the first choice: without more the reply is empty; with
+    min_tokens 5 it has 5 tokens, then the EOS; with ignore_eos it runs to max_tokens."""
+    args: dict[str, Any] = {"model": ALIAS, "prompt": "a", "max_tokens": 20}
+    bias = {str(default.EOS_ID): 100.0}
+    out = client.completions.create(**args, logit_bias=bias)
+    assert out.choices[0].text == "" and out.choices[0].finish_reason == "stop"
     out = client.completions.create(
-        model=ALIAS,
-        prompt="a",
-        max_tokens=20,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
+        **args, logit_bias=bias, extra_body={"min_tokens": 5, "return_token_ids": True}
+    )
+    assert len(out.choices[0].model_extra["token_ids"]) == 5
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 6
+    out = client.completions.create(
+        **args, logit_bias=bias, extra_body={"ignore_eos": True, "return_token_ids": True}
     )
     assert len(out.choices[0].model_extra["token_ids"]) == 20
     assert out.choices[0].finish_reason == "length"
