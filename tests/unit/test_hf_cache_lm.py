@@ -8,9 +8,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from walkserve.adapters import hf_zoo  # noqa: E402
-from walkserve.runtime.kv.hf_cache_lm import HFCacheLM  # noqa: E402
-from walkserve.testing import greedy_generate  # noqa: E402
+from walkserve.adapters import hf_zoo
+from walkserve.runtime.kv.hf_cache_lm import HFCacheLM
+from walkserve.testing import greedy_generate
 
 
 def test_calls_of_one_batch_keep_their_own_caches() -> None:
