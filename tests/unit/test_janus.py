@@ -174,7 +174,8 @@ def test_bad_sampling_values_are_refused() -> None:
 
 
 def test_factory_profiles_come_from_the_module_hook() -> None:
-    from walkserve.api.profile import ModelProfile, profile_for
+    from walkserve.adapters.registry import profile_for
+    from walkserve.api.profile import ModelProfile
 
     profile = profile_for("walkserve.adapters.janus:tiny")
     assert profile.image is not None and profile.image.noise_input is None

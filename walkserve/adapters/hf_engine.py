@@ -21,6 +21,7 @@ forward, before a server starts: two prompts packed in one prefill, then packed 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from walkserve.runtime.kv.engine_report import EngineChoice, engine_choices
+from walkserve.runtime.kv.grammar import Vocabulary
 from walkserve.runtime.kv.hf import PagedCausalLMRunner, SeqChunk, pool_for
 from walkserve.runtime.kv.hf_attention import (
     UnsupportedAttention,
@@ -55,8 +57,14 @@ class SelfCheckFailed(RuntimeError):
     """The paged forward of a model differs from its eager forward beyond the tolerance."""
 
 
-def text_engine(lm: nn.Module, kv: PagedLMConfig | None = None) -> PagedLM | HFCacheLM:
-    """The engine that serves ``lm`` exactly: ``PagedLM`` if it can, else ``HFCacheLM``."""
+def text_engine(
+    lm: nn.Module,
+    kv: PagedLMConfig | None = None,
+    stop_ids: Sequence[int] = (),
+    vocabulary: Vocabulary | None = None,
+) -> PagedLM | HFCacheLM:
+    """The engine that serves ``lm`` exactly: ``PagedLM`` if it can, else ``HFCacheLM``;
+    ``stop_ids`` and ``vocabulary`` go to its sampler (``row_sampling.TextSampler``)."""
     config = text_config(lm)
     original = getattr(config, "_attn_implementation", None)
     try:
@@ -65,8 +73,8 @@ def text_engine(lm: nn.Module, kv: PagedLMConfig | None = None) -> PagedLM | HFC
     except UnsupportedAttention as e:
         if original is not None and getattr(config, "_attn_implementation", None) != original:
             lm.set_attn_implementation(original)  # type: ignore[operator]
-        return HFCacheLM(lm, reason=str(e))
-    return PagedLM(lm, kv, attention=attention)
+        return HFCacheLM(lm, reason=str(e), stop_ids=stop_ids, vocabulary=vocabulary)
+    return PagedLM(lm, kv, attention=attention, stop_ids=stop_ids, vocabulary=vocabulary)
 
 
 @dataclass(frozen=True)

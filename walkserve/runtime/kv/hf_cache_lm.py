@@ -7,9 +7,10 @@ Same calling convention as ``paged_lm.PagedLM`` (so the text walks take either):
 
 - in: ``lm(input_ids [B, T], cache, step, temperature, top_p, top_k, seed, repetition_penalty)``
   per request, ``cache`` None for a new request (prefill) or the ``HFCache`` an earlier call
-  returned;
+  returned, and ``PagedLM``'s further sampling keywords (penalties, ``min_tokens``,
+  ``constraints``, ``logprobs``, ``with_logprobs``);
 - out: ``(token [B, 1] int64, cache)``: the token sampled after each row's last input token,
-  and the same ``HFCache``, updated in place.
+  and the same ``HFCache``, updated in place; with ``with_logprobs`` also the logprob outputs.
 
 Batching: ``forward_batch`` runs every call of a ready batch on its own, one forward each.
 (Left to the runtime's grouping, two new requests with prompts of one length would be joined
@@ -19,7 +20,8 @@ The ``HFCache`` holds the model's cache object (``DynamicCache`` or whatever the
 itself, e.g. a hybrid's recurrent state) and each row's tokens so far, for a repetition penalty.
 It never leaves the worker (the runtime's ``ObjectRef``); its memory goes when the request's last
 reference to it does. Sampling is ``paged_lm.seeded_token``, the rule of every text engine: a
-request's tokens depend on its own inputs only.
+request's tokens depend on its own inputs only; what a request's rows keep between calls (the
+prompt length, a logit bias, a grammar) is ``row_sampling.RowState``, as in ``PagedLM``.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from walkserve.runtime.kv import grammar
 from walkserve.runtime.kv.engine_report import EngineChoice
-from walkserve.runtime.kv.paged_lm import seeded_token
+from walkserve.runtime.kv.row_sampling import RowState, TextSampler, vocab_size
 
 __all__ = ["HFCache", "HFCacheLM"]
 
@@ -44,6 +47,7 @@ class HFCache:
         self.owner = owner
         self.past: Any = None  # the model's cache object, after the first forward
         self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.sampling = [RowState() for _ in range(rows)]
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -61,9 +65,17 @@ class HFCacheLM(nn.Module):
     """``lm`` (a transformers ``*ForCausalLM``, any attention implementation but the paged one)
     run with its own per-request cache; see the module docstring."""
 
-    def __init__(self, lm: nn.Module, reason: str | None = None) -> None:
+    def __init__(
+        self,
+        lm: nn.Module,
+        reason: str | None = None,
+        *,
+        stop_ids: Sequence[int] = (),
+        vocabulary: grammar.Vocabulary | None = None,
+    ) -> None:
         super().__init__()
         self.lm = lm
+        self.sampler = TextSampler(stop_ids, vocabulary)
         self.engine_choice = EngineChoice("hf-cache", type(lm).__name__, reason)
         params = inspect.signature(lm.forward).parameters
         self._takes_positions = "position_ids" in params
@@ -87,7 +99,13 @@ class HFCacheLM(nn.Module):
         top_k: int = 0,
         seed: int = 0,
         repetition_penalty: float = 1.0,
-    ) -> tuple[torch.Tensor, HFCache]:  # token [B, 1] int64
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        min_tokens: int = 0,
+        constraints: torch.Tensor | None = None,
+        logprobs: int = 0,
+        with_logprobs: bool = False,
+    ) -> Any:  # (token [B, 1] int64, cache[, logprobs [B, 1, n], logprob_ids [B, 1, n]])
         if (
             not isinstance(input_ids, torch.Tensor)
             or input_ids.dim() != 2
@@ -97,6 +115,7 @@ class HFCacheLM(nn.Module):
         rows, new = input_ids.shape
         if cache is None:
             cache = HFCache(self, rows)
+            self.sampler.start(cache.sampling, new, constraints, vocab_size(self.lm))
         elif not isinstance(cache, HFCache) or cache.owner is not self:
             raise ValueError(f"cache must be an HFCache made by this component, got {cache!r}")
         elif len(cache) != rows:
@@ -120,25 +139,21 @@ class HFCacheLM(nn.Module):
         logits = out.logits[:, -1]  # [B, V]
         for r in range(rows):
             cache.tokens[r].extend(int(t) for t in input_ids[r].tolist())
-        tokens = [
-            seeded_token(
-                logits[r],
-                r,
-                _step(step, r),
-                temperature=float(temperature),
-                top_p=float(top_p),
-                top_k=int(top_k),
-                seed=int(seed),
-                repetition_penalty=float(repetition_penalty),
-                seen=cache.tokens[r],
-            )
-            for r in range(rows)
-        ]
-        return torch.tensor(tokens, dtype=torch.int64).unsqueeze(1), cache
-
-
-def _step(step: int | torch.Tensor, row: int) -> int:
-    return int(step[row].reshape(-1)[0]) if isinstance(step, torch.Tensor) else int(step)
+        args = {
+            "step": step,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+            "repetition_penalty": repetition_penalty,
+            "presence_penalty": presence_penalty,
+            "frequency_penalty": frequency_penalty,
+            "min_tokens": min_tokens,
+            "logprobs": logprobs,
+            "with_logprobs": with_logprobs,
+        }
+        token, *rest = self.sampler.sample_call(args, list(logits), cache.tokens, cache.sampling)
+        return (token, cache, *rest)
 
 
 def _shape(x: Any) -> str:
