@@ -10,7 +10,6 @@ In-process (no workers): ``test_zoo_serve.py`` serves a handful through real wor
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
@@ -19,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 from walkserve.adapters import hf_zoo  # noqa: E402
 from walkserve.adapters.hf_engine import self_check, text_engine  # noqa: E402
-from walkserve.lowering.batched import Deferred  # noqa: E402
 from walkserve.runtime.kv.hf_cache_lm import HFCacheLM  # noqa: E402
 from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig  # noqa: E402
+from walkserve.testing import greedy_generate, serve_text_greedy  # noqa: E402
 
 EOS = hf_zoo.EOS
 KV = PagedLMConfig(pool_tokens=4096, page_size=4)  # pages of 4: windows of 8 span pages
@@ -40,56 +39,11 @@ def workload(count: int = 16, seed: int = 7) -> Work:
 
 
 def generate(lm: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = lm.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=EOS,
-            pad_token_id=0,
-        )
-    return out[0, ids.shape[1] :].tolist()
+    return greedy_generate(lm, prompt, n, EOS)
 
 
 def serve_greedy(engine: PagedLM | HFCacheLM, work: Work) -> tuple[list[list[int]], list[int]]:
-    """Every request to EOS or its budget, as the text walks run them: all live requests'
-    steps in one ``forward_batch`` per step (``PagedLM``), or one call each (``HFCacheLM``).
-    Also returns the size of each batch that ran."""
-    caches: list[Any] = [None] * len(work)
-    last: list[torch.Tensor | None] = [None] * len(work)
-    outs: list[list[int]] = [[] for _ in work]
-    live, sizes = list(range(len(work))), []
-    while live:
-        calls = [
-            (
-                (
-                    torch.tensor([work[i][0]]) if caches[i] is None else last[i],
-                    caches[i],
-                    len(outs[i]),
-                ),
-                {},
-            )
-            for i in live
-        ]
-        if isinstance(engine, PagedLM):
-            results = engine.forward_batch(calls)
-        else:
-            results = [engine(*args) for args, _ in calls]
-        sizes.append(sum(not isinstance(r, Deferred) for r in results))
-        still = []
-        for i, result in zip(live, results):
-            if isinstance(result, Deferred):
-                still.append(i)
-                continue
-            token, caches[i] = result
-            last[i] = token
-            outs[i].append(int(token))
-            if len(outs[i]) < work[i][1] and outs[i][-1] != EOS:
-                still.append(i)
-        live = still
-    return outs, sizes
+    return serve_text_greedy(engine, work, EOS)
 
 
 @pytest.fixture(scope="module")

@@ -85,8 +85,8 @@ class SelfCheck:
 
     def describe(self) -> str:
         return (
-            f"passed: paged logits within {self.max_logit_diff:.2g} of eager "
-            f"(tolerance {self.tolerance:.2g}) in {self.seconds:.2f} s"
+            f"passed in {self.seconds:.2f} s: logits within {self.max_logit_diff:.2g} of eager, "
+            f"tolerance {self.tolerance:.2g}"
         )
 
 

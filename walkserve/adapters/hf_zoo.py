@@ -44,7 +44,7 @@ _COMMON: dict[str, Any] = {
 @dataclass(frozen=True)
 class ZooEntry:
     """``engine``: the engine ``hf_engine.text_engine`` must choose; ``why``: words its reason
-    must contain when that is the fallback."""
+    must contain when that is the fallback; ``note``: the README's word on its state."""
 
     config_class: str  # a transformers class name
     model_class: str
@@ -53,6 +53,7 @@ class ZooEntry:
     common: bool = True  # start from _COMMON
     engine: str = "paged"
     why: str = ""
+    note: str = ""
 
 
 ZOO: dict[str, ZooEntry] = {
@@ -221,6 +222,8 @@ ZOO: dict[str, ZooEntry] = {
             "activation_sparsity_pattern": [0.0] * 4,
             "layer_types": ["sliding_attention", "full_attention"] * 2,
         },
+        note="each sharing layer keeps its own copy of the K/V it is handed (exact; no memory "
+        "saved)",
     ),
     "gemma3-vlm": ZooEntry(
         "Gemma3Config",
@@ -268,6 +271,8 @@ ZOO: dict[str, ZooEntry] = {
         },
         engine="hf-cache",
         why="never call transformers' attention interface",
+        note="its Mamba layers never call the attention interface: their recurrent state has "
+        "no place in the pool",
     ),
     "qwen3-next": ZooEntry(
         "Qwen3NextConfig",
@@ -288,6 +293,7 @@ ZOO: dict[str, ZooEntry] = {
         },
         engine="hf-cache",
         why="linear_attention",
+        note="its linear-attention layers keep a recurrent state, not K/V",
     ),
     "falcon": ZooEntry(
         "FalconConfig",
@@ -306,6 +312,7 @@ ZOO: dict[str, ZooEntry] = {
         common=False,
         engine="hf-cache",
         why="computes attention itself",
+        note="its attention is its own code, not transformers' AttentionInterface",
     ),
     "bloom": ZooEntry(
         "BloomConfig",
@@ -322,6 +329,7 @@ ZOO: dict[str, ZooEntry] = {
         common=False,
         engine="hf-cache",
         why="computes attention itself",
+        note="ALiBi, in its own attention code (not the interface); paged attention has no ALiBi",
     ),
 }
 
@@ -349,3 +357,21 @@ def build(name: str, seed: int = 0, attn_implementation: str | None = None) -> n
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(SHARPEN)
     return model  # type: ignore[no-any-return]
+
+
+ENGINE_WORDS = {"paged": "paged", "hf-cache": "fallback (its own cache per request)"}
+
+
+def readme_table() -> str:
+    """The README's table of architectures: what each zoo entry exercises and its engine (the
+    tests assert both, and that the README holds this table)."""
+    rows = [
+        "| architecture (zoo name) | what it exercises | engine |",
+        "| --- | --- | --- |",
+    ]
+    for name, entry in ZOO.items():
+        engine = ENGINE_WORDS[entry.engine]
+        if entry.note:
+            engine += f": {entry.note}"
+        rows.append(f"| `{entry.model_class}` ({name}) | {entry.features} | {engine} |")
+    return "\n".join(rows)

@@ -167,10 +167,10 @@ def capture_model(name: str, seed: int = 0, on_stage: Callable[[str], None] | No
     stage("loading weights")
     model, sample = load_model(name, seed)
     stage("checking text engines")
-    for line in check_engines(model).values():
-        message = line.describe()
-        logger.info("engine: %s", message)
-        stage(f"engine: {message}")
+    for path, choice in check_engines(model).items():
+        message = f"engine {path or 'model'}: {choice.describe()}"
+        logger.info("%s", message)
+        stage(message)
     stage("capturing walks")
     captured = capture.trace(model, sample)
     captured.origin = (name, seed)

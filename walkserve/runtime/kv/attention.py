@@ -305,7 +305,7 @@ def host_layout(batch: Sequence[SequenceSpec], config: AttentionConfig) -> HostL
             )
         if spec.first_page:
             # Freed pages must hold nothing a query of this step reads (nor a new token).
-            reach = spec.context_len if window is None else spec.context_len - window + 1
+            reach = 0 if window is None else spec.context_len - window + 1  # first key read
             if spec.first_page * page_size > max(reach, 0):
                 raise ValueError(
                     f"sequence {i}: pages before logical page {spec.first_page} were freed, "

@@ -30,11 +30,15 @@ class EngineChoice:
     self_check: str | None = None
 
     def describe(self) -> str:
-        text = f"{self.architecture}: {self.engine}"
+        """One line for the start-up log."""
+        if self.engine == "paged":
+            text = f"{self.architecture} on the paged KV pool"
+        else:
+            text = f"{self.architecture} on the fallback engine (its own cache per request)"
         if self.reason:
-            text += f" ({self.reason})"
+            text += f": {self.reason}"
         if self.self_check:
-            text += f"; self-check {self.self_check}"
+            text += f" (self-check {self.self_check})"
         return text
 
     def to_json(self) -> dict[str, Any]:

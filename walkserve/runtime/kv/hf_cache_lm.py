@@ -12,6 +12,10 @@ Same calling convention as ``paged_lm.PagedLM`` (so the text walks take either):
 - out: ``(token [B, 1] int64, cache)``: the token sampled after each row's last input token,
   and the same ``HFCache``, updated in place; with ``with_logprobs`` also the logprob outputs.
 
+Batching: ``forward_batch`` runs every call of a ready batch on its own, one forward each.
+(Left to the runtime's grouping, two new requests with prompts of one length would be joined
+into one call, and the one cache object it returns would be handed to both.)
+
 The ``HFCache`` holds the model's cache object (``DynamicCache`` or whatever the model makes for
 itself, e.g. a hybrid's recurrent state) and each row's tokens so far, for a repetition penalty.
 It never leaves the worker (the runtime's ``ObjectRef``); its memory goes when the request's last
@@ -77,6 +81,12 @@ class HFCacheLM(nn.Module):
         self._takes_positions = "position_ids" in params
         # transformers 5 renames past_key_values to cache (both accepted for now).
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def forward_batch(
+        self, calls: Sequence[tuple[Sequence[Any], dict[str, Any]]]
+    ) -> list[tuple[torch.Tensor, HFCache]]:
+        """Each call of a ready batch, one forward each (its own cache)."""
+        return [self(*args, **kwargs) for args, kwargs in calls]
 
     @torch.no_grad()
     def forward(
