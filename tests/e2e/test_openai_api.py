@@ -411,6 +411,14 @@ def test_unimplemented_fields_get_a_400_naming_them(
 
 
 DEEP = "[" * 100_000 + "]" * 100_000
+EXT = {
+    "input_ids": [[5, 6]],
+    "max_new_tokens": 2,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "seed": 0,
+}
 BAD_BODIES = [
     ("/v1/completions", {"top_k": 2**64}, 200, None),  # beyond the vocabulary: all tokens
     (

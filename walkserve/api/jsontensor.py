@@ -151,7 +151,7 @@ def tensor_from_json(name: str, value: Any, dtype: torch.dtype | None) -> torch.
     else:
         raise ValueError(f"input {name!r} must be a tensor (nested list or b64 object)")
     if dtype is not None and tensor.dtype != dtype:
-        if tensor.is_floating_point() and not dtype.is_floating_point:
+        if tensor.is_floating_point() and not dtype.is_floating_point and tensor.numel():
             raise ValueError(f"input {name!r} must hold integers ({dtype}), got floats")
         tensor = tensor.to(dtype)
     return tensor

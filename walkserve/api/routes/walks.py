@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
+import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -15,8 +17,23 @@ from walkserve.api.errors import ApiError, bad, error_body
 from walkserve.api.jsonsafe import dumps
 from walkserve.api.schemas import WalkRequest
 from walkserve.api.sse import SSE_DONE, ClosingStream, sse
+from walkserve.runtime.kv import grammar as kv_grammar
 
 router = APIRouter()
+
+
+def check_constraints(value: Any, vocab: int) -> None:
+    """The text walks' ``constraints`` (``runtime.kv.grammar.Constraints``) checked here, as
+    the text routes check theirs: a bad one would fail the whole batch of the KV engine that
+    reads it (it keeps state, so its batch is not retried call by call)."""
+    try:
+        wanted = kv_grammar.decode(value if isinstance(value, torch.Tensor) else None)
+    except ValueError as e:
+        raise bad(str(e), "inputs.constraints") from None
+    if any(not 0 <= t < vocab for t, _ in wanted.logit_bias):
+        raise bad(f"constraints: logit_bias ids must be in [0, {vocab})", "inputs.constraints")
+    if wanted.grammar is not None and (why := kv_grammar.check_grammar(wanted.grammar)):
+        raise bad(f"constraints: the grammar cannot be used: {why}", "inputs.constraints")
 
 
 @router.post("/v1/walks/{walk}")
@@ -31,6 +48,9 @@ async def run_walk(walk: str, request: Request) -> Response:
         inputs = jsontensor.decode_inputs(ctx.server.captured, walk, body.inputs)
     except ValueError as e:
         raise bad(str(e), "inputs") from None
+    text = ctx.profile.text
+    if text is not None and walk == text.ext_walk:
+        check_constraints(inputs.get("constraints"), text.vocab_size)
     ticket, handle, t0 = await ctx.admit_and_submit(inputs, walk)
     if not body.stream:
         try:
