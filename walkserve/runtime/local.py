@@ -40,6 +40,7 @@ from walkserve.runtime.conductor import (
 from walkserve.runtime.rankscheduler import (
     NodeBatchDone,
     RankScheduler,
+    RegionConsumed,
     RegionDone,
     RegionFailed,
     RegionOutput,
@@ -154,9 +155,16 @@ class LocalExecutor:
                 conductor.complete(rep.item, rep.outputs)
             elif isinstance(rep, RegionFailed):
                 conductor.fail(rep.item, rep.error)
+            elif isinstance(rep, RegionConsumed):
+                conductor.consumed(rep.item, rep.stream, rep.base, rep.received, rep.closed)
             else:
                 assert not isinstance(rep, NodeBatchDone)  # node batches run above
         self.ranks.drop(conductor.dropped())
+        for feed in conductor.feeds():
+            self.ranks.feed(feed.item, feed.stream, feed.pieces, feed.finished)
+        for credit in conductor.credits():
+            self.ranks.credit(credit.item, credit.channel, credit.items)
+        self._reports += self.ranks.reports()
         return len(reports)
 
     def idle(self) -> bool:

@@ -81,6 +81,18 @@ class RegionFailed:
 
 
 @dataclass(frozen=True)
+class RegionConsumed:
+    """Region item ``item`` has received ``received`` pieces of fed stream ``stream`` and
+    released its items before ``base`` (``closed``: its consumer loop is done)."""
+
+    item: int
+    stream: str
+    base: int
+    received: int
+    closed: bool
+
+
+@dataclass(frozen=True)
 class NodeBatchDone:
     """The conductor's node batch ``batch`` ran: one result per item, in the batch's order."""
 
@@ -88,7 +100,7 @@ class NodeBatchDone:
     results: list[ItemResult]
 
 
-Report = RegionStreamed | RegionOutput | RegionDone | RegionFailed | NodeBatchDone
+Report = RegionStreamed | RegionOutput | RegionDone | RegionFailed | RegionConsumed | NodeBatchDone
 
 
 @dataclass(frozen=True)
@@ -116,8 +128,10 @@ class _Run:
     item: int
     request: str
     walk: str  # the region walk
-    streamed: frozenset[str]
+    streamed: frozenset[str]  # client streams and forwarded channels: reported per item
     outputs: dict[str, Any] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)  # fed stream -> pieces
+    progress: dict[str, tuple[int, bool, int]] = field(default_factory=dict)  # last reported
 
 
 class RankScheduler:
@@ -142,8 +156,11 @@ class RankScheduler:
             speculate=speculate,
             stream_buffer_limit=stream_buffer_limit,
             eager_outputs=True,
+            fed={name: r.fed for name, r in regions.regions.items() if r.fed},
         )
+        self.stream_buffer_limit = stream_buffer_limit
         self._runs: dict[str, _Run] = {}
+        self._fed_runs: set[str] = set()  # runs with fed streams
         self._by_request: dict[str, set[str]] = {}
         self._external: list[Step] = []
         self._reports: list[Report] = []
@@ -171,9 +188,29 @@ class RankScheduler:
         except Exception as e:
             self._reports.append(RegionFailed(item, f"region {region} of {walk!r}: {e}"))
             return
-        self._runs[run_id] = _Run(item, request, name, frozenset(plan.streamed))
+        run = _Run(item, request, name, frozenset([*plan.streamed, *plan.forwards]))
+        self._runs[run_id] = run
+        if plan.fed:
+            self._fed_runs.add(run_id)
         self._by_request.setdefault(request, set()).add(run_id)
+        for channel in plan.forwards:  # until its consumers say how far they are
+            self.conductor.credit(run_id, channel, self.stream_buffer_limit)
         self._collect()
+
+    def feed(self, item: int, stream: str, pieces: Sequence[Any], finished: bool) -> None:
+        """Items of fed stream ``stream`` of region item ``item``, from another region."""
+        run = self._runs.get(str(item))
+        if run is None:
+            return
+        run.received[stream] = run.received.get(stream, 0) + len(pieces)
+        self.conductor.feed(str(item), stream, pieces, finished)
+        self._collect()
+
+    def credit(self, item: int, channel: str, items: int) -> None:
+        """Region item ``item`` may commit items of ``channel`` up to ``items``."""
+        if str(item) in self._runs:
+            self.conductor.credit(str(item), channel, items)
+            self._collect()
 
     def add_batch(self, batch: int, walk: str, node: str, items: Sequence[Runnable]) -> None:
         """A node batch from the conductor: run as it is at the next ``schedule``."""
@@ -251,6 +288,13 @@ class RankScheduler:
         (one ``RegionOutput`` per run and batch of events, always before a streamed item of
         the same run, so a client sees a prefill's token before the tokens after it)."""
         waiting: dict[str, _Run] = {}
+        for run_id in self._fed_runs:  # how far consumers of fed streams are
+            fed = self._runs[run_id]
+            for stream, (base, closed) in self.conductor.fed_progress(run_id).items():
+                now = (base, closed, fed.received.get(stream, 0))
+                if fed.progress.get(stream) != now:
+                    fed.progress[stream] = now
+                    self._reports.append(RegionConsumed(fed.item, stream, base, now[2], closed))
         for event in self.conductor.events():
             run = self._runs.get(event.request)
             if run is None:
@@ -282,6 +326,7 @@ class RankScheduler:
         run.outputs = {}
 
     def _forget(self, run_id: str) -> None:
+        self._fed_runs.discard(run_id)
         run = self._runs.pop(run_id)
         runs = self._by_request.get(run.request)
         if runs is not None:
@@ -291,4 +336,5 @@ class RankScheduler:
 
     def _drop(self, run_id: str) -> None:
         self.conductor.cancel(run_id)
+        self._fed_runs.discard(run_id)
         self._runs.pop(run_id, None)
