@@ -67,7 +67,7 @@ def setup(
 
 
 def test_one_rank_makes_every_walk_one_region() -> None:
-    captured, plan, _ = setup("example-speech")
+    _, plan, _ = setup("example-speech")
     (region,) = plan.regions["speak"]
     assert region.rank == 0 and region.path == []
     assert region.items == [n.name for n in plan.walks["speak"].nodes]
