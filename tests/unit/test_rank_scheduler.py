@@ -97,16 +97,19 @@ def test_a_loop_across_ranks_is_driven_by_the_conductor() -> None:
 # ------------------------------------------------------------------- fabricated results
 
 
-def decode_scheduler() -> tuple[RankScheduler, str]:
+def decode_scheduler(fast_loops: bool = True) -> tuple[RankScheduler, str]:
     captured, plan, _ = setup("example-text")
-    return RankScheduler(region_walks(captured, plan, 0), speculate=False), "decode"
+    regions = region_walks(captured, plan, 0)
+    return RankScheduler(regions, speculate=False, fast_loops=fast_loops), "decode"
 
 
-def fabricated(step_items: Any, stop_at: int) -> list[ItemResult]:
-    """Results for decode steps: iteration i's token is [[i]], the stop true at ``stop_at``."""
+def fabricated(scheduler: RankScheduler, step_items: Any, stop_at: int) -> list[ItemResult]:
+    """Results for decode steps: iteration i's token is [[i]], the stop true at ``stop_at``
+    (an item of the loop stepper, or of a frame of the rank's conductor)."""
     out = []
     for it in step_items:
-        i = it.frame[0]
+        found = scheduler.loops.describe(it.id)
+        i = found[1] if found is not None and not hasattr(it, "frame") else it.frame[0]
         values: dict[str, Any] = {op: torch.zeros(1) for op in it.outputs or it.ops}
         for op in values:
             if op.endswith("/argmax"):
@@ -117,8 +120,9 @@ def fabricated(step_items: Any, stop_at: int) -> list[ItemResult]:
     return out
 
 
-def test_a_region_run_reports_only_its_stream_and_its_exit() -> None:
-    scheduler, walk = decode_scheduler()
+@pytest.mark.parametrize("fast_loops", [True, False])
+def test_a_region_run_reports_only_its_stream_and_its_exit(fast_loops: bool) -> None:
+    scheduler, walk = decode_scheduler(fast_loops)
     inputs = {"token": torch.zeros(1, 1), "k_cache": "k", "v_cache": "v", "max_new_tokens": 9}
     scheduler.start(7, "req", walk, "region0", inputs)
     reports = []
@@ -126,7 +130,7 @@ def test_a_region_run_reports_only_its_stream_and_its_exit() -> None:
     while not scheduler.idle():
         for step in scheduler.schedule():
             steps += 1
-            scheduler.update(step, fabricated(step.items, stop_at=4))
+            scheduler.update(step, fabricated(scheduler, step.items, stop_at=4))
         reports += scheduler.reports()
     streamed = [r for r in reports if isinstance(r, RegionStreamed)]
     assert [r.index for r in streamed] == [0, 1, 2, 3, 4]  # the stop's iteration counts
@@ -138,14 +142,15 @@ def test_a_region_run_reports_only_its_stream_and_its_exit() -> None:
     assert scheduler.stats().runs == 0 and scheduler.stats().live_values == 0
 
 
-def test_cancel_and_drop_free_runs() -> None:
-    scheduler, walk = decode_scheduler()
+@pytest.mark.parametrize("fast_loops", [True, False])
+def test_cancel_and_drop_free_runs(fast_loops: bool) -> None:
+    scheduler, walk = decode_scheduler(fast_loops)
     inputs = {"token": torch.zeros(1, 1), "k_cache": "k", "v_cache": "v", "max_new_tokens": 50}
     scheduler.start(1, "a", walk, "region0", inputs)
     scheduler.start(2, "b", walk, "region0", inputs)
     scheduler.start(3, "b", walk, "region0", inputs)
     for step in scheduler.schedule():
-        scheduler.update(step, fabricated(step.items, stop_at=99))
+        scheduler.update(step, fabricated(scheduler, step.items, stop_at=99))
     assert {r.item for r in scheduler.reports()} == {1, 2, 3}  # their first tokens
     assert scheduler.stats().runs == 3
     scheduler.cancel("b")

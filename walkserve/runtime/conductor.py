@@ -85,10 +85,27 @@ from walkserve.capture.loopsem import (
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.plan import BlockPlan, ExecutablePlan, NodePlan, RegionPlan
 
-NodeKind = Literal["component", "glue", "region"]
+NodeKind = Literal["component", "glue", "region", "loop"]
 UNLIMITED = 1 << 62  # a credit that never holds a producer back
 
 # ------------------------------------------------------------------------------ public types
+
+
+@dataclass(frozen=True)
+class LoopStart:
+    """A loop item's start (``kind="loop"``): its runner runs the loop ``loop`` by itself for
+    at most ``bound`` iterations and completes the item with ``channels``; the accumulated
+    channels in ``streams`` it reports as each iteration commits (``streamed``). ``carried``,
+    ``fixed``: the parameters' initial and invariant values; ``sources``: a per-step slice's
+    source value, or a table's values (a list), by parameter."""
+
+    loop: str
+    bound: int
+    carried: dict[str, Any]
+    fixed: dict[str, Any]
+    sources: dict[str, Any]
+    channels: tuple[str, ...]
+    streams: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -120,6 +137,7 @@ class WorkItem:
     call: tuple[list[Any], dict[str, Any]] | None = field(default=None, repr=False)
     env: Mapping[str, Any] = field(default_factory=dict, repr=False)
     outputs: tuple[str, ...] = ()
+    loop: LoopStart | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -242,6 +260,7 @@ class _LoopSpec:
     visible: ir.LoopNode  # the loop as its block reads it: unread accumulations left out
     feeds: tuple[tuple[str, str], ...]  # (stream, channel) pairs this loop produces into
     emit: dict[str, tuple[str, ...]]  # accumulated channel -> client outputs (walk level)
+    fast: bool = False  # handed to the runner whole (``fast_loops``): a simple loop
 
 
 @dataclass(eq=False)
@@ -289,7 +308,14 @@ def _min_buffer(policy: ChunkPolicy) -> int:
 class _SpecBuilder:
     """Builds the ``_BlockSpec`` tree of one walk from its IR and its plan."""
 
-    def __init__(self, captured: CapturedModel, walk: ir.Walk, plan: ExecutablePlan) -> None:
+    def __init__(
+        self,
+        captured: CapturedModel,
+        walk: ir.Walk,
+        plan: ExecutablePlan,
+        fast_loops: bool = False,
+    ) -> None:
+        self.fast_loops = fast_loops
         self.graph = captured.graph
         self.walk = walk
         self.region_at: dict[tuple[str, ...], dict[str, RegionPlan]] = {}
@@ -374,6 +400,7 @@ class _SpecBuilder:
             ls.feeds = tuple(
                 (name, s.edge.source) for name, s in streams.items() if s.producer == ls.node.name
             )
+            ls.fast = self.fast_loops and _simple(ls)
             if top:
                 ls.emit = {
                     ch: tuple(
@@ -670,7 +697,9 @@ class Conductor:
     ``eager_outputs``: every walk output is an ``Output`` event as soon as its value exists
     (a region walk's, so that what its rank made reaches the conductor before the exit).
     ``fed``: per walk, streams whose items come from outside (``feed``), not from a value or
-    a loop of the walk (a region walk's streams from another region).
+    a loop of the walk (a region walk's streams from another region). ``fast_loops``: a simple
+    loop (a straight body of nodes, no stream in or out) is one ``kind="loop"`` item its
+    runner steps by itself (``loopstep``), not a frame per iteration (a rank's conductor).
     """
 
     def __init__(
@@ -682,6 +711,7 @@ class Conductor:
         stream_buffer_limit: int = 64,
         eager_outputs: bool = False,
         fed: Mapping[str, Collection[str]] | None = None,
+        fast_loops: bool = False,
     ) -> None:
         if stream_buffer_limit < 1:
             raise ValueError(f"stream_buffer_limit must be >= 1, got {stream_buffer_limit}")
@@ -694,7 +724,7 @@ class Conductor:
             if name not in plan.walks:
                 raise ValueError(f"the plan has no walk {name!r}; was it lowered from this model?")
             pinned = {r for a in walk.outputs.values() for r in ir.arg_refs(a)}
-            builder = _SpecBuilder(captured, walk, plan)
+            builder = _SpecBuilder(captured, walk, plan, fast_loops)
             spec = builder.block(walk.body, plan.walks[name], pinned, True)
             self._walks[name] = spec
             self._check_streams(name, spec)
@@ -1219,6 +1249,9 @@ class Conductor:
     # ------------------------------------------------------------------ loops
 
     def _start_loop(self, req: _Request, f: _Frame, ls: _LoopSpec) -> None:
+        if ls.fast:
+            self._dispatch_loop(req, f, ls)
+            return
         node = ls.node
         carried = {
             p.name: self._interp.value(p.role.init, f.env)
@@ -1245,6 +1278,53 @@ class Conductor:
         for r in ls.need:
             if r not in ls.step_reads:
                 self._consume(f, r)
+
+    def _dispatch_loop(self, req: _Request, f: _Frame, ls: _LoopSpec) -> None:
+        """Hand simple loop ``ls`` to the runner: one item, its start values in ``loop``."""
+        node = ls.node
+        value = self._interp.value
+        carried, fixed, sources = {}, {}, {}
+        for p in node.params:
+            role = p.role
+            if isinstance(role, ir.Carried):
+                carried[p.name] = value(role.init, f.env)
+            elif isinstance(role, ir.Invariant):
+                fixed[p.name] = value(role.value, f.env)
+            elif isinstance(role.source, ir.SelectStep):
+                sources[p.name] = value(role.source.source, f.env)
+            elif isinstance(role.source, ir.TableStep):
+                sources[p.name] = [value(v, f.env) for v in role.source.values]
+        channels = tuple(ch for ch in ls.visible.channels())
+        start = LoopStart(
+            node.name,
+            loop_bound(node, req.walk_inputs, None),
+            carried,
+            fixed,
+            sources,
+            channels,
+            tuple(ls.emit),
+        )
+        f.waiting.remove(ls)
+        for r in ls.need:
+            self._consume(f, r)
+        item = WorkItem(
+            id=next(self._ids),
+            request=req.id,
+            walk=req.walk,
+            node=node.name,
+            kind="loop",
+            ops=(),
+            frame=f.path,
+            speculative=f.in_speculation(),
+            outputs=channels,
+            loop=start,
+        )
+        self._next_id = item.id + 1
+        spec = _RegionSpec(node.name, (), (), channels, ls.emit, {}, ())
+        self._items[item.id] = _Pending(req, f, node.name, channels, {}, item, spec)
+        f.inflight.add(item.id)
+        f.dispatched += 1
+        self._queue.append(item)
 
     def _pump_loop(self, req: _Request, run: _LoopRun) -> bool:
         changed = self._settle(req, run)
@@ -1377,7 +1457,7 @@ class Conductor:
                 run.collected[ch].append(piece)
             if credit and ch in credit:
                 produced = self._produced.setdefault(req.id, {})
-                produced[ch] = produced.get(ch, 0) + _items(piece, acc)
+                produced[ch] = produced.get(ch, 0) + piece_items(piece, acc)
             for out in ls.emit.get(ch, ()):
                 self._send_ready_outputs(req)
                 self._events.append(StreamItem(req.id, out, i, piece))
@@ -1415,7 +1495,23 @@ class Conductor:
 # ------------------------------------------------------------------------------ helpers
 
 
-def _items(piece: Any, acc: ir.Accumulated) -> int:
+def _simple(ls: _LoopSpec) -> bool:
+    """A loop the runner may step by itself: a straight body of nodes, no stream in or out."""
+    body = ls.body
+    return (
+        not body.loops
+        and not body.regions
+        and not body.streams
+        and not ls.feeds
+        and not isinstance(ls.node.trips, ir.StreamTrips)
+        and not any(
+            isinstance(p.role, ir.PerStep) and isinstance(p.role.source, ir.ChunkStep)
+            for p in ls.node.params
+        )
+    )
+
+
+def piece_items(piece: Any, acc: ir.Accumulated) -> int:
     """Stream items one committed piece adds (cat: its length along the dim; stack: one)."""
     if acc.mode == "stack" or not isinstance(piece, torch.Tensor):
         return 1

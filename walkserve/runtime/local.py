@@ -187,6 +187,13 @@ class LocalExecutor:
         return results
 
     def _member(self, item: Any) -> tuple[str, tuple[int, ...], bool]:
+        if not hasattr(item, "request"):  # a loop stepper's item: (run, iteration)
+            found = self.ranks.loops.describe(item.id)
+            assert found is not None
+            run_id, i = found
+            run = self.ranks._runs.get(run_id)
+            request = self._requests.get(run.item, run_id) if run is not None else run_id
+            return (request, (i,), False)
         run = self.ranks._runs.get(item.request)
         request = self._requests.get(run.item, item.request) if run is not None else item.request
         return (request, item.frame, item.speculative)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from walkserve.runtime.conductor import Conductor, Failed, Finished, Output, StreamItem
+from walkserve.runtime.loopstep import LoopDone, LoopStepper, LoopStreamed
 from walkserve.runtime.regionwalk import RegionWalks, region_walk_name
 from walkserve.runtime.runner import ItemResult, Runnable
 
@@ -106,12 +107,14 @@ Report = RegionStreamed | RegionOutput | RegionDone | RegionFailed | RegionConsu
 @dataclass(frozen=True)
 class Step:
     """Items of one node to run as one batch; ``external``: the conductor's batch id (a node
-    batch it sent), None for items of this rank's region runs."""
+    batch it sent), None for items of this rank's region runs; ``loops``: items of simple
+    loops the loop stepper runs."""
 
     walk: str
     node: str
     items: Sequence[Runnable]
     external: int | None = None
+    loops: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ class RankScheduler:
         speculate: bool = True,
         stream_buffer_limit: int = 64,
         max_batch: int | None = None,
+        fast_loops: bool = True,
     ) -> None:
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -157,7 +161,9 @@ class RankScheduler:
             stream_buffer_limit=stream_buffer_limit,
             eager_outputs=True,
             fed={name: r.fed for name, r in regions.regions.items() if r.fed},
+            fast_loops=fast_loops,
         )
+        self.loops = LoopStepper(regions)
         self.stream_buffer_limit = stream_buffer_limit
         self._runs: dict[str, _Run] = {}
         self._fed_runs: set[str] = set()  # runs with fed streams
@@ -183,6 +189,8 @@ class RankScheduler:
         if run_id in self._runs:
             self._reports.append(RegionFailed(item, f"region item {item} is already running"))
             return
+        for channel in plan.forwards:  # until its consumers say how far they are
+            self.loops.credit(run_id, channel, self.stream_buffer_limit)
         try:
             self.conductor.submit(run_id, inputs, name)
         except Exception as e:
@@ -209,6 +217,7 @@ class RankScheduler:
     def credit(self, item: int, channel: str, items: int) -> None:
         """Region item ``item`` may commit items of ``channel`` up to ``items``."""
         if str(item) in self._runs:
+            self.loops.credit(str(item), channel, items)
             self.conductor.credit(str(item), channel, items)
             self._collect()
 
@@ -236,15 +245,23 @@ class RankScheduler:
         conductor's node batches."""
         groups: dict[tuple[str, str, str], list[Runnable]] = {}
         for it in self.conductor.ready():
+            if it.kind == "loop":
+                self.loops.start(it)
+                continue
             key = (self.regions.walk_of[it.walk], it.node, it.kind)
             groups.setdefault(key, []).append(it)
+        self._loop_reports()
+        todo: list[tuple[str, str, Sequence[Runnable], bool]] = [
+            (walk, node, group, False) for (walk, node, _), group in groups.items()
+        ]
+        todo += [(walk, node, items, True) for walk, node, items in self.loops.schedule()]
         steps: list[Step] = []
         size = self.max_batch
-        for (walk, node, _), group in groups.items():
+        for walk, node, group, loops in todo:
             for k in range(0, len(group), size or len(group)):
                 part = group[k : k + size] if size else group
                 self.batch_sizes[len(part)] = self.batch_sizes.get(len(part), 0) + 1
-                steps.append(Step(walk, node, part))
+                steps.append(Step(walk, node, part, None, loops))
         steps += self._external
         self._external = []
         return steps
@@ -254,6 +271,11 @@ class RankScheduler:
         if step.external is not None:
             self._reports.append(NodeBatchDone(step.external, list(results)))
             return
+        if step.loops:
+            self.loops.update(results)
+            self._loop_reports()
+            self._collect()
+            return
         for r in results:
             if r.error is not None:
                 self.conductor.fail(r.item, r.error)
@@ -262,6 +284,15 @@ class RankScheduler:
             else:
                 self.conductor.complete(r.item, r.values)
         self._collect()
+
+    def _loop_reports(self) -> None:
+        for rep in self.loops.reports():
+            if isinstance(rep, LoopStreamed):
+                self.conductor.streamed(rep.item, rep.channel, rep.index, rep.value)
+            elif isinstance(rep, LoopDone):
+                self.conductor.complete(rep.item, rep.channels)
+            else:
+                self.conductor.fail(rep.item, rep.error)
 
     def reports(self) -> list[Report]:
         out, self._reports = self._reports, []
@@ -275,7 +306,7 @@ class RankScheduler:
         c = self.conductor.stats()
         return RankStats(
             len(self._runs),
-            c.live_values,
+            c.live_values + self.loops.held(),
             c.speculated_steps,
             c.wasted_steps,
             dict(self.batch_sizes),
@@ -287,6 +318,7 @@ class RankScheduler:
         """Turn the inner conductor's events into reports: outputs as soon as they exist
         (one ``RegionOutput`` per run and batch of events, always before a streamed item of
         the same run, so a client sees a prefill's token before the tokens after it)."""
+        self.loops.drop(self.conductor.dropped())
         waiting: dict[str, _Run] = {}
         for run_id in self._fed_runs:  # how far consumers of fed streams are
             fed = self._runs[run_id]
@@ -327,6 +359,7 @@ class RankScheduler:
 
     def _forget(self, run_id: str) -> None:
         self._fed_runs.discard(run_id)
+        self.loops.forget(run_id)
         run = self._runs.pop(run_id)
         runs = self._by_request.get(run.request)
         if runs is not None:
@@ -336,5 +369,7 @@ class RankScheduler:
 
     def _drop(self, run_id: str) -> None:
         self.conductor.cancel(run_id)
+        self.loops.drop(self.conductor.dropped())
+        self.loops.forget(run_id)
         self._fed_runs.discard(run_id)
         self._runs.pop(run_id, None)
