@@ -321,3 +321,27 @@ def test_a_checkpoint_vocabulary_masks_by_its_own_tokens(tmp_path: Any) -> None:
     assert ids and all(
         "yes".startswith(tok.decode([i])) or "no".startswith(tok.decode([i])) for i in ids
     )
+
+
+def test_a_chat_template_flag_replaces_the_models_own() -> None:
+    """--chat-template: a Jinja template (sandboxed) renders plain chats and chats with tools."""
+    from walkserve.adapters.registry import profile_for
+    from walkserve.api.chattemplate import with_chat_template
+    from walkserve.api.schemas import Tool
+
+    source = (
+        "{% if tools %}[{{ tools | length }} tools]{% endif %}"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    )
+    text = with_chat_template(profile_for("tiny-llama"), source).text
+    plain = ChatMessage.model_validate({"role": "user", "content": "hi"})
+    assert chatprompt.render(text, [plain], None, "m") == "<user>hi<assistant>"
+    tool = Tool.model_validate({"type": "function", "function": {"name": "f"}})
+    assert chatprompt.render(text, [plain], [tool], "m") == "[1 tools]<user>hi<assistant>"
+    with pytest.raises(ValueError, match="does not compile"):
+        with_chat_template(profile_for("tiny-llama"), "{% for %}")
+    sneaky = with_chat_template(profile_for("tiny-llama"), "{{ ''.__class__.__mro__ }}").text
+    from jinja2.exceptions import SecurityError
+
+    with pytest.raises(SecurityError):
+        chatprompt.render(sneaky, [plain], None, "m")
