@@ -71,6 +71,7 @@ class _Loop:
     select: tuple[tuple[str, int, int, int], ...]  # (param, dim, start, step)
     table: tuple[str, ...]
     ops: dict[str, ir.Op]  # the body's ops by name
+    calls: dict[str, Any]  # component node -> (args, kwargs) getters from the body's values
 
 
 @dataclass(eq=False)
@@ -181,15 +182,12 @@ class LoopStepper:
             if run.pos == 0 and self._blocked(run):
                 continue  # its consumers' buffers are full: it waits for their credit
             node = run.loop.body[run.pos]
-            op = self.interp.value
             call = None
             if node.kind == "component":
-                ir_op = run.loop.ops[node.ops[0]]
+                args, kwargs = run.loop.calls[node.name]
+                env = run.env
                 try:
-                    call = (
-                        [op(a, run.env) for a in ir_op.args],
-                        {k: op(a, run.env) for k, a in ir_op.kwargs.items()},
-                    )
+                    call = ([get(env) for get in args], {k: get(env) for k, get in kwargs})
                 except Exception as e:
                     self._fail(run, f"node {node.name}: {e}")
                     continue
@@ -245,9 +243,25 @@ class LoopStepper:
                 tuple(affine),
                 tuple(select),
                 tuple(table),
-                {n.name: n for n in ir.iter_nodes(node.body) if isinstance(n, ir.Op)},
+                ops := {n.name: n for n in ir.iter_nodes(node.body) if isinstance(n, ir.Op)},
+                {
+                    n.name: (
+                        [self._getter(a) for a in ops[n.ops[0]].args],
+                        [(k, self._getter(a)) for k, a in ops[n.ops[0]].kwargs.items()],
+                    )
+                    for n in body
+                    if n.kind == "component"
+                },
             )
         return loop
+
+    def _getter(self, arg: ir.Arg) -> Any:
+        """A function of the body's values giving ``arg`` (a plain lookup for a value)."""
+        if isinstance(arg, ir.Ref):
+            name = arg.name
+            return lambda env: env[name]
+        value = self.interp.value
+        return lambda env: value(arg, env)
 
     def _begin(self, run: _Run) -> bool:
         """Set up iteration ``run.i``'s body values; False when the loop is done."""

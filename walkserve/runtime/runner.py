@@ -80,6 +80,8 @@ class _Node:
     ops: dict[str, ir.Op]
     call: BatchedComponent | None
     stateful: bool  # its component has a forward_batch: a failed batched call is not retried
+    all_ops: tuple[str, ...]  # the node's ops, in order
+    order: dict[str, int]  # op -> position
 
 
 class NodeRunner:
@@ -109,6 +111,8 @@ class NodeRunner:
                     {name: ops[name] for name in node.ops},
                     call,
                     call is not None and hasattr(call.fn, "forward_batch"),
+                    tuple(node.ops),
+                    {name: k for k, name in enumerate(node.ops)},
                 )
 
     def nodes(self) -> list[tuple[str, str]]:
@@ -125,8 +129,9 @@ class NodeRunner:
         if entry is None:
             where = "this runner" if self.rank is None else f"rank {self.rank}"
             raise KeyError(f"node {walk}:{node} is not placed on {where}")
-        order = {name: k for k, name in enumerate(entry.plan.ops)}
-        bad = [it for it in items if not _subsequence(it.ops, order)]
+        bad = [
+            it for it in items if it.ops != entry.all_ops and not _subsequence(it.ops, entry.order)
+        ]
         if bad:
             error = (
                 f"ops {list(bad[0].ops)} are not a subsequence of node {walk}:{node}'s ops "
@@ -186,6 +191,12 @@ class NodeRunner:
             return ItemResult(item.id, error=out.error)
         if made and out is DEFER:
             return ItemResult(item.id, deferred=True)
+        names = item.outputs or item.ops
+        if len(item.ops) == len(made):  # a component alone: nothing to run here
+            try:
+                return ItemResult(item.id, {name: made[name] for name in names})
+            except KeyError as e:
+                return ItemResult(item.id, error=f"node {entry.plan.name} makes no value {e}")
         env = dict(item.env)
         env.update(made)
         try:
@@ -194,7 +205,6 @@ class NodeRunner:
                     env[name] = self.interp.op(entry.ops[name], env)
         except Exception as e:
             return ItemResult(item.id, error=str(e))
-        names = item.outputs or item.ops
         try:
             return ItemResult(item.id, {name: env[name] for name in names})
         except KeyError as e:
