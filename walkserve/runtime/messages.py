@@ -230,6 +230,7 @@ class WorkerSetup(_Msg, frozen=True):
     speculate: bool = True  # the rank scheduler's (see ``rankscheduler``)
     stream_buffer_limit: PosInt = 64
     peers: dict[int, str] = {}  # rank -> its peer socket (``Fetch``); empty: hold nothing
+    hold: bool = False  # keep values no one needs the bytes of (the server's conductor asks)
 
 
 class Fatal(_Msg, frozen=True):

@@ -607,6 +607,9 @@ def serve(
             threads=threads,
             config=pool_config,
             on_listening=None if launcher is None else launcher.launch,
+            speculate=speculate,
+            stream_buffer_limit=stream_buffer_limit,
+            hold=True,
         )
     except BaseException:
         if launcher is not None:

@@ -372,7 +372,7 @@ class Worker:
             self.transport,
             self.objects,
             self._send,
-            hold=self.peers is not None,
+            hold=setup.hold and self.peers is not None,
         )
 
     # ------------------------------------------------------------------ main thread

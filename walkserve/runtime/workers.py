@@ -302,10 +302,14 @@ class WorkerPool:
         *,
         speculate: bool = True,
         stream_buffer_limit: int = 64,
+        hold: bool = False,
     ) -> None:
         """``on_listening(pool)``: called once the control sockets are bound (``pool.address``)
         and before waiting for the workers; a launcher of remote ranks starts them there.
-        ``speculate``, ``stream_buffer_limit``: the rank schedulers' (``rankscheduler``)."""
+        ``speculate``, ``stream_buffer_limit``: the rank schedulers' (``rankscheduler``).
+        ``hold``: workers keep the values whose bytes the plan's conductor does not need
+        (``ExecutablePlan.conductor_values``) and report handles; without it every output
+        comes back whole (a caller of ``submit_batch`` that reads the values itself)."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         for walk in plan.walks:
@@ -322,6 +326,7 @@ class WorkerPool:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self._model = (model_name, seed, ir_to_json(captured.graph), plan.to_json())
         self._scheduling = (speculate, stream_buffer_limit)
+        self.hold = hold
         self.on_regions: Callable[[int, list[RegionEvent]], None] = lambda rank, events: None
         self._regions: dict[int, dict[int, str]] = {}  # rank -> region item -> request
         self._region_handles: dict[Token, int] = {}  # input slots of region starts -> rank
@@ -934,7 +939,17 @@ class WorkerPool:
         data = self.remote_data(state.rank) if remote else "shm"
         speculate, limit = self._scheduling
         setup = WorkerSetup(
-            model, seed, ir, plan, state.rank, self._shm.spec, data, speculate, limit, self._peers()
+            model,
+            seed,
+            ir,
+            plan,
+            state.rank,
+            self._shm.spec,
+            data,
+            speculate,
+            limit,
+            self._peers(),
+            self.hold,
         )
         self._send_setup(state, encode(setup))
 
