@@ -1,0 +1,318 @@
+"""Walk specs: a walk's IR and plan turned, once, into what the conductor steps through.
+
+Owns the static side of the conductor: per block, its dispatch units (``NodeSpec``: a plan
+node's ops and what each reads), its loops (``LoopSpec``: what a loop needs to start, reads per
+step, which streams it feeds, which client outputs its channels stream, whether a rank may step
+it whole), its regions (``RegionSpec``) and its streams (``StreamSpec``), and how many readers
+each value has (``BlockSpec.uses``). Built by ``SpecBuilder`` from a ``CapturedModel`` walk and
+its ``ExecutablePlan``; read-only afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from walkserve.capture import ir
+from walkserve.capture.chunk import ChunkPolicy, FixedChunk, LeftContext, SlidingWindow
+from walkserve.capture.model import CapturedModel
+from walkserve.lowering.plan import BlockPlan, ExecutablePlan, NodePlan, RegionPlan
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    op: ir.Op
+    reads: tuple[str, ...]  # names of the values it reads (each once)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    ops: tuple[OpSpec, ...]
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """A region its rank runs by itself (``RegionPlan``): a node with many outputs."""
+
+    name: str
+    reads: tuple[str, ...]  # values of the block it needs to start
+    trip_inputs: tuple[str, ...]  # walk inputs its loops' bounds name
+    outputs: tuple[str, ...]
+    emit: dict[str, tuple[str, ...]]  # streamed channel -> client outputs (walk level)
+    forwards: dict[str, tuple[str, ...]]  # channel -> the streams it feeds (other regions)
+    fed: tuple[str, ...]  # streams it consumes from other regions
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    edge: ir.StreamEdge
+    policy: ChunkPolicy
+    producer: str | None  # the sibling loop whose accumulated channel is the source, if any
+    acc: ir.Accumulated | None
+    backpressure: bool  # False where the consumer cannot start before the producer ends
+
+
+@dataclass(eq=False)
+class LoopSpec:
+    node: ir.LoopNode
+    body: BlockSpec
+    need: tuple[str, ...]  # outer values needed to start (init, invariant, select, table)
+    step_reads: tuple[str, ...]  # outer values read per iteration, released at the end
+    speculative: bool  # the loop and every component of its body allow speculation
+    visible: ir.LoopNode  # the loop as its block reads it: unread accumulations left out
+    feeds: tuple[tuple[str, str], ...]  # (stream, channel) pairs this loop produces into
+    emit: dict[str, tuple[str, ...]]  # accumulated channel -> client outputs (walk level)
+    fast: bool = False  # handed to the runner whole (``fast_loops``): a simple loop
+
+
+@dataclass(eq=False)
+class BlockSpec:
+    params: tuple[str, ...]
+    nodes: tuple[NodeSpec, ...]
+    loops: tuple[LoopSpec, ...]
+    regions: tuple[RegionSpec, ...]
+    streams: dict[str, StreamSpec]  # streams between loops of this block, by name
+    uses: dict[str, int]  # readers of each value: ops, loop starts, loop ends
+    pinned: frozenset[str]  # values kept until the frame ends (block outputs, stop)
+
+
+def unique(names: list[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))
+
+
+def loop_reads(node: ir.LoopNode) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(needed to start, read per step) outer values of a loop; stream sources excluded."""
+    need: list[str] = []
+    step: list[str] = []
+    for p in node.params:
+        role = p.role
+        if isinstance(role, ir.Carried):
+            need += ir.arg_refs(role.init)
+        elif isinstance(role, ir.Invariant):
+            need += ir.arg_refs(role.value)
+        elif isinstance(role.source, ir.SelectStep):
+            step += ir.arg_refs(role.source.source)
+        elif isinstance(role.source, ir.TableStep):
+            step += [r for v in role.source.values for r in ir.arg_refs(v)]
+    return unique(need + step), unique(step)
+
+
+def min_buffer(policy: ChunkPolicy) -> int:
+    """Items a buffer must hold for the consumer's next chunk to become ready."""
+    if isinstance(policy, FixedChunk):
+        return policy.size
+    if isinstance(policy, LeftContext):
+        return policy.context + max(policy.chunk, policy.first_size)
+    assert isinstance(policy, SlidingWindow)
+    return policy.window
+
+
+class SpecBuilder:
+    """Builds the ``BlockSpec`` tree of one walk from its IR and its plan."""
+
+    def __init__(
+        self,
+        captured: CapturedModel,
+        walk: ir.Walk,
+        plan: ExecutablePlan,
+        fast_loops: bool = False,
+    ) -> None:
+        self.fast_loops = fast_loops
+        self.graph = captured.graph
+        self.walk = walk
+        self.region_at: dict[tuple[str, ...], dict[str, RegionPlan]] = {}
+        for r in plan.regions.get(walk.name, []):
+            self.region_at.setdefault(tuple(r.path), {})[r.items[0]] = r
+        nodes = ir.iter_nodes(walk.body)
+        self.ops = {n.name: n for n in nodes if isinstance(n, ir.Op)}
+        self.loops = {n.name: n for n in nodes if isinstance(n, ir.LoopNode)}
+        self.edges = {s.name: s for s in walk.streams}
+
+    def block(
+        self,
+        block: ir.Block,
+        plan: BlockPlan,
+        pinned: set[str],
+        top: bool,
+        path: tuple[str, ...] = (),
+    ) -> BlockSpec:
+        nodes: list[NodeSpec] = []
+        loops: list[LoopSpec] = []
+        regions: list[RegionSpec] = []
+        planned: set[str] = set()
+        starts = self.region_at.get(path, {})
+        skip: set[str] = set()
+        for pn in plan.nodes:
+            if pn.name in skip:
+                continue
+            if pn.name in starts:
+                region = starts[pn.name]
+                skip |= set(region.items)
+                regions.append(self._region(region, plan, top))
+                for item in plan.nodes:
+                    if item.name in region.items:
+                        planned |= set(item.ops) if isinstance(item, NodePlan) else {item.name}
+                continue
+            if isinstance(pn, NodePlan):
+                ops = []
+                for name in pn.ops:
+                    op = self.ops[name]
+                    ops.append(OpSpec(op, unique(ir.node_inputs(op))))
+                    planned.add(name)
+                nodes.append(NodeSpec(pn.name, tuple(ops)))
+            else:
+                node = self.loops[pn.name]
+                body_pinned = {*node.outputs, *([node.stop] if node.stop else [])}
+                body = self.block(node.body, pn.body, body_pinned, False, (*path, node.name))
+                need, step = loop_reads(node)
+                loops.append(
+                    LoopSpec(node, body, need, step, self._speculative(node), node, (), {})
+                )
+                planned.add(node.name)
+        block_ops = {n.name for n in block.nodes}
+        if planned != block_ops:
+            raise ValueError(
+                f"the plan of walk {self.walk.name!r} does not match the captured model: "
+                f"plan-only {sorted(planned - block_ops)}, IR-only {sorted(block_ops - planned)}"
+            )
+        streams = self._streams(block, loops)
+        uses: dict[str, int] = {}
+        for n in nodes:
+            for o in n.ops:
+                for r in o.reads:
+                    uses[r] = uses.get(r, 0) + 1
+        for ls in loops:
+            for r in ls.need:  # step reads are among them
+                uses[r] = uses.get(r, 0) + 1
+        for rs in regions:
+            for r in rs.reads:
+                uses[r] = uses.get(r, 0) + 1
+        for s in streams.values():
+            if s.producer is None:  # a whole value: read by the consumer until it ends
+                uses[s.edge.source] = uses.get(s.edge.source, 0) + 1
+        for ls in loops:
+            ls.visible = msgspec.structs.replace(
+                ls.node,
+                accumulated={
+                    ch: acc
+                    for ch, acc in ls.node.accumulated.items()
+                    if uses.get(ch, 0) > 0 or ch in pinned
+                },
+            )
+            ls.feeds = tuple(
+                (name, s.edge.source) for name, s in streams.items() if s.producer == ls.node.name
+            )
+            ls.fast = self.fast_loops and simple_loop(ls)
+            if top:
+                ls.emit = {
+                    ch: tuple(
+                        out
+                        for out, arg in self.walk.outputs.items()
+                        if arg == ir.Ref(ch) and out not in self.walk.state
+                    )
+                    for ch in ls.node.accumulated
+                }
+        return BlockSpec(
+            tuple(block.params),
+            tuple(nodes),
+            tuple(loops),
+            tuple(regions),
+            streams,
+            uses,
+            frozenset(pinned),
+        )
+
+    def _region(self, region: RegionPlan, plan: BlockPlan, top: bool) -> RegionSpec:
+        emit: dict[str, tuple[str, ...]] = {}
+        if top:
+            for ch in region.streamed:
+                emit[ch] = tuple(
+                    out
+                    for out, arg in self.walk.outputs.items()
+                    if arg == ir.Ref(ch) and out not in self.walk.state
+                )
+        forwards = {
+            ch: tuple(
+                e.name
+                for e in self.walk.streams
+                if e.source == ch
+                and any(e.name in r.fed for rs in self.region_at.values() for r in rs.values())
+            )
+            for ch in region.forwards
+        }
+        return RegionSpec(
+            region.name,
+            tuple(region.inputs),
+            tuple(region.trip_inputs),
+            tuple(region.outputs),
+            emit,
+            forwards,
+            tuple(region.fed),
+        )
+
+    def _speculative(self, node: ir.LoopNode) -> bool:
+        components = [
+            self.graph.components[n.target].speculative
+            for n in ir.iter_nodes(node.body)
+            if ir.is_component(n) and isinstance(n, ir.Op)
+        ]
+        return node.speculative and all(components)
+
+    def _streams(self, block: ir.Block, loops: list[LoopSpec]) -> dict[str, StreamSpec]:
+        by_name = {ls.node.name: ls for ls in loops}
+        producers = {ch: ls.node for ls in loops for ch in ls.node.accumulated}
+        out: dict[str, StreamSpec] = {}
+        for ls in loops:
+            trips = ls.node.trips
+            if not isinstance(trips, ir.StreamTrips):
+                continue
+            edge = self.edges[trips.stream]
+            producer = producers.get(edge.source)
+            acc = producer.accumulated[edge.source] if producer is not None else None
+            waits = producer is not None and producer.name in self._ancestors(
+                block, by_name, ls.need
+            )
+            out[edge.name] = StreamSpec(
+                edge,
+                ChunkPolicy.from_json(dict(edge.policy)),
+                producer.name if producer is not None else None,
+                acc,
+                backpressure=producer is not None and not waits,
+            )
+        return out
+
+    def _ancestors(
+        self, block: ir.Block, loops: dict[str, LoopSpec], names: tuple[str, ...]
+    ) -> set[str]:
+        """Nodes of ``block`` that the values ``names`` depend on, transitively."""
+        made_by: dict[str, ir.Node] = {}
+        for n in block.nodes:
+            for v in ir.node_outputs(n):
+                made_by[v] = n
+        seen: set[str] = set()
+        todo = list(names)
+        while todo:
+            node = made_by.get(todo.pop())
+            if node is None or node.name in seen:
+                continue
+            seen.add(node.name)
+            todo += ir.node_inputs(node) if isinstance(node, ir.Op) else loops[node.name].need
+        return seen
+
+
+def simple_loop(ls: LoopSpec) -> bool:
+    """A loop the runner may step by itself: a straight body of nodes, no stream in or out."""
+    body = ls.body
+    return (
+        not body.loops
+        and not body.regions
+        and not body.streams
+        and not ls.feeds
+        and not isinstance(ls.node.trips, ir.StreamTrips)
+        and not any(
+            isinstance(p.role, ir.PerStep) and isinstance(p.role.source, ir.ChunkStep)
+            for p in ls.node.params
+        )
+    )
