@@ -6,8 +6,9 @@ request showed and what the author declared (``@walk(inputs={name: capture.Input
 
     tensor    dtype as sampled; rank as sampled; dimension 0 (the batch) any size >= 1; every
               other dimension its sampled size, unless declared (``Dim``, ``"dynamic"``)
-    ids       an integer tensor that an ``nn.Embedding`` reads as it is (the first component
-              that reads it, seen while capture runs the sample): 0 <= id < vocabulary
+    ids       an integer tensor that an ``nn.Embedding`` reads as it is (seen while capture runs
+              the sample; or declared ``vocab=``): 0 <= id < vocabulary, and every dimension
+              free (an embedding reads a sequence of any length)
     floats    finite (no NaN or infinity), unless declared ``finite=False``
     int       a Python int (not a bool); a loop's trip count is >= 0, or >= 1 when the loop
               must run once (``loopsem.needs_iteration``), and a ``max_iters`` input >= 1; both
@@ -189,9 +190,10 @@ def _spec(
                 f"has {rank} dimensions in the sample request",
                 walk.source,
             )
+        ids = vocab is not None or decl.vocab is not None  # token ids: a sequence of any length
         shape: list[int | ir.DimRange] = []
         for d, size in enumerate(meta.shape):
-            dim = decl.dim(d) or (Dim() if d == 0 or size is None else None)
+            dim = decl.dim(d) or (Dim() if d == 0 or size is None or ids else None)
             shape.append(size if dim is None else ir.DimRange(dim.min, dim.max))  # type: ignore[arg-type]
         low, high, why = declared_range(
             (0, vocab[0] - 1, f"the vocabulary of {vocab[1]} ({vocab[0]} ids)")
