@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from walkserve.capture import iterations, loop, register_component, walk
+from walkserve.capture import Input, iterations, loop, register_component, walk
 from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig
 
 register_component(PagedLM, engine="kv_cache")
@@ -39,7 +39,11 @@ class TextWalks:
     lm: PagedLM
     eos: int
 
-    @walk(next="decode", state=("cache", "count"))
+    @walk(
+        next="decode",
+        state=("cache", "count"),
+        inputs={"input_ids": Input(vocab=lambda m: m.lm.lm.get_input_embeddings().num_embeddings)},
+    )
     def prefill(self, input_ids, temperature, top_p, top_k, seed):  # input_ids: [B, T]
         token, cache = self.lm(input_ids, None, 0, temperature, top_p, top_k, seed)  # [B, 1]
         return {"token": token, "cache": cache, "count": torch.ones_like(token)}

@@ -168,14 +168,16 @@ class Input:
 
     ``dims``: dimension -> its size range (``Dim``, ``"dynamic"`` or ``(min, max)``); dimension
     0, the batch, is free unless given. ``min``/``max``: the value of an int or float input, or
-    of every element of an integer tensor. ``vocab``: token ids, ``0 <= id < vocab`` (capture
-    finds it by itself when the input is read by an ``nn.Embedding`` as it is). ``finite``:
-    refuse NaN and infinities in a float input (the default)."""
+    of every element of an integer tensor. ``vocab``: token ids, ``0 <= id < vocab``, every
+    dimension free; an int, or a function of the model returning it (``lambda m:
+    m.lm.config.vocab_size``) when only the instance knows. Capture finds the vocabulary by
+    itself when an ``nn.Embedding`` reads the input as it is. ``finite``: refuse NaN and
+    infinities in a float input (the default)."""
 
     dims: Mapping[int, DimDecl] = field(default_factory=dict)
     min: int | float | None = None
     max: int | float | None = None
-    vocab: int | None = None
+    vocab: int | Callable[[Any], int] | None = None
     finite: bool = True
 
     def __post_init__(self) -> None:
@@ -195,12 +197,20 @@ class Input:
                 )
         object.__setattr__(self, "dims", dims)
         if self.vocab is not None:
-            if isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 1:
+            if not callable(self.vocab) and (
+                isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 1
+            ):
                 raise ValueError(f"Input vocab must be an int >= 1, got {self.vocab!r}")
             if self.min is not None or self.max is not None:
                 raise ValueError("Input takes vocab or min/max, not both")
         if self.min is not None and self.max is not None and self.max < self.min:
             raise ValueError(f"Input max ({self.max}) is below min ({self.min})")
+
+    def resolve(self, model: Any) -> Input:
+        """This declaration with a vocabulary function evaluated on ``model``."""
+        if not callable(self.vocab):
+            return self
+        return Input(dict(self.dims), self.min, self.max, int(self.vocab(model)), self.finite)
 
     def dim(self, d: int) -> Dim | None:
         """The declared size range of dimension ``d``, or None."""

@@ -174,7 +174,7 @@ def _spec(
     decl = decl or Input()
 
     def declared_range(default: tuple[Any, Any, str | None]) -> tuple[Any, Any, str | None]:
-        if decl.vocab is not None:
+        if isinstance(decl.vocab, int):
             return 0, decl.vocab - 1, f"the declared vocabulary ({decl.vocab} ids)"
         if decl.min is not None or decl.max is not None:
             return decl.min, decl.max, "declared"

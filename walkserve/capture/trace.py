@@ -102,7 +102,7 @@ def trace(
                         ],
                     }
                 ),
-                dict(spec.inputs),
+                {k: decl.resolve(model) for k, decl in spec.inputs},
                 probe.found,
             )
             _check_sample(traced, sample_inputs)

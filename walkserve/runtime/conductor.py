@@ -699,6 +699,9 @@ class Conductor:
             produced |= set(w.outputs)
             seen.add(current)
             current = None if graph.custom_transition else w.next
+        if graph.custom_transition:  # next_walk() may pick any walk: each checks what it takes
+            for w in graph.walks.values():
+                check_inputs(w, {k: v for k, v in inputs.items() if k not in produced})
 
     def _enter_walk(self, req: _Request, walk: str) -> None:
         w = self.captured.graph.walks[walk]
