@@ -53,7 +53,7 @@ from typing import Any, Literal
 
 import msgspec
 
-IR_VERSION = 1
+IR_VERSION = 2
 
 # ------------------------------------------------------------------------------ arguments
 

@@ -102,6 +102,15 @@ class TracedGenerator(torch.Generator):
 
     def manual_seed(self, seed: Any) -> TracedGenerator:  # type: ignore[override]
         if isinstance(seed, torch.fx.Proxy):
+            try:  # an int walk input, or + - * // % of them: not a tensor's value
+                self.tracer._trip_expr(seed, "manual_seed")
+            except CaptureError:
+                raise CaptureError(
+                    "rng-seed",
+                    "manual_seed() needs a Python int or an int walk input (or + - * // % of "
+                    "them), not a value computed from tensors",
+                    user_source(),
+                ) from None
             self.state = self.tracer.create_proxy("call_function", seed_state, (seed,), {})
         elif isinstance(seed, int) and not isinstance(seed, bool):
             self.state = seed_state(seed)
