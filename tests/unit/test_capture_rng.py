@@ -15,17 +15,15 @@ from torch import nn
 
 from walkserve import capture
 from walkserve.capture import CaptureError, component, loop, walk
+from walkserve.lowering.lower import lower
+from walkserve.runtime.local import run_local
+from walkserve.testing import assert_outputs_match
 
 
 def line_of(fn: object, text: str) -> int:
     """The absolute line number of the first line of ``fn``'s source containing ``text``."""
     lines, start = inspect.getsourcelines(inspect.unwrap(fn))  # type: ignore[arg-type]
     return start + next(i for i, line in enumerate(lines) if text in line)
-
-
-from walkserve.lowering.lower import lower
-from walkserve.runtime.local import run_local
-from walkserve.testing import assert_outputs_match
 
 
 @component

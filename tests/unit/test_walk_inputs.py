@@ -265,8 +265,8 @@ def test_declaration_values_are_checked() -> None:
         Dim(3, 2)
     with pytest.raises(ValueError, match="vocab or min/max"):
         Input(vocab=3, max=2)
-    with pytest.raises(ValueError, match="must be a Dim, 'dynamic' or"):
+    with pytest.raises(ValueError, match=r"must be a Dim, 'dynamic' or"):
         Input(dims={1: "sometimes"})  # type: ignore[dict-item]
-    with pytest.raises(TypeError, match="must be a capture.Input"):
+    with pytest.raises(TypeError, match=r"must be a capture\.Input"):
         walk(inputs={"x": (1, 2)})  # type: ignore[dict-item]
     assert Input(vocab=lambda m: m.n).resolve(type("M", (), {"n": 7})()).vocab == 7
