@@ -16,6 +16,11 @@ node kinds, a closed set like torch.fx's node ops:
   *accumulated* channels (every iteration's value joined with cat/stack); their names are
   disjoint. A ``DynamicLoop`` adds a stop value in the body and a required ``max_iters``.
 
+A loop's trip count is a constant, an int walk input, an integer expression of walk inputs
+(``ExprTrips``: ``range(points - 1)``), or the chunks of a stream; ``loopsem`` evaluates it per
+request for every executor. Each ``WalkInput`` carries an ``InputSpec`` (what a valid value is),
+checked before a request is admitted (``inputs.check_inputs``).
+
 Streaming edges are listed per walk: the accumulated channel of a producer loop flows into a
 consumer loop chunk by chunk under a chunk policy. ``Parallel`` and ``Sequential`` are not
 stored: they follow from the dataflow and are derived by ``sections()``: component nodes that
@@ -41,6 +46,7 @@ Printed form of the CFG example's ``generate`` walk (``walkserve trace``, glue a
         add_2 = glue operator.add(z, mul_2)
       decoder = component decoder(euler_step.z)
       return image = decoder
+      streamed: none; at the end: image
 
 Everything here is a msgspec Struct: ``walkserve.capture.serialize`` exports and imports the
 IR as JSON that round-trips exactly, and ``lint()`` checks every structural invariant.
