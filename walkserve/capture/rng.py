@@ -33,6 +33,7 @@ write ``torch.randn(..., generator=g)``).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -170,6 +171,54 @@ def target_of(func: Any) -> str:
             f"capture can name; supported: {SUPPORTED}",
             user_source(),
         ) from None
+
+
+def new_generator(tracer: WalkTracer, *args: Any, **kwargs: Any) -> TracedGenerator:
+    device = kwargs.get("device", args[0] if args else "cpu")
+    if torch.device(device).type != "cpu":
+        raise CaptureError(
+            "rng-device",
+            f"torch.Generator(device={device!r}) in a walk: capture supports CPU generators "
+            "(whose draws equal eager's on every device the runtime uses); draw on the CPU "
+            "and move the tensor: torch.randn(..., generator=g).to(device)",
+            user_source(),
+        )
+    return TracedGenerator(tracer)
+
+
+def trace_draw(
+    tracer: WalkTracer, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.fx.Proxy:
+    """One traced draw from the generator in ``kwargs``; advances its state."""
+    gen: TracedGenerator = kwargs["generator"]
+    rest = {k: v for k, v in kwargs.items() if k != "generator"}
+    state = gen.state
+    if isinstance(state, torch.fx.Proxy) and state.node.graph is not tracer.graph:
+        raise CaptureError(
+            "rng-in-loop",
+            "a draw inside a @loop body from a torch.Generator made outside it; the "
+            "generator's state would have to be carried from iteration to iteration. Draw "
+            "every iteration's noise before the loop and index it per step: "
+            "`noise = torch.randn(steps, *shape, generator=g)`, then pass `noise[k]` to "
+            "the body",
+            user_source(),
+        )
+    if (
+        target.startswith("method:")
+        and target.endswith("_")
+        and not (args and isinstance(args[0], torch.fx.Proxy))
+    ):
+        raise CaptureError(
+            "rng-in-place",
+            f"{target.removeprefix('method:')}(generator=g) fills a tensor that is not traced "
+            "(made from constants), which capture would bake into the graph; draw a new "
+            "tensor instead: torch.randn(shape, generator=g), or "
+            "torch.randn_like(x, generator=g)",
+            user_source(),
+        )
+    out = tracer.create_proxy("call_function", draw, (state, target, tuple(args), rest), {})
+    gen.state = tracer.create_proxy("call_function", operator.getitem, (out, 1), {})
+    return tracer.create_proxy("call_function", operator.getitem, (out, 0), {})
 
 
 class DrawMode(TorchFunctionMode):

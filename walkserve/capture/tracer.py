@@ -31,14 +31,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from walkserve.capture import ir, rng
+from walkserve.capture import ir, rng, trips
 from walkserve.capture.api import ComponentSpec, LoopSpec, _Hook, component_spec
 from walkserve.capture.chunk import ChunkPolicy, LeftContext
 from walkserve.capture.errors import CaptureError, user_source
 
-# Sample iterations the tracer lets a dynamic, streamed or input-bounded loop run: enough to
-# tell carried from per-step arguments and to check that per-step ints are affine.
-SAMPLE_ITERATIONS = 3
+SAMPLE_ITERATIONS = trips.SAMPLE_ITERATIONS
 
 CONST_PREFIX = "__const__."
 
@@ -141,9 +139,9 @@ class WalkTracer(fx.Tracer, _Hook):
         self._keys = itertools.count()
         self._seq = itertools.count()
         self._attr_cache: dict[int, dict[str, fx.Proxy]] = {}
-        self._pending_trip: ir.IntExpr | None = None
+        self.pending_trip: ir.IntExpr | None = None
         self._pending_stream: StreamInfo | None = None
-        self._body_graphs: set[int] = set()
+        self.body_graphs: set[int] = set()
 
     # -------------------------------------------------------------- fx overrides
 
@@ -346,87 +344,14 @@ class WalkTracer(fx.Tracer, _Hook):
     def iterations(self, n: Any) -> Iterator[int]:
         if isinstance(n, int):
             return iter(range(n))
-        return self._traced_iterations(self._trip_expr(n, "iterations"), 0, 1)
+        return trips.traced_iterations(self, self._trip_expr(n, "iterations"), 0, 1)
 
-    def traced_range(self, *args: Any) -> _TracedRange:
-        """``range(...)`` with a traced argument (see ``shims``): a loop over a trip count
-        that is an integer expression of walk inputs; ``start`` and ``step`` Python ints."""
-        start, step = 0, 1
-        if len(args) == 1:
-            stop = args[0]
-        elif len(args) in (2, 3):
-            start, stop = args[0], args[1]
-            step = args[2] if len(args) == 3 else 1
-        else:
-            raise CaptureError(
-                "range", f"range expected 1 to 3 arguments, got {len(args)}", user_source()
-            )
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, step)):
-            raise CaptureError(
-                "range",
-                "range(start, stop, step) over a traced stop needs Python ints for start and "
-                "step; only the stop may come from walk inputs",
-                user_source(),
-            )
-        if step == 0:
-            raise CaptureError("range", "range() step must not be zero", user_source())
-        expr = self._trip_expr(stop, "range")
-        # len(range(start, stop, step)) for step > 0: ceil((stop - start) / step); and with
-        # the signs flipped for step < 0.
-        if step > 0:
-            count = _sub(expr, start)
-        else:
-            count = ir.IntBinOp("sub", ir.IntLit(start), expr)
-        if abs(step) != 1:
-            count = ir.IntBinOp("floordiv", _add(count, abs(step) - 1), ir.IntLit(abs(step)))
-        return _TracedRange(self, count, start, step, user_source())
-
-    def _traced_iterations(self, count: ir.IntExpr, start: int, step: int) -> Iterator[int]:
-        for i in range(SAMPLE_ITERATIONS):
-            self._pending_trip = count
-            yield start + i * step
-        self._pending_trip = None
+    def traced_range(self, *args: Any) -> trips.TracedRange:
+        """``range(...)`` with a traced argument (see ``shims`` and ``trips``)."""
+        return trips.traced_range(self, *args)
 
     def _trip_expr(self, value: Any, what: str) -> ir.IntExpr:
-        """An integer expression of walk inputs from a traced value (or a Python int)."""
-        if isinstance(value, int) and not isinstance(value, bool):
-            return ir.IntLit(value)
-        if isinstance(value, fx.Proxy):
-            value = value.node
-        if not isinstance(value, fx.Node):
-            raise CaptureError(
-                "trip-count",
-                f"{what}() needs an int, got {type(value).__name__}",
-                user_source(),
-            )
-        return self._node_expr(value, what)
-
-    def _node_expr(self, node: fx.Node, what: str) -> ir.IntExpr:
-        ops = {
-            operator.add: "add",
-            operator.sub: "sub",
-            operator.mul: "mul",
-            operator.floordiv: "floordiv",
-            operator.mod: "mod",
-        }
-        if node.op == "placeholder" and id(node.graph) not in self._body_graphs:
-            return ir.IntInput(str(node.target))
-        if node.op == "call_function" and node.target in ops and len(node.args) == 2:
-            left, right = (self._trip_expr(a, what) for a in node.args)
-            return ir.IntBinOp(ops[node.target], left, right)  # type: ignore[arg-type]
-        if node.op == "call_function" and node.target is operator.neg:
-            return ir.IntBinOp("sub", ir.IntLit(0), self._trip_expr(node.args[0], what))
-        size = _size_of_input(node, self._body_graphs)
-        if size is not None:
-            return size
-        raise CaptureError(
-            "trip-count",
-            f"the trip count of {what}() must be an integer expression of int walk inputs, "
-            "walk inputs' sizes (x.shape[d], x.size(d), len(x)) and Python ints, combined with "
-            f"+ - * // %; it is computed by {node.format_node()}. Inside a @loop body, pass the "
-            "count from the walk or loop in the walk",
-            user_source(),
-        )
+        return trips.trip_expr(self, value, what)
 
     def torch_call(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -445,50 +370,12 @@ class WalkTracer(fx.Tracer, _Hook):
     # -------------------------------------------------------------- random numbers (rng.py)
 
     def generator(self, *args: Any, **kwargs: Any) -> rng.TracedGenerator:
-        device = kwargs.get("device", args[0] if args else "cpu")
-        if torch.device(device).type != "cpu":
-            raise CaptureError(
-                "rng-device",
-                f"torch.Generator(device={device!r}) in a walk: capture supports CPU generators "
-                "(whose draws equal eager's on every device the runtime uses); draw on the CPU "
-                "and move the tensor: torch.randn(..., generator=g).to(device)",
-                user_source(),
-            )
-        return rng.TracedGenerator(self)
+        """What ``torch.Generator(...)`` returns in a walk while tracing (``rng``)."""
+        return rng.new_generator(self, *args, **kwargs)
 
     def draw(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> fx.Proxy:
-        """One traced draw from the generator in ``kwargs``; advances its state."""
-        gen: rng.TracedGenerator = kwargs["generator"]
-        rest = {k: v for k, v in kwargs.items() if k != "generator"}
-        state = gen.state
-        if isinstance(state, fx.Proxy) and state.node.graph is not self.graph:
-            raise CaptureError(
-                "rng-in-loop",
-                "a draw inside a @loop body from a torch.Generator made outside it; the "
-                "generator's state would have to be carried from iteration to iteration. Draw "
-                "every iteration's noise before the loop and index it per step: "
-                "`noise = torch.randn(steps, *shape, generator=g)`, then pass `noise[k]` to "
-                "the body",
-                user_source(),
-            )
-        if (
-            target.startswith("method:")
-            and target.endswith("_")
-            and not (args and isinstance(args[0], fx.Proxy))
-        ):
-            raise CaptureError(
-                "rng-in-place",
-                f"{target.removeprefix('method:')}(generator=g) fills a tensor that is not traced "
-                "(made from constants), which capture would bake into the graph; draw a new "
-                "tensor instead: torch.randn(shape, generator=g), or "
-                "torch.randn_like(x, generator=g)",
-                user_source(),
-            )
-        out = super().create_proxy(
-            "call_function", rng.draw, (state, target, tuple(args), rest), {}
-        )
-        gen.state = super().create_proxy("call_function", operator.getitem, (out, 1), {})
-        return super().create_proxy("call_function", operator.getitem, (out, 0), {})
+        """One traced draw from the generator in ``kwargs`` (``rng``)."""
+        return rng.trace_draw(self, target, args, kwargs)
 
     # -------------------------------------------------------------- loop recording
 
@@ -509,7 +396,7 @@ class WalkTracer(fx.Tracer, _Hook):
                 site == record.source
                 and not record.carries
                 and record.stream is self._pending_stream
-                and record.trip == self._pending_trip
+                and record.trip == self.pending_trip
             ):
                 return record
             record.closed = True
@@ -530,7 +417,7 @@ class WalkTracer(fx.Tracer, _Hook):
         self.loop_names[base] = count + 1
         name = base if count == 0 else f"{base}_{count}"
         body = fx.Graph(tracer_cls=type(self))
-        self._body_graphs.add(id(body))
+        self.body_graphs.add(id(body))
         static = {p: v for p, v in zip(params, values) if not _is_traced_value(v)}
         outer_graph = self.graph
         self.graph = body
@@ -540,10 +427,10 @@ class WalkTracer(fx.Tracer, _Hook):
                 proxies[p] = (
                     static[p] if p in static else self.create_proxy("placeholder", p, (), {})
                 )
-            saved = (self._pending_stream, self._pending_trip)
-            self._pending_stream = self._pending_trip = None
+            saved = (self._pending_stream, self.pending_trip)
+            self._pending_stream = self.pending_trip = None
             result = fn(owner, **proxies)
-            self._pending_stream, self._pending_trip = saved
+            self._pending_stream, self.pending_trip = saved
             if isinstance(result, dict):
                 raise CaptureError(
                     "loop-returns",
@@ -561,7 +448,7 @@ class WalkTracer(fx.Tracer, _Hook):
         finally:
             self.graph = outer_graph
         record = LoopRecord(key, name, fn, spec, params, static, body, len(outs), single, source)
-        record.trip = self._pending_trip
+        record.trip = self.pending_trip
         if self._pending_stream is not None and self._pending_stream.consumer is None:
             record.stream = self._pending_stream
             record.stream.consumer = record
@@ -620,76 +507,6 @@ class WalkTracer(fx.Tracer, _Hook):
                 continue
             stack.extend(_nodes_in((n.args, n.kwargs)))
         return None
-
-
-class _TracedRange:
-    """What ``range(...)`` over a traced bound returns while capturing: iterating it records
-    a loop over ``count`` iterations (the tracer runs ``SAMPLE_ITERATIONS`` of them)."""
-
-    def __init__(
-        self, tracer: WalkTracer, count: ir.IntExpr, start: int, step: int, source: str | None
-    ) -> None:
-        self.tracer, self.count, self.start, self.step, self.source = (
-            tracer,
-            count,
-            start,
-            step,
-            source,
-        )
-
-    def __iter__(self) -> Iterator[int]:
-        return self.tracer._traced_iterations(self.count, self.start, self.step)
-
-    def __reversed__(self) -> Iterator[int]:
-        raise CaptureError(
-            "range",
-            "reversed(range(n)) over a traced n: iteration i would get n - 1 - i, which is not "
-            "known while capturing. Iterate forward and flip what you index: "
-            "`for i in range(n): t = ts_flipped[i]` with `ts_flipped = ts.flip(0)`",
-            user_source(),
-        )
-
-    def __len__(self) -> int:
-        raise CaptureError(
-            "range",
-            "len() of a range over a traced bound is not known while capturing; use the bound "
-            "itself",
-            user_source(),
-        )
-
-
-def _add(expr: ir.IntExpr, k: int) -> ir.IntExpr:
-    return expr if k == 0 else ir.IntBinOp("add", expr, ir.IntLit(k))
-
-
-def _sub(expr: ir.IntExpr, k: int) -> ir.IntExpr:
-    return expr if k == 0 else ir.IntBinOp("sub", expr, ir.IntLit(k))
-
-
-def _size_of_input(node: fx.Node, body_graphs: set[int]) -> ir.IntSize | None:
-    """``x.shape[d]``, ``x.size(d)``, ``x.size()[d]``, ``len(x)`` of a walk input ``x``."""
-
-    def walk_input(n: Any) -> str | None:
-        if isinstance(n, fx.Node) and n.op == "placeholder" and id(n.graph) not in body_graphs:
-            return str(n.target)
-        return None
-
-    if node.op == "call_function" and node.target is len:
-        name = walk_input(node.args[0])
-        return None if name is None else ir.IntSize(name, 0)
-    if node.op == "call_method" and node.target == "size" and len(node.args) == 2:
-        name, dim = walk_input(node.args[0]), node.args[1]
-        return ir.IntSize(name, dim) if name is not None and isinstance(dim, int) else None
-    if node.op == "call_function" and node.target is operator.getitem:
-        base, dim = node.args
-        if not isinstance(base, fx.Node) or not isinstance(dim, int):
-            return None
-        is_shape = base.op == "call_function" and base.target is getattr and base.args[1] == "shape"
-        is_size = base.op == "call_method" and base.target == "size" and len(base.args) == 1
-        if is_shape or is_size:
-            name = walk_input(base.args[0])
-            return None if name is None else ir.IntSize(name, dim)
-    return None
 
 
 def _nodes_in_proxies(tree: Any) -> bool:
