@@ -408,3 +408,18 @@ def test_len_of_a_traced_value_is_captured() -> None:
     for rows in (1, 3, 5):
         y = torch.randn(rows, 4)
         assert torch.equal(captured.run({"x": y})["x"], model.run(y)["x"])
+
+
+class BadSample(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = Lin()
+
+    @walk
+    def run(self, x):
+        return {"y": self.lin(x[:, :3])}  # marker: fails
+
+
+def test_a_sample_the_model_cannot_run_names_the_failing_line() -> None:
+    # Capture runs each walk once on the sample: Lin wants 4 features, the walk passes 3.
+    expect(BadSample(), X, "sample-run", BadSample.run, "marker: fails", "on the sample inputs")

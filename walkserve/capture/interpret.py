@@ -39,7 +39,12 @@ MAX_TRANSITIONS = 64
 
 
 class InterpreterError(RuntimeError):
-    """A walk could not run: a missing input, a failing node (named), a bad transition."""
+    """A walk could not run: a missing input, a failing node (named, and ``source``: the
+    user's line that made it), a bad transition."""
+
+    def __init__(self, message: str, source: str | None = None) -> None:
+        super().__init__(message)
+        self.source = source
 
 
 Observer = Callable[[str, Any], None]
@@ -141,7 +146,9 @@ class Interpreter:
             return fn(*args, **kwargs)
         except Exception as e:
             where = f" ({node.source})" if node.source else ""
-            raise InterpreterError(f"node {node.name} ({node.target}){where} failed: {e}") from e
+            raise InterpreterError(
+                f"node {node.name} ({node.target}){where} failed: {e}", node.source
+            ) from e
 
     def callable(self, node: ir.Op, args: list[Any]) -> Callable[..., Any]:
         """The function an op calls: its component module, or its checked glue target."""

@@ -23,7 +23,7 @@ from walkserve.capture.api import ACTIVE_HOOK, WalkSpec, walk_specs
 from walkserve.capture.convert import BlockConverter
 from walkserve.capture.errors import CaptureError, traced_value_error
 from walkserve.capture.inputs import EmbeddingProbe, InputError, check_inputs, input_specs
-from walkserve.capture.interpret import Interpreter
+from walkserve.capture.interpret import Interpreter, InterpreterError
 from walkserve.capture.lint import lint
 from walkserve.capture.loops import finalize_scope
 from walkserve.capture.loopsem import LoopError
@@ -140,6 +140,13 @@ def _sample_run(runner: Interpreter, walk: ir.Walk, state: Mapping[str, Any]) ->
             "sample-loop",
             f"running walk {walk.name!r} on the sample inputs failed: {e}",
             loop.source if loop is not None else walk.source,
+        ) from e
+    except InterpreterError as e:
+        raise CaptureError(
+            "sample-run",
+            f"running walk {walk.name!r} on the sample inputs failed: {e}; capture runs every "
+            "walk once on sample_inputs, which must be a request the model can serve",
+            e.source or walk.source,
         ) from e
 
 
