@@ -99,7 +99,6 @@ class TracedGenerator(torch.Generator):
         super().__init__()
         self.tracer = tracer
         self.state: Any = _fresh_state()
-        self.source = user_source()
 
     def manual_seed(self, seed: Any) -> TracedGenerator:  # type: ignore[override]
         if isinstance(seed, torch.fx.Proxy):
@@ -179,8 +178,8 @@ def new_generator(tracer: WalkTracer, *args: Any, **kwargs: Any) -> TracedGenera
         raise CaptureError(
             "rng-device",
             f"torch.Generator(device={device!r}) in a walk: capture supports CPU generators "
-            "(whose draws equal eager's on every device the runtime uses); draw on the CPU "
-            "and move the tensor: torch.randn(..., generator=g).to(device)",
+            "(a draw rebuilds the generator from its state on whichever rank runs it); draw "
+            "on the CPU and move the tensor: torch.randn(..., generator=g).to(device)",
             user_source(),
         )
     return TracedGenerator(tracer)
