@@ -124,6 +124,19 @@ def loop_bound(node: ir.LoopNode, inputs: Mapping[str, Any], n_chunks: int | Non
     return count
 
 
+def bound_inputs(node: ir.LoopNode) -> list[str]:
+    """The walk inputs ``loop_bound`` reads for this loop: its trip count's (an input, or
+    those of an expression) and its ``max_iters`` input."""
+    names: list[str] = []
+    if isinstance(node.trips, ir.InputTrips):
+        names.append(node.trips.input)
+    elif isinstance(node.trips, ir.ExprTrips):
+        names += ir.expr_inputs(node.trips.expr)
+    if isinstance(node.max_iters, str):
+        names.append(node.max_iters)
+    return list(dict.fromkeys(names))
+
+
 def needs_iteration(node: ir.LoopNode) -> bool:
     """Whether the loop must run at least once for its channels to have values: it has an
     accumulated channel, or a terminal one with no carried initial value (``loop_channels``)."""
