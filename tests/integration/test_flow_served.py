@@ -1,6 +1,7 @@
 """The newcomer's flow sampler (``walkserve.adapters.examples.flow``: ``range(points - 1)``
 over an int walk input, ``torch.linspace(1, 0, points)``, noise from a ``torch.Generator``
-seeded inside the walk) served on a worker process through ``runtime.server.serve``:
+seeded inside the walk) served on worker processes through ``runtime.server.serve``, on one
+rank and on two:
 concurrent requests of different step counts, seeds and batch sizes equal the eager method
 (``walkserve.testing.assert_outputs_match``: within 1e-5 of max|eager|, since requests that
 share a batched component call are summed in another order), and a bad step count is
@@ -16,15 +17,20 @@ import torch
 
 from walkserve.adapters.examples import flow
 from walkserve.adapters.registry import capture_model
+from walkserve.lowering.placement import Placement
 from walkserve.runtime.server import Server, serve
 from walkserve.testing import assert_outputs_match
 
 NAME = "walkserve.adapters.examples.flow:build"
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with serve(capture_model(NAME)) as s:
+@pytest.fixture(scope="module", params=["1rank", "2ranks"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    # On two ranks the Euler loop spans both (its velocity calls on rank 1, the rest on 0),
+    # so the conductor drives it and evaluates points - 1 itself; on one, rank 0 runs the
+    # whole walk as a region.
+    placement = Placement(ranks=2, rules={"velocity": [1]}) if request.param == "2ranks" else None
+    with serve(capture_model(NAME), placement) as s:
         yield s
 
 
