@@ -175,7 +175,7 @@ def test_a_count_the_loop_cannot_run_is_refused_before_admission() -> None:
     with pytest.raises(capture.InputError) as info:
         capture.check_inputs(captured.walk("minus_one"), {"h": H, "n": 1})
     assert info.value.input == "n" and info.value.rule == "trip-count"
-    assert "runs n - 1 times, which is 0 for n = 1; it must be in [1, 65536]" in str(info.value)
+    assert "runs n - 1 times, which is 0 for n = 1; it must be in [1, 16777216]" in str(info.value)
     capture.check_inputs(captured.walk("minus_one"), {"h": H, "n": 2})
 
 

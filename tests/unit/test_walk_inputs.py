@@ -113,7 +113,7 @@ def test_specs_recorded_at_capture(captured: capture.CapturedModel) -> None:
     assert spec(captured, "frames").shape == [ir.DimRange(1, None), ir.DimRange(1, 6), 4]
     assert spec(captured, "frames").finite
     assert spec(captured, "steps") == ir.InputSpec(
-        "int", min=1, max=65536, bounds="the trip count of loop step"
+        "int", min=1, max=16777216, bounds="the trip count of loop step"
     )
     assert spec(captured, "limit") == ir.InputSpec("int", min=1, max=50, bounds="declared")
     assert spec(captured, "scale") == ir.InputSpec("float", finite=True)
@@ -153,9 +153,9 @@ BAD: dict[str, tuple[dict[str, Any], str, str, str]] = {
         "vocabulary",
         "its smallest value must be in",
     ),
-    "loop bound of -1": ({"steps": -1}, "steps", "range", "must be in [1, 65536]"),
+    "loop bound of -1": ({"steps": -1}, "steps", "range", "must be in [1, 16777216]"),
     "max_iters of 0": ({"limit": 0}, "limit", "range", "must be in [1, 50] (declared)"),
-    "loop bound too large": ({"steps": 10**6}, "steps", "range", "must be in [1, 65536]"),
+    "loop bound too large": ({"steps": 10**8}, "steps", "range", "must be in [1, 16777216]"),
     "bool for an int": ({"steps": True}, "steps", "kind", "must be an int"),
     "int beyond 64 bits": ({"limit": 2**64}, "limit", "range", "must be in [1, 50]"),
     "float for an int": ({"steps": 2.0}, "steps", "kind", "must be an int"),

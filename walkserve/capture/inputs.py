@@ -33,7 +33,7 @@ from walkserve.capture.api import Dim, Input
 from walkserve.capture.errors import CaptureError
 from walkserve.capture.loopsem import LoopError, eval_int, format_int, needs_iteration
 
-DEFAULT_MAX_ITERATIONS = 65536
+DEFAULT_MAX_ITERATIONS = 1 << 24  # 16777216: far beyond a real request, inside every int type
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64", "complex64", "complex128"}
 
