@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import inspect
 
 import pytest
@@ -317,3 +318,108 @@ def test_model_without_walks_and_missing_inputs() -> None:
         capture.trace(Lin(), X)
     with pytest.raises(CaptureError, match=r"needs inputs \['c'\]"):
         capture.trace(Closure(), X)
+
+
+# ---------------------------------------------------------------------- traced values
+
+
+class PlainPython(nn.Module):
+    """One walk per Python pattern that needs a concrete value where capture has a traced
+    one. ``builtins.range`` stands for a ``range`` that capture does not patch (a helper in a
+    module with no walk or loop body)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = Lin()
+
+    @walk
+    def unpatched_range(self, x, n: int):
+        for _ in builtins.range(n):  # marker: error
+            x = self.step(x)
+        return {"x": x}
+
+    @walk
+    def int_of_tensor(self, x, n: int):
+        return {"x": self.lin(x) * int(x.sum())}  # marker: error
+
+    @walk
+    def float_of_tensor(self, x, n: int):
+        return {"x": self.lin(x) + float(x.mean())}  # marker: error
+
+    @walk
+    def list_comprehension(self, x, n: int):
+        return {"x": torch.stack([self.lin(r) for r in x])}  # marker: error
+
+    @walk
+    def generator_expression(self, x, n: int):
+        return {"x": sum(self.lin(r) for r in x)}  # marker: error
+
+    @walk
+    def seed_from_tensor(self, x, n: int):
+        g = torch.Generator().manual_seed(x.sum())  # marker: error
+        return {"x": self.lin(x + torch.randn(x.shape, generator=g))}
+
+    @walk
+    def trip_from_tensor(self, x, n: int):
+        for _ in range(x.argmax()):  # marker: error
+            x = self.step(x)
+        return {"x": x}
+
+    @loop
+    def step(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize(
+    ("walk_name", "rule", "advice"),
+    [
+        ("unpatched_range", "python-int", "write range(n) or iterations(n)"),
+        ("int_of_tensor", "python-scalar", "int() of a traced value"),
+        ("float_of_tensor", "python-scalar", "float() of a traced value"),
+        ("list_comprehension", "iterate-traced", "Loop over its indices instead"),
+        ("generator_expression", "iterate-traced", "Loop over its indices instead"),
+        ("seed_from_tensor", "rng-seed", "needs a Python int or an int walk input"),
+        ("trip_from_tensor", "trip-count", "integer expression of int walk inputs"),
+    ],
+)
+def test_no_raw_error_about_a_proxy_escapes(walk_name: str, rule: str, advice: str) -> None:
+    with pytest.raises(CaptureError) as info:
+        capture.trace(PlainPython(), {"x": torch.randn(2, 4), "n": 3}, walks=[walk_name])
+    err = info.value
+    assert err.rule == rule and advice in str(err), str(err)
+    fn = getattr(PlainPython, walk_name)
+    assert err.source is not None and err.source.endswith(f":{line_of(fn, 'marker: error')}")
+
+
+class WithLen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = Lin()
+
+    @walk
+    def run(self, x):
+        return {"x": self.lin(x) / len(x)}  # len() of a traced value is a glue op
+
+
+def test_len_of_a_traced_value_is_captured() -> None:
+    model = WithLen()
+    x = torch.randn(3, 4)
+    captured = capture.trace(model, {"x": x})
+    for rows in (1, 3, 5):
+        y = torch.randn(rows, 4)
+        assert torch.equal(captured.run({"x": y})["x"], model.run(y)["x"])
+
+
+class BadSample(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = Lin()
+
+    @walk
+    def run(self, x):
+        return {"y": self.lin(x[:, :3])}  # marker: fails
+
+
+def test_a_sample_the_model_cannot_run_names_the_failing_line() -> None:
+    # Capture runs each walk once on the sample: Lin wants 4 features, the walk passes 3.
+    expect(BadSample(), X, "sample-run", BadSample.run, "marker: fails", "on the sample inputs")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from walkserve.capture import serialize
+from walkserve.capture import ir, serialize
 from walkserve.cli import main
 
 
@@ -31,7 +31,7 @@ def test_trace_json_is_the_documented_schema(capsys: pytest.CaptureFixture[str])
     assert code == 0
     graph = serialize.from_json(out)
     assert list(graph.walks) == ["speak"]
-    assert json.loads(out)["version"] == 1
+    assert json.loads(out)["version"] == ir.IR_VERSION
 
 
 def test_trace_dot(capsys: pytest.CaptureFixture[str]) -> None:

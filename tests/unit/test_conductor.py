@@ -169,11 +169,20 @@ def test_continuous_batching_mixes_iterations(regions: bool) -> None:
 def test_bad_request_fails_alone_in_a_batch(regions: bool) -> None:
     captured, plan, sample = setup("example-text", regions=regions)
     requests = mixed_requests("example-text", sample, 4)
-    requests["bad"] = dict(requests["r1"], prompt_ids=torch.tensor([[5, 999, 7]]))  # vocab 96
-    requests["bad2"] = dict(requests["r1"], max_new_tokens="many")  # not a loop bound
-    result = run_local(captured, plan, requests)
-    assert set(result.failed) == {"bad", "bad2"}
-    assert "lm" in result.failed["bad"] and "max_new_tokens" in result.failed["bad2"]
+    conductor = Conductor(captured, plan)
+    # Refused before admission (capture.inputs.check_inputs), naming the input and the rule.
+    with pytest.raises(ValueError, match=r"'prompt_ids'.*vocabulary of lm"):
+        conductor.submit("bad", dict(requests["r1"], prompt_ids=torch.tensor([[5, 999, 7]])))
+    with pytest.raises(ValueError, match=r"'max_new_tokens'.*rule: kind"):
+        conductor.submit("bad2", dict(requests["r1"], max_new_tokens="many"))
+    assert conductor.idle()
+    # A request that passes the checks and fails inside a node fails alone: a decode state
+    # whose key and value caches differ in length (each length is free) breaks the lm.
+    bad = decode_inputs(4)
+    bad["v_cache"] = torch.cat([bad["v_cache"], bad["v_cache"]], dim=3)
+    requests["bad"] = bad
+    result = run_local(captured, plan, requests, walks={"bad": "decode"})
+    assert set(result.failed) == {"bad"} and "lm" in result.failed["bad"]
     for rid in ("r0", "r1", "r2", "r3"):
         assert_matches(result.outputs[rid], captured.run(requests[rid]), bitwise=False)
     assert result.stats.live_values == 0
@@ -465,7 +474,15 @@ def decode_values(stop_at: int | None) -> Callable[[WorkItem], dict[str, Any]]:
 
 
 def decode_inputs(max_new_tokens: int) -> dict[str, Any]:
-    return {"token": "t0", "k_cache": "k", "v_cache": "v", "max_new_tokens": max_new_tokens}
+    """Inputs of example-text's decode walk that pass its input checks: zeros of the captured
+    shapes (the fabricated runs never read their values)."""
+    captured, _, _ = setup("example-text")
+    inputs: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    for i in captured.walk("decode").inputs:
+        if isinstance(i.meta, ir.TensorMeta):
+            shape = [1 if d is None else d for d in i.meta.shape]
+            inputs[i.name] = torch.zeros(shape, dtype=getattr(torch, i.meta.dtype))
+    return inputs
 
 
 def test_stop_ends_the_loop_and_its_iteration_counts() -> None:
@@ -485,7 +502,7 @@ def test_stop_ends_the_loop_and_its_iteration_counts() -> None:
 def test_walk_transition_carries_state_by_name() -> None:
     captured, plan, _ = setup("example-text")
     conductor = Conductor(captured, plan)
-    conductor.submit("a", {"prompt_ids": "p", "max_new_tokens": 2})
+    conductor.submit("a", {"prompt_ids": torch.tensor([[5, 6]]), "max_new_tokens": 2})
     log = drive(conductor, decode_values(stop_at=None))
     decode = [it for items in log for it in items if it.walk == "decode"]
     first_lm = next(it for it in decode if it.kind == "component")

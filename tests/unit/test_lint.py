@@ -377,8 +377,11 @@ CASES: dict[str, Case] = {
         "trips",
         "2 table values for 3 iterations",
     ),
-    "stop-without-max-iters": (
-        lambda g: _set(loop(g, "dstep"), "max_iters", None),
+    "stop-without-max-iters": (  # a fixed loop with a stop (input trips bound it themselves)
+        lambda g: (
+            _set(loop(g, "dstep"), "max_iters", None),
+            _set(loop(g, "dstep"), "trips", ir.FixedTrips(20)),
+        ),
         "stop",
         "needs max_iters",
     ),
@@ -507,6 +510,7 @@ def test_broken_invariant(case: str) -> None:
 def test_lint_names_node_of_loop_errors() -> None:
     g = valid_graph()
     loop(g, "dstep").max_iters = None
+    loop(g, "dstep").trips = ir.FixedTrips(20)
     with pytest.raises(LintError) as info:
         lint(g)
     assert (info.value.walk, info.value.node) == ("decode", "dstep")

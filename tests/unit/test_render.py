@@ -117,6 +117,7 @@ walk gen(z, c1, c2) -> z
     mul_1 = glue operator.mul(sub_1, add)
     add_1 = glue operator.add(z, mul_1)
   return z = step.z
+  streamed: none; at the end: z
 """
 
 DEC = """\
@@ -138,6 +139,7 @@ walk dec(tok, h, eos) -> toks, out
     accumulated post.out0.all = cat(mul, dim=1)
     mul = glue operator.mul(ch, 2)
   return toks = dstep.tok.all, out = post.out0.all
+  streamed: toks (loop dstep), out (loop post); at the end: none
 """
 
 

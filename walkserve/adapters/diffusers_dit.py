@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from walkserve.capture.api import component, iterations, loop, register_component, walk
+from walkserve.capture.api import Input, component, iterations, loop, register_component, walk
 
 
 @component(engine="stateless")
@@ -100,6 +100,10 @@ class SD3Shapes:
             raise ValueError(f"bad SD3 shapes: {self}")
 
 
+# sigmas [B, N+1] and timesteps [B, N]: any number of steps N.
+SCHEDULE_INPUTS = {"sigmas": Input(dims={1: "dynamic"}), "timesteps": Input(dims={1: "dynamic"})}
+
+
 class SD3Walks(nn.Module):
     """The ``generate`` walk around the parts of a ``StableDiffusion3Pipeline`` (no T5)."""
 
@@ -144,7 +148,7 @@ class SD3Walks(nn.Module):
         ctx = F.pad(clip, (0, self.shapes.joint_dim - clip.shape[-1], 0, self.shapes.t5_len))
         return ctx, torch.cat([p1, p2], dim=-1)  # [B, L + T5, J], [B, P1 + P2]
 
-    @walk
+    @walk(inputs=SCHEDULE_INPUTS)
     def generate(
         self,
         prompt_ids: Tensor,
@@ -163,7 +167,7 @@ class SD3Walks(nn.Module):
             latents, sigmas, timesteps, guidance_scale, num_steps, ctx, pooled, neg_ctx, neg_pooled
         )
 
-    @walk
+    @walk(inputs=SCHEDULE_INPUTS)
     def edit(
         self,
         prompt_ids: Tensor,

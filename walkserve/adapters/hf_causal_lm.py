@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from walkserve.capture import iterations, loop, register_component, walk
+from walkserve.capture import Input, iterations, loop, register_component, walk
 from walkserve.runtime.kv.grammar import HFVocabulary, Vocabulary
 from walkserve.runtime.kv.hf_cache_lm import HFCacheLM
 from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig
@@ -59,7 +59,11 @@ class TextWalks:
     lm: PagedLM | HFCacheLM
     eos: int
 
-    @walk(next="decode", state=("cache", "count"))
+    @walk(
+        next="decode",
+        state=("cache", "count"),
+        inputs={"input_ids": Input(vocab=lambda m: m.lm.lm.get_input_embeddings().num_embeddings)},
+    )
     def prefill(
         self,
         input_ids,  # [B, T]
@@ -117,7 +121,14 @@ class TextWalks:
         )  # fmt: skip
         return token, cache, count + 1
 
-    @walk(next="decode_ext", state=("cache", "count"))
+    @walk(
+        next="decode_ext",
+        state=("cache", "count"),
+        inputs={
+            "input_ids": Input(vocab=lambda m: m.lm.lm.get_input_embeddings().num_embeddings),
+            "constraints": Input(dims={1: "dynamic"}),
+        },
+    )
     def prefill_ext(
         self,
         input_ids,  # [B, T]

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from walkserve.capture import iterations, loop, register_component, walk
+from walkserve.capture import Input, iterations, loop, register_component, walk
 from walkserve.runtime.kv import hf
 from walkserve.runtime.kv.layer_groups import GroupedKVPool
 from walkserve.runtime.kv.pool import SeqId
@@ -429,7 +429,7 @@ class JanusImageWalks(nn.Module):
         self.text_head = TextHead(janus.lm_head)
         self.text_embedder = TextEmbedder(janus.get_input_embeddings())
 
-    @walk
+    @walk(inputs={"input_ids": Input(dims={1: "dynamic"})})
     def generate(self, input_ids: Tensor, seed: Tensor) -> dict[str, Tensor]:
         # input_ids: [B, T] int64, ending with BOI; seed: [B] int64
         kv = self.kv_open(input_ids)  # [B]
@@ -441,7 +441,7 @@ class JanusImageWalks(nn.Module):
         tokens = self.kv_release(kv, tokens)
         return {"image_tokens": tokens, "image": self.decoder(tokens)}
 
-    @walk
+    @walk(inputs={"text_ids": Input(dims={1: "dynamic"})})
     def understand(
         self, text_ids: Tensor, pixel_values: Tensor, max_new_tokens: int
     ) -> dict[str, Tensor]:

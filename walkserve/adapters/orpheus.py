@@ -62,7 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from walkserve.adapters.speech_sampling import SamplingDefaults
-from walkserve.capture import iterations, loop, register_component, stream, walk
+from walkserve.capture import Input, iterations, loop, register_component, stream, walk
 from walkserve.capture.api import component
 from walkserve.capture.chunk import EndOfStream, SlidingWindow
 from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig
@@ -222,7 +222,14 @@ class OrpheusTTS(nn.Module):
         """The upstream ``LlamaForCausalLM`` (its attention goes to the paged pool)."""
         return self.lm.lm
 
-    @walk
+    @walk(  # input_ids: P >= 2 ids of the upstream LM's vocabulary
+        inputs={
+            "input_ids": Input(
+                dims={1: (2, None)},
+                vocab=lambda m: m.upstream_lm.get_input_embeddings().num_embeddings,
+            )
+        }
+    )
     def speak(
         self,
         input_ids: Tensor,
@@ -278,7 +285,7 @@ class OrpheusTTS(nn.Module):
         s = self.samples_per_frame
         return wav[:, KEPT_FRAME * s : (KEPT_FRAME + 1) * s] * valid  # [B, S]
 
-    @walk
+    @walk(inputs={"frames": Input(dims={1: "dynamic"})})
     def decode(self, frames: Tensor) -> dict[str, Tensor]:
         # frames: [B, F, 7] audio token ids (``audio_frames``)
         wav, _ = self.codec(frames)

@@ -43,7 +43,15 @@ from torch import Tensor, nn
 
 from walkserve.adapters.qwen3_omni import _read_now
 from walkserve.adapters.speech_sampling import SamplingDefaults, TokenSampler
-from walkserve.capture import FixedChunk, iterations, loop, register_component, stream, walk
+from walkserve.capture import (
+    FixedChunk,
+    Input,
+    iterations,
+    loop,
+    register_component,
+    stream,
+    walk,
+)
 from walkserve.capture.api import component
 
 if TYPE_CHECKING:
@@ -155,7 +163,7 @@ class Qwen25OmniWalks(nn.Module):
         self.talker_sampler = TokenSampler(stream=1)
         self.token2wav = SeededToken2Wav(model.token2wav, model.speaker_map, self.codec_eos)
 
-    @walk
+    @walk(inputs={"input_ids": Input(dims={1: "dynamic"})})
     def speak(
         self,
         input_ids: Tensor,

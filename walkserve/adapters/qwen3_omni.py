@@ -60,6 +60,7 @@ from torch import Tensor, nn
 from walkserve.adapters.speech_sampling import SamplingDefaults, TokenSampler
 from walkserve.capture import (
     FixedChunk,
+    Input,
     LeftContext,
     iterations,
     loop,
@@ -71,6 +72,16 @@ from walkserve.capture import (
 
 if TYPE_CHECKING:
     from walkserve.api.profile import ModelProfile
+
+# What the walks take beyond the sample request's shapes: prompts of any length; audio
+# features [1, mel, T] and their mask [1, T] of any length T (images: pixel_values
+# [patches, dim] and image_grid_thw [images, 3] vary along dimension 0, which is free).
+SEQUENCE = Input(dims={1: "dynamic"})
+AUDIO_INPUTS = {
+    "input_ids": SEQUENCE,
+    "input_features": Input(dims={2: "dynamic"}),
+    "feature_attention_mask": SEQUENCE,
+}
 
 # Feed item ids that are not thinker tokens (the thinker vocabulary is >= 0).
 FEED_EOS = -1  # the tts_eos marker after the last spoken text token
@@ -463,7 +474,7 @@ class Qwen3OmniWalks(nn.Module):
 
     # ------------------------------------------------------------------ thinker
 
-    @walk
+    @walk(inputs={"input_ids": SEQUENCE})
     def chat(
         self,
         input_ids: Tensor,
@@ -477,7 +488,7 @@ class Qwen3OmniWalks(nn.Module):
         first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, sampling=sampling)
         return {"first_token": first, "text_tokens": text_tokens}
 
-    @walk
+    @walk(inputs=AUDIO_INPUTS)
     def chat_audio(
         self,
         input_ids: Tensor,
@@ -498,7 +509,7 @@ class Qwen3OmniWalks(nn.Module):
         first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, media, sampling=sampling)
         return {"first_token": first, "text_tokens": text_tokens}
 
-    @walk
+    @walk(inputs={"input_ids": SEQUENCE})
     def chat_image(
         self,
         input_ids: Tensor,
@@ -591,7 +602,7 @@ class Qwen3OmniWalks(nn.Module):
 
     # ------------------------------------------------------------------ speech
 
-    @walk
+    @walk(inputs={"input_ids": SEQUENCE})
     def speak(
         self,
         input_ids: Tensor,
@@ -625,7 +636,7 @@ class Qwen3OmniWalks(nn.Module):
         )
         return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id, None, *sampling)
 
-    @walk
+    @walk(inputs=AUDIO_INPUTS)
     def speak_audio(
         self,
         input_ids: Tensor,
@@ -666,7 +677,7 @@ class Qwen3OmniWalks(nn.Module):
             input_ids, max_new_tokens, max_audio_tokens, speaker_id, media, *sampling
         )
 
-    @walk
+    @walk(inputs={"input_ids": SEQUENCE})
     def speak_image(
         self,
         input_ids: Tensor,

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import VJEPA2Config, VJEPA2Model
 
-from walkserve.capture.api import component, iterations, loop, walk
+from walkserve.capture.api import Input, component, iterations, loop, walk
 
 PREDICTOR_WEIGHTS = "predictor.safetensors"
 PREDICTOR_CONFIG = "predictor_config.json"
@@ -267,6 +267,15 @@ class ACPredictor(nn.Module):
 # -------------------------------------------------------------------------------- model
 
 
+# frames [B, F, C, H, W] and states [B, F, S]: any number of context frames; actions
+# [B, K, A]: at least the horizon.
+ROLLOUT_INPUTS = {
+    "frames": Input(dims={1: "dynamic"}),
+    "states": Input(dims={1: "dynamic"}),
+    "actions": Input(dims={1: "dynamic"}),
+}
+
+
 class VJEPA2AC(nn.Module):
     """Encoder + predictor with two rollout walks (see the module docstring)."""
 
@@ -286,7 +295,7 @@ class VJEPA2AC(nn.Module):
         tokens = self.encoder(torch.cat([frames, goal[:, None]], dim=1))  # [B, F + 1, N, D]
         return tokens[:, :-1], tokens[:, -1]  # [B, F, N, D], [B, N, D]
 
-    @walk
+    @walk(inputs=ROLLOUT_INPUTS)
     def rollout(
         self,
         frames: Tensor,
@@ -331,7 +340,7 @@ class VJEPA2AC(nn.Module):
         nxt = nxt[:, 0]  # [B, N, D]
         return k_cache, v_cache, nxt, state + action, at_goal(nxt, goal_tokens, goal_tolerance)
 
-    @walk
+    @walk(inputs=ROLLOUT_INPUTS)
     def rollout_native(
         self,
         frames: Tensor,

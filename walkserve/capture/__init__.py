@@ -7,6 +7,8 @@ captured.run(inputs)                  # the reference interpreter
 
 from walkserve.capture.api import (
     ComponentSpec,
+    Dim,
+    Input,
     component,
     iterations,
     loop,
@@ -18,6 +20,7 @@ from walkserve.capture.api import (
 from walkserve.capture.chunk import EndOfStream, FixedChunk, LeftContext, SlidingWindow
 from walkserve.capture.errors import CaptureError
 from walkserve.capture.gluefn import glue_function
+from walkserve.capture.inputs import InputError, check_inputs
 from walkserve.capture.model import CapturedModel
 from walkserve.capture.trace import trace
 
@@ -25,11 +28,15 @@ __all__ = [
     "CaptureError",
     "CapturedModel",
     "ComponentSpec",
+    "Dim",
+    "Input",
+    "InputError",
     "EndOfStream",
     "FixedChunk",
     "LeftContext",
     "SlidingWindow",
     "component",
+    "check_inputs",
     "glue_function",
     "iterations",
     "loop",

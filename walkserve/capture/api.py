@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, overload
 
 import torch
@@ -136,13 +136,98 @@ def component_spec(module: nn.Module) -> ComponentSpec | None:
 
 
 @dataclass(frozen=True)
+class Dim:
+    """A dimension of a tensor walk input whose size varies between requests: any size in
+    ``[min, max]`` (``max`` None: unbounded). Capture holds every other non-batch dimension to
+    its size in the sample request."""
+
+    min: int = 1
+    max: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min, bool) or not isinstance(self.min, int) or self.min < 0:
+            raise ValueError(f"Dim min must be an int >= 0, got {self.min!r}")
+        if self.max is not None and (
+            isinstance(self.max, bool) or not isinstance(self.max, int) or self.max < self.min
+        ):
+            raise ValueError(f"Dim max must be an int >= min ({self.min}), got {self.max!r}")
+
+
+DimDecl = Dim | Literal["dynamic"] | tuple[int, int | None]
+
+
+@dataclass(frozen=True)
+class Input:
+    """What a walk input accepts beyond what capture sees in the sample request, declared
+    with ``@walk(inputs={name: Input(...)})``; requests are checked against it before they are
+    admitted (``capture.inputs.check_inputs``)::
+
+        @walk(inputs={"prompt_ids": Input(dims={1: Dim(max=4096)}, vocab=VOCAB),
+                      "steps": Input(min=1, max=1000)})
+        def generate(self, prompt_ids, steps: int): ...
+
+    ``dims``: dimension -> its size range (``Dim``, ``"dynamic"`` or ``(min, max)``); dimension
+    0, the batch, is free unless given. ``min``/``max``: the value of an int or float input, or
+    of every element of an integer tensor. ``vocab``: token ids, ``0 <= id < vocab``, every
+    dimension free; an int, or a function of the model returning it (``lambda m:
+    m.lm.config.vocab_size``) when only the instance knows. Capture finds the vocabulary by
+    itself when an ``nn.Embedding`` reads the input as it is. ``finite``: refuse NaN and
+    infinities in a float input (the default)."""
+
+    dims: Mapping[int, DimDecl] = field(default_factory=dict)
+    min: int | float | None = None
+    max: int | float | None = None
+    vocab: int | Callable[[Any], int] | None = None
+    finite: bool = True
+
+    def __post_init__(self) -> None:
+        dims: dict[int, Dim] = {}
+        for d, decl in dict(self.dims).items():
+            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+                raise ValueError(f"Input dims keys are dimensions (ints >= 0), got {d!r}")
+            if decl == "dynamic":
+                dims[d] = Dim()
+            elif isinstance(decl, tuple):
+                dims[d] = Dim(*decl)
+            elif isinstance(decl, Dim):
+                dims[d] = decl
+            else:
+                raise ValueError(
+                    f"Input dims[{d}] must be a Dim, 'dynamic' or (min, max), got {decl!r}"
+                )
+        object.__setattr__(self, "dims", dims)
+        if self.vocab is not None:
+            if not callable(self.vocab) and (
+                isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 1
+            ):
+                raise ValueError(f"Input vocab must be an int >= 1, got {self.vocab!r}")
+            if self.min is not None or self.max is not None:
+                raise ValueError("Input takes vocab or min/max, not both")
+        if self.min is not None and self.max is not None and self.max < self.min:
+            raise ValueError(f"Input max ({self.max}) is below min ({self.min})")
+
+    def resolve(self, model: Any) -> Input:
+        """This declaration with a vocabulary function evaluated on ``model``."""
+        if not callable(self.vocab):
+            return self
+        return Input(dict(self.dims), self.min, self.max, int(self.vocab(model)), self.finite)
+
+    def dim(self, d: int) -> Dim | None:
+        """The declared size range of dimension ``d``, or None."""
+        decl = self.dims.get(d)
+        return decl if isinstance(decl, Dim) else None
+
+
+@dataclass(frozen=True)
 class WalkSpec:
     """A walk's declaration: its name, the walk that follows it by default (None: the request
-    ends), and which outputs are request state for later walks rather than client outputs."""
+    ends), which outputs are request state for later walks rather than client outputs, and
+    what its inputs accept beyond what capture sees (``Input``)."""
 
     name: str
     next: str | None = None
     state: tuple[str, ...] = ()
+    inputs: tuple[tuple[str, Input], ...] = ()
 
 
 WALK_ATTR = "__walkserve_walk__"
@@ -155,13 +240,20 @@ def walk(
     name: str | None = None,
     next: str | None = None,
     state: tuple[str, ...] | list[str] = (),
+    inputs: Mapping[str, Input] | None = None,
 ) -> Any:
     """Mark a method as a walk. It returns a dict of named outputs (or one tensor, named
     ``output``). ``next`` names the walk that follows by default; a model may instead define
-    ``next_walk(self, request, walk, outputs) -> str | None``."""
+    ``next_walk(self, request, walk, outputs) -> str | None``. ``inputs`` declares what an
+    input accepts beyond what the sample request shows (``Input``: dynamic dimensions, value
+    ranges, a vocabulary)."""
+    declared = dict(inputs or {})
+    for key, decl in declared.items():
+        if not isinstance(decl, Input):
+            raise TypeError(f"@walk inputs[{key!r}] must be a capture.Input, got {decl!r}")
 
     def mark(f: F) -> F:
-        spec = WalkSpec(name or f.__name__, next, tuple(state))
+        spec = WalkSpec(name or f.__name__, next, tuple(state), tuple(declared.items()))
         _check_walk_spec(spec)
         setattr(f, WALK_ATTR, spec)
         return f
@@ -277,8 +369,11 @@ def _eager_stream(x: torch.Tensor, policy: ChunkPolicy, dim: int) -> Iterator[An
 
 
 def iterations(n: Any) -> Iterator[int]:
-    """``range(n)`` for a loop whose trip count is a walk input (an int given per request):
-    ``for k in iterations(num_steps): z = self.step(z, k)``."""
+    """``range(n)`` for a loop whose trip count comes from the request: ``n`` an int walk
+    input, or ``+ - * // %`` of int walk inputs, their sizes (``x.shape[1]``) and ints:
+    ``for k in iterations(num_steps): z = self.step(z, k)``. Plain ``range(n)`` in a walk means
+    the same while capturing; ``iterations`` also works where ``range`` is not patched (a
+    helper in another module)."""
     hook = ACTIVE_HOOK.get()
     if hook is not None:
         return hook.iterations(n)

@@ -217,9 +217,16 @@ class BlockConverter:
             trips = ir.StreamTrips(self._stream_name(fin))
             self.streams.append(self._stream_edge(fin, deps))
         elif fin.trips == "input":
-            trips = ir.InputTrips(str(fin.trip_count))
+            count = fin.trip_count
+            if isinstance(count, ir.IntInput):
+                trips = ir.InputTrips(count.name)
+            elif isinstance(count, str):
+                trips = ir.InputTrips(count)
+            else:
+                trips = ir.ExprTrips(count)  # type: ignore[arg-type]
         else:
-            trips = ir.FixedTrips(int(fin.trip_count))
+            assert isinstance(fin.trip_count, int)
+            trips = ir.FixedTrips(fin.trip_count)
         return ir.LoopNode(
             name=name,
             body=body,
@@ -230,7 +237,12 @@ class BlockConverter:
             trips=trips,
             stop=stop,
             # A dynamic loop bounded by iterations(n) has the input n as its max_iters.
-            max_iters=(record.spec.max_iters or record.trip_input) if stop is not None else None,
+            max_iters=(
+                record.spec.max_iters
+                or (record.trip.name if isinstance(record.trip, ir.IntInput) else None)
+            )
+            if stop is not None
+            else None,
             speculative=record.spec.speculative,
             source=record.source,
         )

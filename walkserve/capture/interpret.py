@@ -19,9 +19,17 @@ import torch
 from torch import nn
 
 from walkserve.capture import ir
+from walkserve.capture.chunk import ChunkPolicy
 from walkserve.capture.convert import SAFE_BUILTINS, resolve_function
 from walkserve.capture.errors import CaptureError
-from walkserve.capture.loopsem import loop_bound, loop_channels, step_value, stream_chunks, truth
+from walkserve.capture.loopsem import (
+    loop_bound,
+    loop_channels,
+    needs_iteration,
+    step_value,
+    stream_chunks,
+    truth,
+)
 from walkserve.capture.values import merge_meta, meta_of
 
 if TYPE_CHECKING:
@@ -31,7 +39,12 @@ MAX_TRANSITIONS = 64
 
 
 class InterpreterError(RuntimeError):
-    """A walk could not run: a missing input, a failing node (named), a bad transition."""
+    """A walk could not run: a missing input, a failing node (named, and ``source``: the
+    user's line that made it), a bad transition."""
+
+    def __init__(self, message: str, source: str | None = None) -> None:
+        super().__init__(message)
+        self.source = source
 
 
 Observer = Callable[[str, Any], None]
@@ -40,7 +53,8 @@ OpObserver = Callable[[ir.Op, list[Any], dict[str, Any]], None]
 
 class Interpreter:
     """Runs walks of ``captured``. ``loop_limit`` caps every loop's iterations (capture uses
-    2 to record value metadata cheaply); ``record`` collects the metadata of every value;
+    2 to record value metadata cheaply), except that a loop feeding a stream runs on until
+    its consumer gets ``loop_limit`` chunks (``stream_demands``); ``record`` collects the metadata of every value;
     ``observe(name, value)`` sees every value bound and ``observe_op(op, args, kwargs)`` every
     op's materialized arguments (lowering uses both to find batch dimensions and samples)."""
 
@@ -65,6 +79,7 @@ class Interpreter:
         self._modules: dict[str, nn.Module] = {}
         self._walk_inputs: Mapping[str, Any] = {}
         self._walk: ir.Walk | None = None
+        self._demands: dict[str, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ requests
 
@@ -104,6 +119,7 @@ class Interpreter:
         if missing:
             raise InterpreterError(f"walk {name!r} needs inputs {missing}")
         self._walk, self._walk_inputs = w, {i.name: inputs[i.name] for i in w.inputs}
+        self._demands = {} if self.loop_limit is None else stream_demands(w, self.loop_limit)
         env: dict[str, Any] = {}
         for i in w.inputs:
             self._bind(env, i.name, inputs[i.name])
@@ -130,7 +146,9 @@ class Interpreter:
             return fn(*args, **kwargs)
         except Exception as e:
             where = f" ({node.source})" if node.source else ""
-            raise InterpreterError(f"node {node.name} ({node.target}){where} failed: {e}") from e
+            raise InterpreterError(
+                f"node {node.name} ({node.target}){where} failed: {e}", node.source
+            ) from e
 
     def callable(self, node: ir.Op, args: list[Any]) -> Callable[..., Any]:
         """The function an op calls: its component module, or its checked glue target."""
@@ -195,8 +213,10 @@ class Interpreter:
         assert self._walk is not None
         chunks = stream_chunks(self._walk, node, env)
         bound = loop_bound(node, self._walk_inputs, None if chunks is None else len(chunks))
-        if self.loop_limit is not None:
-            bound = min(bound, self.loop_limit)
+        limit = bound if self.loop_limit is None else min(bound, self.loop_limit)
+        demand = self._demands.get(node.name, {})
+        if chunks == [] and self.loop_limit is not None and needs_iteration(node):
+            raise _short_stream(self._walk, node, env)
         carried = {
             p.name: self.value(p.role.init, env)
             for p in node.params
@@ -211,6 +231,10 @@ class Interpreter:
         collected: dict[str, list[Any]] = {ch: [] for ch in node.accumulated}
         last: list[Any] | None = None
         for i in range(bound):
+            if i >= limit and all(
+                _items(collected[ch], node.accumulated[ch]) >= n for ch, n in demand.items()
+            ):
+                break
             body_env: dict[str, Any] = {}
             for name, value in (*carried.items(), *fixed.items()):
                 self._bind(body_env, name, value)
@@ -253,6 +277,77 @@ class Interpreter:
             meta = meta_of(value)
             old = self.record.get(name)
             self.record[name] = meta if old is None else merge_meta(old, meta)
+
+
+# Extra items asked of a producer whose stream source is glue over its channel (a leading
+# token concatenated, a slice), so that the consumer still gets its chunks.
+DEMAND_SLACK = 2
+
+
+def stream_demands(walk: ir.Walk, chunks: int) -> dict[str, dict[str, int]]:
+    """For a run with loops cut to ``chunks`` iterations: loop name -> {accumulated channel:
+    items it must produce} so that every stream consumer still gets ``chunks`` chunks (a
+    ``SlidingWindow(28, 7)`` consumer needs 35 items for two windows, whatever the cut). A
+    consumer that feeds another stream needs as many iterations as that stream needs items
+    (one item per iteration at least), which its own stream's producer must supply."""
+    defs: dict[str, ir.Node] = {}
+    for n in ir.iter_nodes(walk.body):
+        for out in ir.node_outputs(n):
+            defs[out] = n
+    edges = {e.consumer: e for e in walk.streams}
+    demands: dict[str, dict[str, int]] = {}
+
+    def need(value: str, items: int, depth: int = 0) -> None:
+        node = defs.get(value)
+        if node is None or depth > 64:
+            return
+        if isinstance(node, ir.Op):
+            for ref in ir.node_inputs(node):
+                need(ref, items + DEMAND_SLACK, depth + 1)
+            return
+        if value not in node.accumulated:
+            return
+        have = demands.setdefault(node.name, {})
+        have[value] = max(have.get(value, 0), items)
+        edge = edges.get(node.name)
+        if edge is not None:  # this producer is itself a stream consumer
+            need(edge.source, items_for_chunks(edge, items), depth + 1)
+
+    for edge in walk.streams:
+        need(edge.source, items_for_chunks(edge, chunks))
+    return demands
+
+
+def items_for_chunks(edge: ir.StreamEdge, chunks: int, most: int = 1 << 20) -> int:
+    """The fewest items of a finished stream that give ``chunks`` chunks under its policy."""
+    policy = ChunkPolicy.from_json(dict(edge.policy))
+    n = 1
+    while policy.ready(n, finished=True) < chunks and n < most:
+        n += 1
+    return n
+
+
+def _items(pieces: list[Any], acc: ir.Accumulated) -> int:
+    if acc.mode == "stack":
+        return len(pieces)
+    return sum(p.shape[acc.dim] for p in pieces if isinstance(p, torch.Tensor) and p.dim())
+
+
+def _short_stream(walk: ir.Walk, node: ir.LoopNode, env: Mapping[str, Any]) -> CaptureError:
+    assert isinstance(node.trips, ir.StreamTrips)
+    edge = next(e for e in walk.streams if e.name == node.trips.stream)
+    source = env[edge.source]
+    n = source.shape[edge.dim] if isinstance(source, torch.Tensor) else "?"
+    policy = ChunkPolicy.from_json(dict(edge.policy))
+    return CaptureError(
+        "stream-sample",
+        f"on the sample inputs the stream into loop {node.name} has {n} items, and "
+        f"{policy.to_json()} makes no chunk of them (it needs {items_for_chunks(edge, 1)}), so "
+        "the loop would run no iteration; give sample inputs whose producer makes a longer "
+        "stream (a larger max_new_tokens, a later stop), or end='flush' / 'pad' to chunk "
+        "the final fragment",
+        node.source,
+    )
 
 
 def _check_carried(node: ir.LoopNode, name: str, old: Any, new: Any) -> None:

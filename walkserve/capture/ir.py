@@ -16,6 +16,11 @@ node kinds, a closed set like torch.fx's node ops:
   *accumulated* channels (every iteration's value joined with cat/stack); their names are
   disjoint. A ``DynamicLoop`` adds a stop value in the body and a required ``max_iters``.
 
+A loop's trip count is a constant, an int walk input, an integer expression of walk inputs
+(``ExprTrips``: ``range(points - 1)``), or the chunks of a stream; ``loopsem`` evaluates it per
+request for every executor. Each ``WalkInput`` carries an ``InputSpec`` (what a valid value is),
+checked before a request is admitted (``inputs.check_inputs``).
+
 Streaming edges are listed per walk: the accumulated channel of a producer loop flows into a
 consumer loop chunk by chunk under a chunk policy. ``Parallel`` and ``Sequential`` are not
 stored: they follow from the dataflow and are derived by ``sections()``: component nodes that
@@ -41,6 +46,7 @@ Printed form of the CFG example's ``generate`` walk (``walkserve trace``, glue a
         add_2 = glue operator.add(z, mul_2)
       decoder = component decoder(euler_step.z)
       return image = decoder
+      streamed: none; at the end: image
 
 Everything here is a msgspec Struct: ``walkserve.capture.serialize`` exports and imports the
 IR as JSON that round-trips exactly, and ``lint()`` checks every structural invariant.
@@ -53,7 +59,7 @@ from typing import Any, Literal
 
 import msgspec
 
-IR_VERSION = 1
+IR_VERSION = 2
 
 # ------------------------------------------------------------------------------ arguments
 
@@ -193,7 +199,43 @@ class StreamTrips(msgspec.Struct, frozen=True, tag="stream"):
     stream: str
 
 
-TripCount = FixedTrips | InputTrips | StreamTrips
+class IntInput(msgspec.Struct, frozen=True, tag="input"):
+    """The int walk input ``name`` (a Python int or a one-element integer tensor)."""
+
+    name: str
+
+
+class IntSize(msgspec.Struct, frozen=True, tag="size"):
+    """``input.shape[dim]`` of the tensor walk input ``input``."""
+
+    input: str
+    dim: int
+
+
+class IntLit(msgspec.Struct, frozen=True, tag="lit"):
+    value: int
+
+
+class IntBinOp(msgspec.Struct, frozen=True, tag="binop"):
+    """``left <op> right`` with Python's int semantics (``floordiv`` and ``mod`` round toward
+    negative infinity)."""
+
+    op: Literal["add", "sub", "mul", "floordiv", "mod"]
+    left: IntExpr
+    right: IntExpr
+
+
+IntExpr = IntInput | IntSize | IntLit | IntBinOp
+
+
+class ExprTrips(msgspec.Struct, frozen=True, tag="expr"):
+    """As many iterations as the integer expression ``expr`` of walk inputs says, evaluated
+    per request (``range(points - 1)``, ``range(2 * n)``, ``range(x.shape[1])``)."""
+
+    expr: IntExpr
+
+
+TripCount = FixedTrips | InputTrips | ExprTrips | StreamTrips
 
 
 class Carried(msgspec.Struct, frozen=True, tag="carried"):
@@ -310,13 +352,43 @@ class StreamEdge(msgspec.Struct, frozen=True):
     policy: dict[str, str | int | float]
 
 
+class DimRange(msgspec.Struct, frozen=True, tag="range"):
+    """A tensor dimension whose size may vary between requests, within ``[min, max]``
+    (``max`` None: unbounded)."""
+
+    min: int = 1
+    max: int | None = None
+
+
+class InputSpec(msgspec.Struct, frozen=True):
+    """What a valid value of a walk input is, checked before a request is admitted
+    (``capture.inputs.check_inputs``).
+
+    ``kind``: a tensor, a Python scalar, or ``any`` (an object capture cannot describe: not
+    checked). A tensor has ``dtype`` and one entry of ``shape`` per dimension: a fixed size, or
+    a ``DimRange`` (dimension 0, the batch, is one; so is any dimension the author declared
+    dynamic). ``min``/``max``: the smallest and largest value of an int or float, or of every
+    element of a tensor (token ids: ``0 .. vocabulary - 1``); ``bounds`` says where they come
+    from. ``finite``: floats must not be NaN or infinite."""
+
+    kind: Literal["tensor", "int", "float", "bool", "any"]
+    dtype: str | None = None
+    shape: list[int | DimRange] | None = None
+    min: int | float | None = None
+    max: int | float | None = None
+    bounds: str | None = None
+    finite: bool = False
+
+
 class WalkInput(msgspec.Struct, frozen=True):
     """A walk parameter. ``default``: the value of a request that does not give it (the walk
-    method's own default; a scalar), None: the input is required."""
+    method's own default; a scalar), None: the input is required. ``spec``: what a valid value
+    is (set by capture)."""
 
     name: str
     meta: ValueMeta | None = None
     default: int | float | bool | None = None
+    spec: InputSpec | None = None
 
 
 def with_defaults(walk: Walk, inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -430,6 +502,17 @@ def role_refs(role: ParamRole, *, streams: bool = True) -> list[str]:
 def node_outputs(node: Node) -> list[str]:
     """Values a node defines in its enclosing scope."""
     return [node.name] if isinstance(node, Op) else node.channels()
+
+
+def expr_inputs(expr: IntExpr) -> list[str]:
+    """Names of the walk inputs an integer expression reads, in order, without repeats."""
+    if isinstance(expr, IntInput):
+        return [expr.name]
+    if isinstance(expr, IntSize):
+        return [expr.input]
+    if isinstance(expr, IntLit):
+        return []
+    return list(dict.fromkeys([*expr_inputs(expr.left), *expr_inputs(expr.right)]))
 
 
 def iter_nodes(block: Block) -> list[Node]:

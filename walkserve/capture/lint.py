@@ -28,9 +28,10 @@ per walk (one namespace for all value names of a walk, loop bodies included):
     carried          Carried.output indexes a body output; each output feeds at most one carried
                      param; carried params take outputs 0..k-1 in their order
     channels         terminal and accumulated channels: disjoint, named <loop>.*, valid indices
-    trips            FixedTrips count > 0; InputTrips name a walk input; TableStep only in fixed
-                     loops, one value per iteration
-    stop             a loop with a stop has max_iters; max_iters is an int > 0 or a walk input
+    trips            FixedTrips count > 0; InputTrips name a walk input; ExprTrips read walk
+                     inputs only; TableStep only in fixed loops, one value per iteration
+    stop             a fixed loop with a stop has max_iters; max_iters is an int > 0 or a walk
+                     input
     stream           StreamTrips/ChunkStep name a stream of the walk consumed by that loop, whose
                      source is defined before the loop; every stream's consumer iterates it; its
                      policy parses (chunk.ChunkPolicy.from_json)
@@ -311,14 +312,17 @@ class _WalkLinter:
             )
         if isinstance(trips, ir.InputTrips) and trips.input not in self.inputs:
             self.fail("trips", f"trip count input {trips.input!r} is not a walk input", node.name)
+        if isinstance(trips, ir.ExprTrips):
+            unknown = [i for i in ir.expr_inputs(trips.expr) if i not in self.inputs]
+            if unknown:
+                self.fail(
+                    "trips", f"the trip count reads {unknown}, which are not walk inputs", node.name
+                )
         if isinstance(trips, ir.StreamTrips):
             self.stream_of_loop(trips.stream, node, outer, "the trip count")
-        if (
-            node.stop is not None
-            and node.max_iters is None
-            and not isinstance(trips, ir.StreamTrips)
-        ):
-            # A loop over a stream is bounded by the stream's chunks.
+        if node.stop is not None and node.max_iters is None and isinstance(trips, ir.FixedTrips):
+            # A loop over a stream is bounded by the stream's chunks, one over an input or an
+            # expression by its value.
             self.fail("stop", "a loop with a stop (a DynamicLoop) needs max_iters", node.name)
         m = node.max_iters
         if m is not None and not (_is_positive_int(m) or (isinstance(m, str) and m in self.inputs)):

@@ -67,7 +67,7 @@ class Finalized:
     accumulated: dict[str, ir.Accumulated]
     stop_output: int | None  # index of the stop value among the body graph's outputs
     trips: Literal["fixed", "input", "stream"]
-    trip_count: int | str
+    trip_count: int | str | ir.IntExpr  # input: a walk input's name or an expression
     stream_dep: int | None  # deps index of the stream source
 
 
@@ -94,7 +94,7 @@ def _finalize(tracer: WalkTracer, graph: fx.Graph, record: LoopRecord) -> Finali
     its = record.iterations
     first = its[0]
     dynamic = bool(record.checks)
-    bounded_by_count = not dynamic and record.stream is None and record.trip_input is None
+    bounded_by_count = not dynamic and record.stream is None and record.trip is None
     deps: list[Any] = []
 
     def dep(value: Any) -> int:
@@ -135,11 +135,11 @@ def _finalize(tracer: WalkTracer, graph: fx.Graph, record: LoopRecord) -> Finali
         stop_output = _move_predicate(record, preds[0], params, dep)
 
     trips: Literal["fixed", "input", "stream"]
-    count: int | str
+    count: int | str | ir.IntExpr
     if record.stream is not None:
         trips, count = "stream", record.stream.key
-    elif record.trip_input is not None:
-        trips, count = "input", record.trip_input
+    elif record.trip is not None:
+        trips, count = "input", record.trip
     elif dynamic:
         max_iters = record.spec.max_iters
         assert max_iters is not None  # checked by the tracer at the first stop check

@@ -1,10 +1,13 @@
 """Loop semantics shared by every executor of the IR (the reference interpreter, the batched
-runner, the runtime's conductor): how many iterations a loop may run, what a per-step
-parameter is in iteration ``i``, how a stream is cut into chunks, and which channels a finished
-loop defines. One definition, so the executors cannot drift apart."""
+runner, the runtime's conductor): how many iterations a loop may run (its trip count, an
+integer expression of walk inputs evaluated per request, capped by ``max_iters``), what a
+per-step parameter is in iteration ``i``, how a stream is cut into chunks, which channels a
+finished loop defines, and which walk outputs stream to a client as a loop commits. One
+definition, so the executors cannot drift apart."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,6 +31,57 @@ def int_input(inputs: Mapping[str, Any], name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise LoopError(f"walk input {name!r} must be an int (a loop bound), got {value!r}")
     return value
+
+
+def eval_int(expr: ir.IntExpr, inputs: Mapping[str, Any]) -> int:
+    """The value of an integer trip-count expression for one request's walk inputs."""
+    if isinstance(expr, ir.IntLit):
+        return expr.value
+    if isinstance(expr, ir.IntInput):
+        return int_input(inputs, expr.name)
+    if isinstance(expr, ir.IntSize):
+        value = inputs.get(expr.input)
+        if not isinstance(value, torch.Tensor) or not -value.dim() <= expr.dim < value.dim():
+            raise LoopError(
+                f"walk input {expr.input!r} must be a tensor with a dimension {expr.dim} "
+                f"(a loop bound reads its size), got {_describe(value)}"
+            )
+        return int(value.shape[expr.dim])
+    a, b = eval_int(expr.left, inputs), eval_int(expr.right, inputs)
+    if expr.op in ("floordiv", "mod") and b == 0:
+        raise LoopError(f"a loop bound divides by zero: {format_int(expr)} with {expr.right} = 0")
+    return _BINOPS[expr.op](a, b)
+
+
+_BINOPS = {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "floordiv": operator.floordiv,
+    "mod": operator.mod,
+}
+_SYMBOLS = {"add": "+", "sub": "-", "mul": "*", "floordiv": "//", "mod": "%"}
+_PRECEDENCE = {"add": 1, "sub": 1, "mul": 2, "floordiv": 2, "mod": 2}
+
+
+def format_int(expr: ir.IntExpr, outer: int = 0) -> str:
+    """An integer expression as Python text: ``points - 1``, ``2 * n``, ``x.shape[1] // 4``."""
+    if isinstance(expr, ir.IntLit):
+        return str(expr.value)
+    if isinstance(expr, ir.IntInput):
+        return expr.name
+    if isinstance(expr, ir.IntSize):
+        return f"{expr.input}.shape[{expr.dim}]"
+    level = _PRECEDENCE[expr.op]
+    # Left-associative: a right operand of the same precedence needs parentheses.
+    text = f"{format_int(expr.left, level)} {_SYMBOLS[expr.op]} {format_int(expr.right, level + 1)}"
+    return f"({text})" if level < outer else text
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return repr(value)
 
 
 def stream_edge(walk: ir.Walk, name: str) -> ir.StreamEdge:
@@ -54,6 +108,8 @@ def loop_bound(node: ir.LoopNode, inputs: Mapping[str, Any], n_chunks: int | Non
         return trips.count
     if isinstance(trips, ir.InputTrips):
         count = int_input(inputs, trips.input)
+    elif isinstance(trips, ir.ExprTrips):
+        count = eval_int(trips.expr, inputs)
     else:
         if n_chunks is None:
             raise LoopError(f"loop {node.name} iterates a stream but no chunks were given")
@@ -63,7 +119,29 @@ def loop_bound(node: ir.LoopNode, inputs: Mapping[str, Any], n_chunks: int | Non
             node.max_iters if isinstance(node.max_iters, int) else int_input(inputs, node.max_iters)
         )
         count = min(count, cap)
+    if count < 0:
+        raise LoopError(f"loop {node.name} would run {count} iterations; a trip count is >= 0")
     return count
+
+
+def bound_inputs(node: ir.LoopNode) -> list[str]:
+    """The walk inputs ``loop_bound`` reads for this loop: its trip count's (an input, or
+    those of an expression) and its ``max_iters`` input."""
+    names: list[str] = []
+    if isinstance(node.trips, ir.InputTrips):
+        names.append(node.trips.input)
+    elif isinstance(node.trips, ir.ExprTrips):
+        names += ir.expr_inputs(node.trips.expr)
+    if isinstance(node.max_iters, str):
+        names.append(node.max_iters)
+    return list(dict.fromkeys(names))
+
+
+def needs_iteration(node: ir.LoopNode) -> bool:
+    """Whether the loop must run at least once for its channels to have values: it has an
+    accumulated channel, or a terminal one with no carried initial value (``loop_channels``)."""
+    carried = {p.role.output for p in node.params if isinstance(p.role, ir.Carried)}
+    return bool(node.accumulated) or any(j not in carried for j in node.terminal.values())
 
 
 def step_value(
@@ -124,3 +202,20 @@ def truth(value: Any, node: ir.LoopNode) -> bool:
             )
         return bool(value.item())
     return bool(value)
+
+
+def streamed_outputs(walk: ir.Walk) -> dict[str, str]:
+    """Client outputs of ``walk`` that stream item by item, each with the loop whose
+    iterations send them: an output that *is* the accumulated channel of a loop of the walk
+    body (not nested), and not request state. Any other output, glue computed from a streamed
+    channel included (``torch.cat(pieces)[:, :n]``, ``wav * 0.5``), is sent whole when the walk
+    ends. The conductor streams exactly these."""
+    found: dict[str, str] = {}
+    for node in walk.body.nodes:
+        if not isinstance(node, ir.LoopNode):
+            continue
+        for ch in node.accumulated:
+            for out, arg in walk.outputs.items():
+                if arg == ir.Ref(ch) and out not in walk.state:
+                    found[out] = node.name
+    return found

@@ -18,7 +18,9 @@ Text form of a walk (one line per op, loops as indented blocks, sections from ``
 
 Inside a loop body, names drop the ``<loop>/`` prefix they carry in the IR. A dynamic loop's
 header adds ``until <stop>, max_iters <n>``; a stream consumer's trips read ``per chunk of
-<stream>``, and the walk lists its streams with their chunk policies before the body.
+<stream>``, and the walk lists its streams with their chunk policies before the body. The last
+line says which client outputs reach a client item by item as their loop commits iterations
+(``streamed``, see ``loopsem.streamed_outputs``) and which are sent whole when the walk ends.
 
 DOT form: components are boxes, glue small ellipses, loop parameters and channels plain
 labels, each loop a cluster labelled with its kind and trips; a carried value's next value is
@@ -34,6 +36,7 @@ import subprocess
 from collections.abc import Iterator, Mapping
 
 from walkserve.capture import ir
+from walkserve.capture.loopsem import format_int, streamed_outputs
 from walkserve.capture.sections import (
     DynamicLoop,
     Loop,
@@ -131,6 +134,8 @@ def fmt_trips(node: ir.LoopNode) -> str:
         text = f"x{trips.count}"
     elif isinstance(trips, ir.InputTrips):
         text = f"x {trips.input} (walk input)"
+    elif isinstance(trips, ir.ExprTrips):
+        text = f"x ({format_int(trips.expr)}) (of walk inputs)"
     else:
         text = f"per chunk of {trips.stream}"
     if node.stop is not None:
@@ -210,6 +215,10 @@ class _TextWalk:
         yield from self.section(sections(w.body), 1, "")
         outs = [k if a == ir.Ref(k) else f"{k} = {fmt_arg(a)}" for k, a in w.outputs.items()]
         yield f"{INDENT}return {', '.join(outs)}"
+        streamed = streamed_outputs(w)
+        items = ", ".join(f"{out} (loop {loop})" for out, loop in streamed.items()) or "none"
+        whole = ", ".join(k for k in client if k not in streamed) or "none"
+        yield f"{INDENT}streamed: {items}; at the end: {whole}"
 
     def section(self, section: Section, depth: int, prefix: str) -> Iterator[str]:
         pad = INDENT * depth
@@ -394,6 +403,9 @@ class _DotWalk:
         bounds: dict[str, list[str]] = {}
         if isinstance(node.trips, ir.InputTrips):
             bounds.setdefault(node.trips.input, []).append("trips")
+        if isinstance(node.trips, ir.ExprTrips):
+            for name in ir.expr_inputs(node.trips.expr):
+                bounds.setdefault(name, []).append("trips")
         if isinstance(node.max_iters, str):
             bounds.setdefault(node.max_iters, []).append("max_iters")
         for value, what in bounds.items():

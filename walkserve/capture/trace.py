@@ -10,6 +10,7 @@ walks already run (a decode walk gets the cache its prefill made).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,13 +18,15 @@ import torch
 from torch import nn
 from typeguard import typechecked
 
-from walkserve.capture import ir
+from walkserve.capture import ir, rng, shims
 from walkserve.capture.api import ACTIVE_HOOK, WalkSpec, walk_specs
 from walkserve.capture.convert import BlockConverter
-from walkserve.capture.errors import CaptureError
-from walkserve.capture.interpret import Interpreter
+from walkserve.capture.errors import CaptureError, traced_value_error
+from walkserve.capture.inputs import EmbeddingProbe, InputError, check_inputs, input_specs
+from walkserve.capture.interpret import Interpreter, InterpreterError
 from walkserve.capture.lint import lint
 from walkserve.capture.loops import finalize_scope
+from walkserve.capture.loopsem import LoopError
 from walkserve.capture.model import CapturedModel
 from walkserve.capture.serialize import tensor_to_data
 from walkserve.capture.tracer import CONST_PREFIX, Scope, WalkTracer
@@ -76,16 +79,33 @@ def trace(
             pending.remove(name)
             method, spec = specs[name]
             graph.walks[name] = _trace_walk(model, method, spec, graph)
-            record: dict[str, ir.ValueMeta] = {}
-            runner = Interpreter(
-                captured, loop_limit=META_LOOP_ITERATIONS, record=record, check_carried=True
-            )
-            outputs = runner.run_walk(name, state)
             traced = graph.walks[name]
+            record: dict[str, ir.ValueMeta] = {}
+            probe = EmbeddingProbe({i.name: state.get(i.name) for i in traced.inputs})
+            runner = Interpreter(
+                captured,
+                loop_limit=META_LOOP_ITERATIONS,
+                record=record,
+                check_carried=True,
+                observe_op=probe.observe_op,
+            )
+            with probe:
+                outputs = _sample_run(runner, traced, state)
             traced.values = record
-            traced.inputs = [
-                ir.WalkInput(i.name, record.get(i.name), i.default) for i in traced.inputs
-            ]
+            traced.inputs = input_specs(
+                ir.Walk(
+                    **{
+                        **_fields(traced),
+                        "inputs": [
+                            ir.WalkInput(i.name, record.get(i.name), i.default)
+                            for i in traced.inputs
+                        ],
+                    }
+                ),
+                {k: decl.resolve(model) for k, decl in spec.inputs},
+                probe.found,
+            )
+            _check_sample(traced, sample_inputs)
             state.update(outputs)
     for w in graph.walks.values():
         if w.next is not None and w.next not in graph.walks:
@@ -96,6 +116,50 @@ def trace(
             )
     lint(graph)
     return captured
+
+
+def _fields(walk: ir.Walk) -> dict[str, Any]:
+    return {f: getattr(walk, f) for f in walk.__struct_fields__}
+
+
+def _sample_run(runner: Interpreter, walk: ir.Walk, state: Mapping[str, Any]) -> dict[str, Any]:
+    """Run ``walk`` on the sample state (loops cut short); a loop that cannot run on it is a
+    capture error naming the loop's line."""
+    try:
+        return runner.run_walk(walk.name, state)
+    except LoopError as e:
+        loop = next(
+            (
+                n
+                for n in ir.iter_nodes(walk.body)
+                if isinstance(n, ir.LoopNode) and f"loop {n.name} " in str(e)
+            ),
+            None,
+        )
+        raise CaptureError(
+            "sample-loop",
+            f"running walk {walk.name!r} on the sample inputs failed: {e}",
+            loop.source if loop is not None else walk.source,
+        ) from e
+    except InterpreterError as e:
+        raise CaptureError(
+            "sample-run",
+            f"running walk {walk.name!r} on the sample inputs failed: {e}; capture runs every "
+            "walk once on sample_inputs, which must be a request the model can serve",
+            e.source or walk.source,
+        ) from e
+
+
+def _check_sample(walk: ir.Walk, sample_inputs: Mapping[str, Any]) -> None:
+    """The sample request must pass its own walk's input checks (declarations included)."""
+    try:
+        check_inputs(
+            walk, {i.name: sample_inputs[i.name] for i in walk.inputs if i.name in sample_inputs}
+        )
+    except InputError as e:
+        raise CaptureError(
+            "walk-inputs", f"the sample request breaks the walk's input rules: {e}", walk.source
+        ) from None
 
 
 def _walk_params(model: nn.Module, method: str) -> list[str]:
@@ -134,7 +198,12 @@ def _trace_walk(model: nn.Module, method: str, spec: WalkSpec, graph: ir.WalkGra
     tracer.traced_func_name = method
     token = ACTIVE_HOOK.set(tracer)
     try:
-        fx_graph = tracer.trace(model)
+        with shims.patched(_model_functions(model)), rng.DrawMode(tracer):
+            fx_graph = tracer.trace(model)
+    except CaptureError:
+        raise
+    except (TypeError, RuntimeError, ValueError, AttributeError, IndexError) as e:
+        raise traced_value_error(e) from e
     finally:
         ACTIVE_HOOK.reset(token)
     scope = tracer.scopes.get(id(fx_graph)) or Scope(fx_graph)
@@ -179,6 +248,17 @@ def _trace_walk(model: nn.Module, method: str, spec: WalkSpec, graph: ir.WalkGra
         state=list(spec.state),
         source=source,
     )
+
+
+def _model_functions(model: nn.Module) -> list[Any]:
+    """The functions of the model's classes (walks, loop bodies, helpers)."""
+    return [
+        v
+        for klass in type(model).__mro__
+        if klass.__module__ != "builtins" and not klass.__module__.startswith("torch.")
+        for v in vars(klass).values()
+        if inspect.isfunction(v)
+    ]
 
 
 def _method_source(model: nn.Module, method: str) -> str | None:

@@ -31,13 +31,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from walkserve.capture import ir, rng, trips
 from walkserve.capture.api import ComponentSpec, LoopSpec, _Hook, component_spec
 from walkserve.capture.chunk import ChunkPolicy, LeftContext
 from walkserve.capture.errors import CaptureError, user_source
 
-# Sample iterations the tracer lets a dynamic, streamed or input-bounded loop run: enough to
-# tell carried from per-step arguments and to check that per-step ints are affine.
-SAMPLE_ITERATIONS = 3
+SAMPLE_ITERATIONS = trips.SAMPLE_ITERATIONS
 
 CONST_PREFIX = "__const__."
 
@@ -104,7 +103,7 @@ class LoopRecord:
     source: str | None
     iterations: list[Iteration] = field(default_factory=list)
     checks: list[fx.Node] = field(default_factory=list)  # stop predicates, one per check
-    trip_input: str | None = None
+    trip: ir.IntExpr | None = None  # range(<expr>) / iterations(<expr>) of walk inputs
     stream: StreamInfo | None = None
     closed: bool = False
     carries: bool = False  # some argument was a previous iteration's output
@@ -140,8 +139,9 @@ class WalkTracer(fx.Tracer, _Hook):
         self._keys = itertools.count()
         self._seq = itertools.count()
         self._attr_cache: dict[int, dict[str, fx.Proxy]] = {}
-        self._pending_trip_input: str | None = None
+        self.pending_trip: ir.IntExpr | None = None
         self._pending_stream: StreamInfo | None = None
+        self.body_graphs: set[int] = set()
 
     # -------------------------------------------------------------- fx overrides
 
@@ -195,7 +195,29 @@ class WalkTracer(fx.Tracer, _Hook):
                 f"a module ({type(a).__name__}) is passed as a value; call it instead",
                 user_source(),
             )
+        if isinstance(a, rng.REAL_GENERATOR):
+            raise CaptureError(
+                "rng-generator",
+                "a torch.Generator is passed as a value (to a component, a loop body or a glue "
+                "function); only torch's random functions may take it, in the walk body: "
+                + rng.SUPPORTED,
+                user_source(),
+            )
         return super().create_arg(a)
+
+    def create_proxy(
+        self,
+        kind: str,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None = None,
+        type_expr: Any = None,
+        proxy_factory_fn: Any = None,
+    ) -> fx.Proxy:
+        if kind == "call_method" and isinstance(kwargs.get("generator"), rng.TracedGenerator):
+            return self.draw(f"method:{target}", args, kwargs)  # x.normal_(generator=g)
+        return super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
 
     def create_node(
         self,
@@ -229,7 +251,7 @@ class WalkTracer(fx.Tracer, _Hook):
                 "body call (which makes it a DynamicLoop)",
                 user_source(),
             )
-        if loop.spec.max_iters is None and loop.stream is None and loop.trip_input is None:
+        if loop.spec.max_iters is None and loop.stream is None and loop.trip is None:
             raise CaptureError(
                 "dynamic-loop-max-iters",
                 f"loop body '{loop.name}' has a data-dependent stop but no max_iters; declare "
@@ -246,7 +268,14 @@ class WalkTracer(fx.Tracer, _Hook):
         return len(loop.checks) >= SAMPLE_ITERATIONS
 
     def iter(self, obj: fx.Proxy) -> Iterator[Any]:
-        return super().iter(obj)
+        raise CaptureError(
+            "iterate-traced",
+            "a traced value is iterated (a for loop, a list comprehension, a generator "
+            "expression or *args over it); its length is not known while capturing. Loop over "
+            "its indices instead, `for k in range(x.shape[1]): ... x[:, k]` (a walk input's "
+            "size is a trip count), or unpack a fixed number of items, `a, b = out`",
+            user_source(),
+        )
 
     # -------------------------------------------------------------- hooks (api.py)
 
@@ -314,18 +343,39 @@ class WalkTracer(fx.Tracer, _Hook):
 
     def iterations(self, n: Any) -> Iterator[int]:
         if isinstance(n, int):
-            yield from range(n)
-            return
-        if not (isinstance(n, fx.Proxy) and n.node.op == "placeholder"):
-            raise CaptureError(
-                "iterations-input",
-                "iterations(n) needs a Python int or an int walk input, not a computed value",
-                user_source(),
-            )
-        for i in range(SAMPLE_ITERATIONS):
-            self._pending_trip_input = str(n.node.target)
-            yield i
-        self._pending_trip_input = None
+            return iter(range(n))
+        return trips.traced_iterations(self, self._trip_expr(n, "iterations"), 0, 1)
+
+    def traced_range(self, *args: Any) -> trips.TracedRange:
+        """``range(...)`` with a traced argument (see ``shims`` and ``trips``)."""
+        return trips.traced_range(self, *args)
+
+    def _trip_expr(self, value: Any, what: str) -> ir.IntExpr:
+        return trips.trip_expr(self, value, what)
+
+    def torch_call(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A torch function called from the model's module while tracing (see ``shims``)."""
+        if isinstance(kwargs.get("generator"), rng.TracedGenerator):
+            return self.draw(rng.target_of(fn), args, kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except TypeError:
+            if not _nodes_in_proxies((args, kwargs)):
+                raise
+        # A traced size or count where torch's parser wants an int: record the call.
+        return self.create_proxy("call_function", fn, args, kwargs)
+
+    # -------------------------------------------------------------- random numbers (rng.py)
+
+    def generator(self, *args: Any, **kwargs: Any) -> rng.TracedGenerator:
+        """What ``torch.Generator(...)`` returns in a walk while tracing (``rng``)."""
+        return rng.new_generator(self, *args, **kwargs)
+
+    def draw(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> fx.Proxy:
+        """One traced draw from the generator in ``kwargs`` (``rng``)."""
+        return rng.trace_draw(self, target, args, kwargs)
 
     # -------------------------------------------------------------- loop recording
 
@@ -346,7 +396,7 @@ class WalkTracer(fx.Tracer, _Hook):
                 site == record.source
                 and not record.carries
                 and record.stream is self._pending_stream
-                and record.trip_input == self._pending_trip_input
+                and record.trip == self.pending_trip
             ):
                 return record
             record.closed = True
@@ -367,6 +417,7 @@ class WalkTracer(fx.Tracer, _Hook):
         self.loop_names[base] = count + 1
         name = base if count == 0 else f"{base}_{count}"
         body = fx.Graph(tracer_cls=type(self))
+        self.body_graphs.add(id(body))
         static = {p: v for p, v in zip(params, values) if not _is_traced_value(v)}
         outer_graph = self.graph
         self.graph = body
@@ -376,10 +427,10 @@ class WalkTracer(fx.Tracer, _Hook):
                 proxies[p] = (
                     static[p] if p in static else self.create_proxy("placeholder", p, (), {})
                 )
-            saved = (self._pending_stream, self._pending_trip_input)
-            self._pending_stream = self._pending_trip_input = None
+            saved = (self._pending_stream, self.pending_trip)
+            self._pending_stream = self.pending_trip = None
             result = fn(owner, **proxies)
-            self._pending_stream, self._pending_trip_input = saved
+            self._pending_stream, self.pending_trip = saved
             if isinstance(result, dict):
                 raise CaptureError(
                     "loop-returns",
@@ -397,7 +448,7 @@ class WalkTracer(fx.Tracer, _Hook):
         finally:
             self.graph = outer_graph
         record = LoopRecord(key, name, fn, spec, params, static, body, len(outs), single, source)
-        record.trip_input = self._pending_trip_input
+        record.trip = self.pending_trip
         if self._pending_stream is not None and self._pending_stream.consumer is None:
             record.stream = self._pending_stream
             record.stream.consumer = record
@@ -456,6 +507,17 @@ class WalkTracer(fx.Tracer, _Hook):
                 continue
             stack.extend(_nodes_in((n.args, n.kwargs)))
         return None
+
+
+def _nodes_in_proxies(tree: Any) -> bool:
+    """Whether a Proxy sits anywhere in nested lists, tuples and dicts."""
+    if isinstance(tree, fx.Proxy):
+        return True
+    if isinstance(tree, (list, tuple)):
+        return any(_nodes_in_proxies(t) for t in tree)
+    if isinstance(tree, dict):
+        return any(_nodes_in_proxies(t) for t in tree.values())
+    return False
 
 
 def _is_traced_value(v: Any) -> bool:

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from walkserve.capture import ir
+from walkserve.capture.loopsem import bound_inputs
 from walkserve.lowering.plan import BlockPlan, LoopPlan, NodePlan, RegionPlan
 
 __all__ = ["conductor_values", "find_regions"]
@@ -150,10 +151,7 @@ class _Finder:
         trips: dict[str, None] = {}
         for item in members:
             for loop in self._loops(item):
-                if isinstance(loop.trips, ir.InputTrips):
-                    trips[loop.trips.input] = None
-                if isinstance(loop.max_iters, str):
-                    trips[loop.max_iters] = None
+                trips.update(dict.fromkeys(bound_inputs(loop)))
         streamed = []
         if not path:  # client streams: accumulated walk outputs of the walk's own loops
             emitted = {

@@ -63,6 +63,7 @@ import torch
 
 from walkserve.capture import ir
 from walkserve.capture.chunk import ChunkSpan
+from walkserve.capture.inputs import check_inputs
 from walkserve.capture.interpret import MAX_TRANSITIONS, Interpreter
 from walkserve.capture.loopsem import (
     LoopError,
@@ -406,19 +407,25 @@ class Conductor:
 
     def _check_inputs(self, walk: str, inputs: Mapping[str, Any]) -> None:
         """The walk's inputs, and along a static ``next`` chain every later walk's inputs
-        that no earlier walk outputs, must be given."""
+        that no earlier walk outputs, must be given, and be valid (``check_inputs``)."""
         graph = self.captured.graph
         have = set(inputs)
         seen: set[str] = set()
+        produced: set[str] = set()
         current: str | None = walk
         while current is not None and current not in seen:
             w = graph.walks[current]
             missing = [i.name for i in w.inputs if i.name not in have and i.default is None]
             if missing:
                 raise ValueError(f"walk {current!r} needs inputs {missing}")
+            check_inputs(w, {k: v for k, v in inputs.items() if k not in produced})
             have |= set(w.outputs)
+            produced |= set(w.outputs)
             seen.add(current)
             current = None if graph.custom_transition else w.next
+        if graph.custom_transition:  # next_walk() may pick any walk: each checks what it takes
+            for w in graph.walks.values():
+                check_inputs(w, {k: v for k, v in inputs.items() if k not in produced})
 
     def _enter_walk(self, req: RequestState, walk: str) -> None:
         w = self.captured.graph.walks[walk]

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from walkserve.adapters.examples.blocks import CausalLM, StackConfig, empty_kv, init_weights, seeded
-from walkserve.capture.api import component, iterations, loop, walk
+from walkserve.capture.api import Input, component, iterations, loop, walk
 
 VOCAB = 96
 EOS_ID = 2
@@ -31,6 +31,7 @@ LM_CONFIG = StackConfig(dim=48, layers=2, heads=4)
 INIT_STD = 0.15
 PROMPT_LEN = 8
 MAX_NEW_TOKENS = 16
+KV_CACHE = Input(dims={1: "dynamic", 3: "dynamic"})  # [layers, B, H, T, hd]: batch, length
 
 
 @component(engine="kv_cache")
@@ -64,7 +65,7 @@ class TextModel(nn.Module):
         position = prompt_ids.new_full((prompt_ids.shape[0],), prompt_ids.shape[1])  # [B]: P
         return {"token": token, "k_cache": k_cache, "v_cache": v_cache, "position": position}
 
-    @walk
+    @walk(inputs={"k_cache": KV_CACHE, "v_cache": KV_CACHE})
     def decode(
         self, token: Tensor, k_cache: Tensor, v_cache: Tensor, max_new_tokens: int
     ) -> dict[str, Tensor]:

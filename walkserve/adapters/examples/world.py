@@ -35,7 +35,7 @@ from walkserve.adapters.examples.blocks import (
     init_weights,
     seeded,
 )
-from walkserve.capture.api import component, iterations, loop, walk
+from walkserve.capture.api import Input, component, iterations, loop, walk
 
 IMAGE_SIZE = 16
 PATCH = 4
@@ -105,7 +105,12 @@ class WorldModel(nn.Module):
         self.encoder = FrameEncoder(ENCODER_CONFIG)
         self.predictor = Predictor(PREDICTOR_CONFIG)
 
-    @walk
+    @walk(  # any number of context frames and actions (actions ids < NUM_ACTIONS)
+        inputs={
+            "frames": Input(dims={1: "dynamic"}),
+            "actions": Input(dims={1: "dynamic"}, min=0, max=NUM_ACTIONS - 1),
+        }
+    )
     def rollout(self, frames: Tensor, actions: Tensor, horizon: int) -> dict[str, Tensor]:
         # frames: [B, F, 3, 16, 16] float, F >= 1; actions: [B, A] int64, A >= horizon
         tokens = self.encoder(frames)  # [B, F, N, D]
