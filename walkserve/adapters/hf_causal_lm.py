@@ -126,7 +126,7 @@ class TextWalks:
         state=("cache", "count"),
         inputs={
             "input_ids": Input(vocab=lambda m: m.lm.lm.get_input_embeddings().num_embeddings),
-            "constraints": Input(dims={1: "dynamic"}),
+            "constraints": Input(dims={1: (0, None)}),  # empty: no constraint
         },
     )
     def prefill_ext(
