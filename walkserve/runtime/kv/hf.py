@@ -53,6 +53,7 @@ __all__ = [
     "PagedCausalLMRunner",
     "PagedStep",
     "SeqChunk",
+    "attention_heads",
     "paged_attention_forward",
     "paged_step",
     "pool_for",
@@ -133,6 +134,22 @@ def head_dim(config: Any) -> int:
     )
 
 
+def attention_heads(model: nn.Module) -> tuple[int, int]:
+    """Query and KV heads of this rank's shard of ``model``: the config's, split as
+    ``runtime.tp.heads`` splits them when the model is tensor-parallel (``model.tp_size``,
+    transformers' own attribute, > 1); the pool then holds only this rank's KV heads."""
+    config = _text_config(model)
+    heads = int(config.num_attention_heads)
+    kv = int(config.num_key_value_heads or heads)
+    tp = int(getattr(model, "tp_size", None) or 1)
+    if tp == 1:
+        return heads, kv
+    from walkserve.runtime.tp.heads import split_heads
+
+    split = split_heads(heads, kv, tp)
+    return split.heads, split.kv_heads
+
+
 def pool_for(
     model: nn.Module, num_pages: int, page_size: int, device: torch.device | str | None = None
 ) -> KVPool:
@@ -143,7 +160,7 @@ def pool_for(
         num_pages=num_pages,
         page_size=page_size,
         num_layers=int(config.num_hidden_layers),
-        kv_heads=int(config.num_key_value_heads or config.num_attention_heads),
+        kv_heads=attention_heads(model)[1],
         head_dim=head_dim(config),
         dtype=param.dtype,
         device=param.device if device is None else device,
@@ -195,10 +212,11 @@ class PagedCausalLMRunner:
         self.model = model
         self.pool = pool
         dim = head_dim(config)
+        heads, kv_heads = attention_heads(model)
         self.backend = TorchPagedAttention(
             AttentionConfig(
-                num_heads=int(config.num_attention_heads),
-                num_kv_heads=int(config.num_key_value_heads or config.num_attention_heads),
+                num_heads=heads,
+                num_kv_heads=kv_heads,
                 head_dim=dim,
                 page_size=pool.page_size,
                 scale=dim**-0.5,
