@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' TP loading path needs it
 
 from walkserve.lowering.batched import Deferred  # noqa: E402
+from walkserve.lowering.memory import _shard_bytes  # noqa: E402
 from walkserve.runtime.kv import hf  # noqa: E402
 from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig  # noqa: E402
 from walkserve.runtime.kv.pool import KVPool  # noqa: E402
@@ -139,6 +140,11 @@ def load(name: str, path: Path, group: TPGroup | None) -> torch.nn.Module:
     return load_sharded(path, group, attn_implementation=impl, experts=experts)
 
 
+def _local_nbytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
 def rank_main(setup: TPSetup, root: str) -> None:
     torch.set_num_threads(1)
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -167,6 +173,8 @@ def rank_main(setup: TPSetup, root: str) -> None:
             ref_tokens = drive(ref_paged.forward_batch, work)
             ref_stats = ref_paged.kv_stats()
             ref_logits = PrefillLogits(ref_lm).forward_batch(prompts)
+            local = sum(_local_nbytes(t) for t in [*lm.parameters(), *lm.buffers()])
+            estimated = sum(_shard_bytes(ref_lm, 2).values())
             diff = max(float((a - b).abs().max()) for a, b in zip(tp_logits[:-1], ref_logits))
             scale = max(float(r.abs().max()) for r in ref_logits[:-1])
             result = {
@@ -177,6 +185,11 @@ def rank_main(setup: TPSetup, root: str) -> None:
                 "pool_kv_heads": int(tp_logits[-1]),
                 "ref_pool_kv_heads": int(ref_logits[-1]),
                 "steps": paged.steps,
+                "shard_bytes": local,
+                "estimated_shard_bytes": estimated,
+                "full_bytes": sum(
+                    _local_nbytes(t) for t in [*ref_lm.parameters(), *ref_lm.buffers()]
+                ),
                 "live_before_release": live,
                 "live_after_release": paged.live_objects,
                 "pages_in_use_after_release": stats.pages_in_use if stats else None,
@@ -302,3 +315,12 @@ def test_a_dead_follower_fails_the_leaders_next_step(tmp_path: Path) -> None:
     assert len(result["errors"]) == 2
     assert "a collective failed" in result["errors"][0]
     assert "failed earlier" in result["errors"][1]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_rank_holds_its_shard_and_the_plan_estimate_counts_it(
+    results: dict[str, Any], name: str
+) -> None:
+    r = results[name]
+    assert r["shard_bytes"] == r["estimated_shard_bytes"]  # walkserve plan's weights / N
+    assert r["shard_bytes"] < 0.6 * r["full_bytes"]  # only norms, router, rotary whole

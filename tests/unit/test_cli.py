@@ -117,3 +117,27 @@ def test_bench_forwards_to_the_load_generator(capsys: pytest.CaptureFixture[str]
     assert code == 2 and "--rate must be > 0" in err
     code, _, err = run(capsys, "bench", "--model", "m", "--slo", "latency=1")
     assert code == 2 and "ttft" in err
+
+
+def test_tensor_parallel_size_plans_every_component_on_n_ranks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    args = ("--model", str(tmp_path), "--tensor-parallel-size", "2")
+    code, out, err = run(capsys, "plan", *args, "--skip-capture-check")
+    assert code == 0, err
+    assert "rank 0:" in out and "rank 1:" in out
+    code, _, err = run(capsys, "plan", *args, "--placement", "x.yaml")
+    assert code == 2 and "not both" in err
+    code, _, err = run(capsys, "serve", *args)
+    assert code == 2 and "not wired into the worker processes yet" in err

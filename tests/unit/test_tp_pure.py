@@ -198,3 +198,40 @@ def test_call_arguments_that_cannot_travel_are_refused() -> None:
         _enc(object())
     with pytest.raises(TypeError):
         _enc({1: 2})
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_plan_memory_counts_one_shard_of_a_paged_lm(kv_heads: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    from walkserve import capture
+    from walkserve.adapters.hf_causal_lm import CausalLMWalks, sample_request
+    from walkserve.lowering.memory import MemoryLimits, estimate_memory
+    from walkserve.lowering.placement import resolve
+    from walkserve.runtime.kv.hf import register
+    from walkserve.runtime.kv.paged_lm import PagedLMConfig
+
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+    )
+    lm = transformers.LlamaForCausalLM(config).eval()
+    lm.set_attn_implementation(register())
+    model = CausalLMWalks(lm, 0, PagedLMConfig(pool_tokens=64, page_size=16))
+    captured = capture.trace(model, sample_request([1, 2, 3], 2))
+    placement = Placement(ranks=2, rules={"lm": [0, 1]}, tensor_parallel={"lm": 2})
+    estimates = estimate_memory(resolve(placement, captured), captured, MemoryLimits())
+    kv_rows = kv_heads * 8
+    split = 32 * 32 + 32 * 32 + 3 * 64 * 32  # q, o, gate, up, down: halved
+    kv = 2 * kv_rows * 32  # k, v: halved when the KV heads split, whole when replicated
+    layer = split // 2 + (kv // 2 if kv_heads == 2 else kv) + 2 * 32  # + two norms
+    buffers = sum(b.numel() for b in lm.buffers())
+    weights = (2 * layer + 2 * 128 * 32 // 2 + 32 + buffers) * 4  # embed, head halved; norm
+    pool = 2 * 2 * 4 * 16 * 1 * 8 * 4  # K and V, 2 layers, 4 pages of 16, 1 KV head, dim 8
+    for rank in (0, 1):
+        contributors = dict(estimates[rank].contributors)
+        assert contributors["weights lm (1/2 shard)"] == weights
+        assert contributors["KV pool lm (1/2 shard)"] == pool

@@ -46,7 +46,7 @@ from walkserve.runtime.kv.attention import (
     TorchPlan,
     write_kv,
 )
-from walkserve.runtime.kv.pool import KVPool
+from walkserve.runtime.kv.pool import KVPool, KVPoolConfig
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -56,6 +56,7 @@ __all__ = [
     "attention_heads",
     "paged_attention_forward",
     "paged_step",
+    "pool_config_for",
     "pool_for",
     "register",
 ]
@@ -134,14 +135,14 @@ def head_dim(config: Any) -> int:
     )
 
 
-def attention_heads(model: nn.Module) -> tuple[int, int]:
-    """Query and KV heads of this rank's shard of ``model``: the config's, split as
-    ``runtime.tp.heads`` splits them when the model is tensor-parallel (``model.tp_size``,
-    transformers' own attribute, > 1); the pool then holds only this rank's KV heads."""
+def attention_heads(model: nn.Module, tensor_parallel: int | None = None) -> tuple[int, int]:
+    """Query and KV heads of one rank's shard of ``model`` at ``tensor_parallel`` (default: the
+    model's own degree, transformers' ``model.tp_size``): the config's, split as
+    ``runtime.tp.heads`` splits them; the pool then holds only this rank's KV heads."""
     config = _text_config(model)
     heads = int(config.num_attention_heads)
     kv = int(config.num_key_value_heads or heads)
-    tp = int(getattr(model, "tp_size", None) or 1)
+    tp = tensor_parallel or int(getattr(model, "tp_size", None) or 1)
     if tp == 1:
         return heads, kv
     from walkserve.runtime.tp.heads import split_heads
@@ -150,21 +151,34 @@ def attention_heads(model: nn.Module) -> tuple[int, int]:
     return split.heads, split.kv_heads
 
 
-def pool_for(
-    model: nn.Module, num_pages: int, page_size: int, device: torch.device | str | None = None
-) -> KVPool:
-    """A pool shaped for ``model``'s layers, KV heads and head size, in its dtype."""
+def pool_config_for(
+    model: nn.Module,
+    num_pages: int,
+    page_size: int,
+    device: torch.device | str | None = None,
+    tensor_parallel: int | None = None,
+) -> KVPoolConfig:
+    """The shape of a pool for ``model``'s layers, (this rank's) KV heads and head size, in
+    its dtype: what ``pool_for`` allocates, or what a memory estimate counts."""
     config = _text_config(model)
     param = next(model.parameters())
-    return KVPool(
+    return KVPoolConfig(
         num_pages=num_pages,
         page_size=page_size,
         num_layers=int(config.num_hidden_layers),
-        kv_heads=attention_heads(model)[1],
+        kv_heads=attention_heads(model, tensor_parallel)[1],
         head_dim=head_dim(config),
         dtype=param.dtype,
-        device=param.device if device is None else device,
+        device=torch.device(param.device if device is None else device),
     )
+
+
+def pool_for(
+    model: nn.Module, num_pages: int, page_size: int, device: torch.device | str | None = None
+) -> KVPool:
+    """A pool shaped for ``model`` (``pool_config_for``)."""
+    c = pool_config_for(model, num_pages, page_size, device)
+    return KVPool(c.num_pages, c.page_size, c.num_layers, c.kv_heads, c.head_dim, c.dtype, c.device)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from walkserve.lowering.batched import DEFER, Deferred
 from walkserve.runtime.kv.hf import (
     PagedCausalLMRunner,
     SeqChunk,
+    pool_config_for,
     pool_for,
     register,
 )
@@ -412,6 +413,14 @@ class PagedLM(nn.Module):
         if self._state is None:
             self._state = _State(self.lm, self.config_kv)
         return self._state
+
+    def kv_pool_nbytes(self, tensor_parallel: int = 1) -> int:
+        """Bytes of the pool this component allocates in each process that runs it, one of
+        ``tensor_parallel`` ranks holding its share of the KV heads (allocates nothing)."""
+        config = self.config_kv
+        return pool_config_for(
+            self.lm, config.num_pages, config.page_size, "meta", tensor_parallel
+        ).nbytes
 
     def release_kv(self) -> None:
         """Drop the pool (a process that only captured or checked the model); live caches of
