@@ -83,9 +83,9 @@ from walkserve.capture.loopsem import (
     truth,
 )
 from walkserve.capture.model import CapturedModel
-from walkserve.lowering.plan import BlockPlan, ExecutablePlan, NodePlan
+from walkserve.lowering.plan import BlockPlan, ExecutablePlan, NodePlan, RegionPlan
 
-NodeKind = Literal["component", "glue"]
+NodeKind = Literal["component", "glue", "region"]
 
 # ------------------------------------------------------------------------------ public types
 
@@ -96,6 +96,9 @@ class WorkItem:
 
     ``ops`` are the IR op names to run, in order; for ``kind="component"`` the first is the
     component op, called with ``call`` = (args, kwargs), and the rest is glue fused into it.
+    ``kind="region"``: ``node`` names a ``RegionPlan`` of the walk, which its rank runs by
+    itself; ``env`` holds its inputs, ``outputs`` the values it reports at its exit
+    (``complete``), and its streamed channels' items come before that (``streamed``).
     ``env`` holds every value the item's glue ops read from outside the item (by name; model
     attributes and constants are resolved by the runner). ``frame`` is the loop iteration path,
     outer to inner (``()`` outside loops). ``speculative``: dispatched before the stop of the
@@ -184,6 +187,17 @@ class _NodeSpec:
 
 
 @dataclass(frozen=True)
+class _RegionSpec:
+    """A region its rank runs by itself (``RegionPlan``): a node with many outputs."""
+
+    name: str
+    reads: tuple[str, ...]  # values of the block it needs to start
+    trip_inputs: tuple[str, ...]  # walk inputs its loops' bounds name
+    outputs: tuple[str, ...]
+    emit: dict[str, tuple[str, ...]]  # streamed channel -> client outputs (walk level)
+
+
+@dataclass(frozen=True)
 class _StreamSpec:
     edge: ir.StreamEdge
     policy: ChunkPolicy
@@ -209,6 +223,7 @@ class _BlockSpec:
     params: tuple[str, ...]
     nodes: tuple[_NodeSpec, ...]
     loops: tuple[_LoopSpec, ...]
+    regions: tuple[_RegionSpec, ...]
     streams: dict[str, _StreamSpec]  # streams between loops of this block, by name
     uses: dict[str, int]  # readers of each value: ops, loop starts, loop ends
     pinned: frozenset[str]  # values kept until the frame ends (block outputs, stop)
@@ -248,19 +263,42 @@ def _min_buffer(policy: ChunkPolicy) -> int:
 class _SpecBuilder:
     """Builds the ``_BlockSpec`` tree of one walk from its IR and its plan."""
 
-    def __init__(self, captured: CapturedModel, walk: ir.Walk) -> None:
+    def __init__(self, captured: CapturedModel, walk: ir.Walk, plan: ExecutablePlan) -> None:
         self.graph = captured.graph
         self.walk = walk
+        self.region_at: dict[tuple[str, ...], dict[str, RegionPlan]] = {}
+        for r in plan.regions.get(walk.name, []):
+            self.region_at.setdefault(tuple(r.path), {})[r.items[0]] = r
         nodes = ir.iter_nodes(walk.body)
         self.ops = {n.name: n for n in nodes if isinstance(n, ir.Op)}
         self.loops = {n.name: n for n in nodes if isinstance(n, ir.LoopNode)}
         self.edges = {s.name: s for s in walk.streams}
 
-    def block(self, block: ir.Block, plan: BlockPlan, pinned: set[str], top: bool) -> _BlockSpec:
+    def block(
+        self,
+        block: ir.Block,
+        plan: BlockPlan,
+        pinned: set[str],
+        top: bool,
+        path: tuple[str, ...] = (),
+    ) -> _BlockSpec:
         nodes: list[_NodeSpec] = []
         loops: list[_LoopSpec] = []
+        regions: list[_RegionSpec] = []
         planned: set[str] = set()
+        starts = self.region_at.get(path, {})
+        skip: set[str] = set()
         for pn in plan.nodes:
+            if pn.name in skip:
+                continue
+            if pn.name in starts:
+                region = starts[pn.name]
+                skip |= set(region.items)
+                regions.append(self._region(region, plan, top))
+                for item in plan.nodes:
+                    if item.name in region.items:
+                        planned |= set(item.ops) if isinstance(item, NodePlan) else {item.name}
+                continue
             if isinstance(pn, NodePlan):
                 ops = []
                 for name in pn.ops:
@@ -271,7 +309,7 @@ class _SpecBuilder:
             else:
                 node = self.loops[pn.name]
                 body_pinned = {*node.outputs, *([node.stop] if node.stop else [])}
-                body = self.block(node.body, pn.body, body_pinned, top=False)
+                body = self.block(node.body, pn.body, body_pinned, False, (*path, node.name))
                 need, step = _loop_reads(node)
                 loops.append(
                     _LoopSpec(node, body, need, step, self._speculative(node), node, (), {})
@@ -291,6 +329,9 @@ class _SpecBuilder:
                     uses[r] = uses.get(r, 0) + 1
         for ls in loops:
             for r in ls.need:  # step reads are among them
+                uses[r] = uses.get(r, 0) + 1
+        for rs in regions:
+            for r in rs.reads:
                 uses[r] = uses.get(r, 0) + 1
         for s in streams.values():
             if s.producer is None:  # a whole value: read by the consumer until it ends
@@ -317,7 +358,30 @@ class _SpecBuilder:
                     for ch in ls.node.accumulated
                 }
         return _BlockSpec(
-            tuple(block.params), tuple(nodes), tuple(loops), streams, uses, frozenset(pinned)
+            tuple(block.params),
+            tuple(nodes),
+            tuple(loops),
+            tuple(regions),
+            streams,
+            uses,
+            frozenset(pinned),
+        )
+
+    def _region(self, region: RegionPlan, plan: BlockPlan, top: bool) -> _RegionSpec:
+        emit: dict[str, tuple[str, ...]] = {}
+        if top:
+            for ch in region.streamed:
+                emit[ch] = tuple(
+                    out
+                    for out, arg in self.walk.outputs.items()
+                    if arg == ir.Ref(ch) and out not in self.walk.state
+                )
+        return _RegionSpec(
+            region.name,
+            tuple(region.inputs),
+            tuple(region.trip_inputs),
+            tuple(region.outputs),
+            emit,
         )
 
     def _speculative(self, node: ir.LoopNode) -> bool:
@@ -462,6 +526,7 @@ class _Frame:
     env: dict[str, Any] = field(default_factory=dict)
     uses: dict[str, int] = field(default_factory=dict)
     todo: dict[str, list[int]] = field(default_factory=dict)  # node -> undispatched op indices
+    regions: list[_RegionSpec] = field(default_factory=list)  # regions not dispatched
     waiting: list[_LoopSpec] = field(default_factory=list)  # loops not started
     runs: list[_LoopRun] = field(default_factory=list)  # loops started, not finished
     streams: dict[str, _Stream] = field(default_factory=dict)
@@ -473,7 +538,12 @@ class _Frame:
 
     def done(self) -> bool:
         return not (
-            self.inflight or self.waiting or self.runs or self.error or any(self.todo.values())
+            self.inflight
+            or self.waiting
+            or self.runs
+            or self.regions
+            or self.error
+            or any(self.todo.values())
         )
 
     def in_speculation(self) -> bool:
@@ -524,6 +594,8 @@ class _Pending:
     ops: tuple[str, ...]
     internal: dict[str, int]  # reads of values produced inside the item
     item: WorkItem  # as issued: ``defer`` issues it again
+    region: _RegionSpec | None = None
+    delivered: set[str] = field(default_factory=set)  # outputs bound (``partial``)
 
 
 class _RequestFailed(Exception):
@@ -539,6 +611,8 @@ class Conductor:
     ``speculate=False`` never starts an iteration of a DynamicLoop before the previous stop is
     known (zero wasted steps). ``stream_buffer_limit``: items a stream buffer may hold before
     its producer waits; it must cover the largest chunk (with context) of every stream.
+    ``eager_outputs``: every walk output is an ``Output`` event as soon as its value exists
+    (a region walk's, so that what its rank made reaches the conductor before the exit).
     """
 
     def __init__(
@@ -548,18 +622,21 @@ class Conductor:
         *,
         speculate: bool = True,
         stream_buffer_limit: int = 64,
+        eager_outputs: bool = False,
     ) -> None:
         if stream_buffer_limit < 1:
             raise ValueError(f"stream_buffer_limit must be >= 1, got {stream_buffer_limit}")
         self.captured = captured
         self.speculate = speculate
         self.stream_buffer_limit = stream_buffer_limit
+        self.eager_outputs = eager_outputs
         self._walks: dict[str, _BlockSpec] = {}
         for name, walk in captured.graph.walks.items():
             if name not in plan.walks:
                 raise ValueError(f"the plan has no walk {name!r}; was it lowered from this model?")
             pinned = {r for a in walk.outputs.values() for r in ir.arg_refs(a)}
-            spec = _SpecBuilder(captured, walk).block(walk.body, plan.walks[name], pinned, True)
+            builder = _SpecBuilder(captured, walk, plan)
+            spec = builder.block(walk.body, plan.walks[name], pinned, True)
             self._walks[name] = spec
             self._check_streams(name, spec)
         self._interp = Interpreter(captured)
@@ -572,6 +649,7 @@ class Conductor:
         self._next_id = 0
         self._speculated = 0
         self._wasted = 0
+        self._dropped: list[int] = []  # region items released while their rank ran them
 
     def _check_streams(self, walk: str, spec: _BlockSpec) -> None:
         for s in spec.streams.values():
@@ -617,18 +695,54 @@ class Conductor:
         p = self._take(item_id)
         if p is None:
             return
-        need = p.item.outputs
+        need = [op for op in p.item.outputs if op not in p.delivered]
         missing = [op for op in need if op not in value] if isinstance(value, Mapping) else need
         if missing:
             self._node_failed(p, f"result has no value for ops {list(missing)}")
             return
+        self._bind_results(p, value)
+        self._advance(p.request)
+
+    def partial(self, item_id: int, values: Mapping[str, Any]) -> None:
+        """Some outputs of a region item, before its exit: bound at once (``complete`` then
+        brings the others). Items no longer wanted: ignored."""
+        p = self._items.get(item_id)
+        if p is None or p.region is None:
+            return
+        self._bind_results(p, {k: v for k, v in values.items() if k in p.ops})
+        self._advance(p.request)
+
+    def _bind_results(self, p: _Pending, value: Mapping[str, Any]) -> None:
         frame = p.frame
         for op in p.ops:
+            if op in p.delivered or (p.region is not None and op not in value):
+                continue
+            p.delivered.add(op)
             left = frame.uses.get(op, 0) - p.internal.get(op, 0)
             frame.uses[op] = left
             if left > 0 or op in frame.spec.pinned:
                 frame.env[op] = value[op]
-        self._advance(p.request)
+
+    def streamed(self, item_id: int, channel: str, index: int, value: Any) -> None:
+        """Iteration ``index`` of a region item's streamed channel ``channel`` committed (its
+        walk-level client outputs stream it). Items no longer wanted: ignored."""
+        p = self._items.get(item_id)
+        if p is None or p.region is None:
+            return
+        outs = p.region.emit.get(channel)
+        if outs is None:
+            self._node_failed(p, f"region {p.node} streamed {channel!r}, which it does not stream")
+            return
+        req = p.request
+        for out in outs:
+            self._send_ready_outputs(req)
+            self._events.append(StreamItem(req.id, out, index, value))
+
+    def dropped(self) -> list[int]:
+        """Region items released (cancel, failure, a discarded speculative iteration) before
+        their rank reported their exit: the runner may stop them. Drained."""
+        out, self._dropped = self._dropped, []
+        return out
 
     def wanted(self, item_id: int) -> bool:
         """Whether a dispatched item's result is still awaited (not cancelled, failed or
@@ -743,6 +857,8 @@ class Conductor:
             while req.id in self._requests:
                 while self._pump(req, req.root):
                     pass
+                if self.eager_outputs:
+                    self._send_ready_outputs(req)
                 if not req.root.done():
                     break
                 self._finish_walk(req)
@@ -772,7 +888,10 @@ class Conductor:
         return p
 
     def _node_failed(self, p: _Pending, error: str) -> None:
-        message = f"node {p.node} of walk {p.request.walk!r} failed: {error}"
+        walk = p.request.walk.partition("@")[0]  # a region walk names its walk first
+        message = (
+            error if p.region is not None else f"node {p.node} of walk {walk!r} failed: {error}"
+        )
         if p.frame.in_speculation():
             p.frame.error = p.frame.error or message  # decided when the iteration is
         else:
@@ -785,6 +904,7 @@ class Conductor:
     ) -> _Frame:
         f = _Frame(spec, path, parent, uses=dict(spec.uses))
         f.todo = {n.name: list(range(len(n.ops))) for n in spec.nodes}
+        f.regions = list(spec.regions)
         f.waiting = list(spec.loops)
         f.streams = {name: _Stream(s) for name, s in spec.streams.items()}
         for name, value in values.items():
@@ -818,6 +938,10 @@ class Conductor:
         for node in f.spec.nodes:
             if f.todo[node.name]:
                 changed |= self._dispatch(req, f, node)
+        for rs in list(f.regions):
+            if all(r in f.env for r in rs.reads):
+                self._dispatch_region(req, f, rs)
+                changed = True
         for run in list(f.runs):
             changed |= self._pump_loop(req, run)
         return changed
@@ -883,11 +1007,39 @@ class Conductor:
         self._queue.append(item)
         return True
 
+    def _dispatch_region(self, req: _Request, f: _Frame, rs: _RegionSpec) -> None:
+        """Hand region ``rs`` to its rank: one item, its inputs in ``env``."""
+        f.regions.remove(rs)
+        env = {r: f.env[r] for r in rs.reads}
+        for t in rs.trip_inputs:
+            env[t] = req.walk_inputs[t]
+        for r in rs.reads:
+            self._consume(f, r)
+        item = WorkItem(
+            id=next(self._ids),
+            request=req.id,
+            walk=req.walk,
+            node=rs.name,
+            kind="region",
+            ops=(),
+            frame=f.path,
+            speculative=f.in_speculation(),
+            env=env,
+            outputs=rs.outputs,
+        )
+        self._next_id = item.id + 1
+        self._items[item.id] = _Pending(req, f, rs.name, rs.outputs, {}, item, rs)
+        f.inflight.add(item.id)
+        f.dispatched += 1
+        self._queue.append(item)
+
     def _kill(self, f: _Frame) -> int:
         """Release a frame and everything under it; returns how many items it dispatched."""
         f.alive = False
         for item_id in f.inflight:
-            self._items.pop(item_id, None)
+            p = self._items.pop(item_id, None)
+            if p is not None and p.region is not None:
+                self._dropped.append(item_id)
         f.inflight.clear()
         n = f.dispatched
         for run in f.runs:
