@@ -31,7 +31,7 @@ from walkserve.lowering.batched import Deferred  # noqa: E402
 from walkserve.lowering.memory import _shard_bytes  # noqa: E402
 from walkserve.runtime.kv import hf  # noqa: E402
 from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig  # noqa: E402
-from walkserve.runtime.kv.pool import KVPool  # noqa: E402
+from walkserve.runtime.kv.pool import SeqId  # noqa: E402
 from walkserve.runtime.tp.group import Rendezvous, TPGroup, TPGroupSpec, TPSetup  # noqa: E402
 from walkserve.runtime.tp.runner import TPGroupError, TPRunner  # noqa: E402
 from walkserve.runtime.tp.shard import load_sharded  # noqa: E402
@@ -123,13 +123,15 @@ class PrefillLogits:
 
     def forward_batch(self, calls: list[Any]) -> list[torch.Tensor]:
         prompts = [args[0] for args, _ in calls]
-        pool: KVPool = hf.pool_for(self.lm, num_pages=64, page_size=8)
+        pool = hf.pool_for(self.lm, num_pages=64, page_size=8)
         chunks = []
         for i, ids in enumerate(prompts):
-            pool.allocate((str(i), ""), len(ids))
-            chunks.append(hf.SeqChunk(tuple(ids), 0, pool.block_table((str(i), "")).pages))
+            seq = SeqId(str(i), "")
+            pool.allocate(seq, len(ids))
+            chunks.append(hf.SeqChunk(tuple(ids), 0, seq))
         logits = hf.PagedCausalLMRunner(self.lm, pool).forward(chunks)
-        return [logits[i] for i in range(len(prompts))] + [torch.tensor(pool.k.shape[3])]
+        kv_heads = {g.kv_heads for g in pool.groups}
+        return [logits[i] for i in range(len(prompts))] + [torch.tensor(max(kv_heads))]
 
 
 def load(name: str, path: Path, group: TPGroup | None) -> torch.nn.Module:

@@ -1,9 +1,13 @@
-"""Hugging Face causal LMs (Llama, Qwen2, Qwen3, ...) as two walks: ``prefill`` and ``decode``.
+"""Hugging Face causal LMs (Llama, Qwen2, Gemma, GPT-2, Mixtral, ...) as two walks: ``prefill``
+and ``decode``.
 
-The upstream model runs unmodified inside ``runtime.kv.paged_lm.PagedLM`` (one ``kv_cache``
-component): its attention goes through transformers' attention-function registry to the paged
-KV pool, and the worker that hosts it packs every ready request's prefill or decode step into
-one forward. The cache value (``PagedKV``) travels as request state from prefill to decode.
+The upstream model runs unmodified inside one ``kv_cache`` component, chosen at load time
+(``hf_engine.text_engine``): ``runtime.kv.paged_lm.PagedLM`` when its attention goes through
+transformers' attention-function registry in a way the paged KV pool computes exactly (the
+worker that hosts it packs every ready request's prefill or decode step into one forward), else
+the fallback ``runtime.kv.hf_cache_lm.HFCacheLM`` (the model's own cache per request: exact,
+slower). The cache value (``PagedKV`` or ``HFCache``) travels as request state from prefill to
+decode.
 
     prefill(input_ids, temperature, top_p, top_k, seed)            -> token, cache, count
     decode(token, cache, count, max_new_tokens, temperature, ...)  -> tokens (one per step)
@@ -24,19 +28,22 @@ import torch
 from torch import nn
 
 from walkserve.capture import iterations, loop, register_component, walk
+from walkserve.runtime.kv.hf_cache_lm import HFCacheLM
 from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig
 
 register_component(PagedLM, engine="kv_cache")
+register_component(HFCacheLM, engine="kv_cache")
 
 #: The sampling inputs of the text walks, with the values that mean "greedy".
 GREEDY_INPUTS: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
 
 
 class TextWalks:
-    """``prefill`` / ``decode`` walks over ``self.lm`` (a ``PagedLM``) stopping at ``self.eos``:
-    mixed into a model class (``CausalLMWalks``, the built-in default model)."""
+    """``prefill`` / ``decode`` walks over ``self.lm`` (a ``PagedLM`` or an ``HFCacheLM``)
+    stopping at ``self.eos``: mixed into a model class (``CausalLMWalks``, the built-in default
+    model)."""
 
-    lm: PagedLM
+    lm: PagedLM | HFCacheLM
     eos: int
 
     @walk(next="decode", state=("cache", "count"))
@@ -69,12 +76,14 @@ class TextWalks:
 
 
 class CausalLMWalks(TextWalks, nn.Module):
-    """Walks around ``lm`` (any transformers ``*ForCausalLM`` whose attention goes through the
-    attention-function registry)."""
+    """Walks around ``lm`` (any transformers ``*ForCausalLM``) on the engine that serves it
+    exactly (``hf_engine.text_engine``)."""
 
     def __init__(self, lm: nn.Module, eos_token_id: int, kv: PagedLMConfig | None = None) -> None:
         super().__init__()
-        self.lm = PagedLM(lm, kv)
+        from walkserve.adapters.hf_engine import text_engine
+
+        self.lm = text_engine(lm, kv)
         self.eos = eos_token_id
 
 
@@ -89,15 +98,25 @@ def sample_request(input_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
 
 def load_causal_lm(path: str) -> tuple[CausalLMWalks, dict[str, Any]]:
     """A local checkpoint directory (``from_pretrained`` on a path, safetensors) as walks, with
-    sample inputs for capture."""
+    sample inputs for capture. The engine is chosen by ``hf_engine.text_engine``."""
     from transformers import AutoModelForCausalLM
 
-    from walkserve.runtime.kv.hf import register
-
-    lm = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, attn_implementation=register()
-    )
+    lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     lm.eval()
-    eos = lm.config.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-    return CausalLMWalks(lm, int(eos if eos is not None else 0)), sample_request([1, 2, 3], 4)
+    return CausalLMWalks(lm, eos_token_id(lm)), sample_request([1, 2, 3], 4)
+
+
+def eos_token_id(lm: nn.Module) -> int:
+    """The model's end-of-sequence id, as ``generate()`` reads it (its generation config, then
+    its config and text config); the first of a list; 0 when it has none."""
+    config: Any = lm.config
+    sources = [getattr(lm, "generation_config", None), config]
+    if hasattr(config, "get_text_config"):
+        sources.append(config.get_text_config())
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is not None:
+            return int(eos)
+    return 0

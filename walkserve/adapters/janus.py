@@ -52,7 +52,8 @@ from torch import Tensor, nn
 
 from walkserve.capture import iterations, loop, register_component, walk
 from walkserve.runtime.kv import hf
-from walkserve.runtime.kv.pool import KVPool, SeqId
+from walkserve.runtime.kv.layer_groups import GroupedKVPool
+from walkserve.runtime.kv.pool import SeqId
 
 LABELS = ("cond", "uncond")  # guidance contexts, in upstream's row order
 TEXT_LABELS = ("text",)  # the one context of image understanding
@@ -128,7 +129,7 @@ class GuidanceKV:
         return self._runner
 
     @property
-    def pool(self) -> KVPool:
+    def pool(self) -> GroupedKVPool:
         return self.runner.pool
 
     @staticmethod
@@ -155,8 +156,7 @@ class GuidanceKV:
                 seq = SeqId(self.request_id(h), label)
                 context = self.pool.num_tokens(seq)
                 self.pool.append(seq, t)
-                pages = self.pool.block_table(seq).pages
-                chunks.append(hf.SeqChunk((), context, pages, embeds[row, j]))
+                chunks.append(hf.SeqChunk((), context, seq, embeds[row, j]))
         return self.runner.last_hidden_states(chunks).view(b, n_labels, d)
 
     def close(self, handles: Sequence[int]) -> None:

@@ -13,12 +13,15 @@ package.module:factory                    your own decorated model: factory() re
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger("walkserve")
 
 DEFAULT_MODEL = "walkserve-default"
 TINY_HF = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
@@ -75,12 +78,20 @@ def load_model(name: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
 def capture_model(name: str, seed: int = 0, on_stage: Callable[[str], None] | None = None) -> Any:
     """``capture.trace`` of ``load_model(name, seed)``, remembering the name and seed so that
     ``runtime.serve`` can have worker processes load the same weights. ``on_stage`` is told as
-    each step begins ("loading weights", "capturing walks")."""
+    each step begins ("loading weights", "checking text engines", one "engine: ..." line per text
+    engine with its self-check result, "capturing walks"). A paged engine whose start-up
+    self-check fails raises ``hf_engine.SelfCheckFailed``: the server does not start."""
     from walkserve import capture
+    from walkserve.adapters.hf_engine import check_engines
 
     stage = on_stage or (lambda name: None)
     stage("loading weights")
     model, sample = load_model(name, seed)
+    stage("checking text engines")
+    for path, choice in check_engines(model).items():
+        message = f"engine {path or 'model'}: {choice.describe()}"
+        logger.info("%s", message)
+        stage(message)
     stage("capturing walks")
     captured = capture.trace(model, sample)
     captured.origin = (name, seed)

@@ -70,6 +70,7 @@ from walkserve.api.textgen import (
     usage,
 )
 from walkserve.runtime.conductor import StreamItem
+from walkserve.runtime.kv.engine_report import engine_choices
 from walkserve.runtime.server import RequestFailed, RequestHandle, Server
 
 B = TypeVar("B", bound=BaseModel)
@@ -494,11 +495,16 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
 
     # ------------------------------------------------------------ health, models, metrics
 
+    engines = {  # which text engine serves each language model (the paged pool or a fallback)
+        name or "model": choice.to_json() for name, choice in engine_choices(captured.model).items()
+    }
+
     @app.get("/health")
     async def health() -> JSONResponse:
         ranks = await run_in_threadpool(server.health)
         body = {
             "status": "ok",
+            "engines": engines,
             "ranks": {
                 str(r): {
                     "status": h.status,
@@ -528,6 +534,7 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
                     "owned_by": "walkserve",
                     "tasks": tasks,
                     "walks": captured.graph.entry_walks(),
+                    "engines": engines,
                 }
             ],
         }

@@ -53,14 +53,15 @@ import torch
 from torch import nn
 
 from walkserve.lowering.batched import DEFER, Deferred
+from walkserve.runtime.kv.engine_report import EngineChoice
 from walkserve.runtime.kv.hf import (
     PagedCausalLMRunner,
     SeqChunk,
-    pool_config_for,
     pool_for,
-    register,
 )
-from walkserve.runtime.kv.pool import KVPool, PoolExhausted, SeqId
+from walkserve.runtime.kv.hf_attention import ModelAttention, use_paged_attention
+from walkserve.runtime.kv.layer_groups import GroupedKVPool
+from walkserve.runtime.kv.pool import PoolExhausted, SeqId
 from walkserve.runtime.kv.sampling import SamplingParams, sample_row
 
 __all__ = ["PagedKV", "PagedLM", "PagedLMConfig", "PagedLMStats", "seeded_token", "step_seed"]
@@ -141,8 +142,12 @@ class _Unit:
 class _State:
     """The pool and the live sequences of one ``PagedLM`` in one process."""
 
-    def __init__(self, model: nn.Module, config: PagedLMConfig) -> None:
-        self.pool: KVPool = pool_for(model, config.num_pages, config.page_size)
+    def __init__(
+        self, model: nn.Module, config: PagedLMConfig, attention: ModelAttention | None
+    ) -> None:
+        self.pool: GroupedKVPool = pool_for(
+            model, config.num_pages, config.page_size, attention=attention
+        )
         self.runner = PagedCausalLMRunner(model, self.pool)
         self.rows: dict[SeqId, _Row] = {}
         self.lock = threading.Lock()
@@ -206,15 +211,23 @@ def step_seed(seed: int, row: int, step: int) -> int:
 
 class PagedLM(nn.Module):
     """``lm`` (any transformers ``*ForCausalLM`` using the attention-function registry) over a
-    paged pool; see the module docstring for the calling convention."""
+    paged pool; see the module docstring for the calling convention. ``attention``: what
+    ``hf_attention.probe_attention(lm)`` found, when the caller probed already (else the pool's
+    first allocation probes). Raises ``UnsupportedAttention`` for a model that computes attention
+    outside transformers' interface."""
 
-    def __init__(self, lm: nn.Module, config: PagedLMConfig | None = None) -> None:
+    def __init__(
+        self,
+        lm: nn.Module,
+        config: PagedLMConfig | None = None,
+        attention: ModelAttention | None = None,
+    ) -> None:
         super().__init__()
-        impl = register()
-        if getattr(lm.config, "_attn_implementation", None) != impl:
-            lm.set_attn_implementation(impl)  # type: ignore[operator]
+        use_paged_attention(lm)
         self.lm = lm
         self.config_kv = config or PagedLMConfig()
+        self.engine_choice = EngineChoice("paged", type(lm).__name__)
+        self._attention = attention
         self._state: _State | None = None
         self._namespace = f"{type(lm).__name__}:{id(self)}"
         self._signature = inspect.signature(self.forward)  # binds each call's arguments
@@ -394,10 +407,7 @@ class PagedLM(nn.Module):
         pool = state.pool
         for r, want in rows:
             r.tokens = want
-        chunks = [
-            SeqChunk(tuple(r.tokens[r.computed :]), r.computed, pool.block_table(r.seq).pages)
-            for r, _ in rows
-        ]
+        chunks = [SeqChunk(tuple(r.tokens[r.computed :]), r.computed, r.seq) for r, _ in rows]
         logits = state.runner.forward(chunks)  # [rows, vocab]
         now = next(state.clock)
         for r, _ in rows:
@@ -411,16 +421,26 @@ class PagedLM(nn.Module):
 
     def _ensure_state(self) -> _State:
         if self._state is None:
-            self._state = _State(self.lm, self.config_kv)
+            self._state = _State(self.lm, self.config_kv, self._attention)
         return self._state
 
     def kv_pool_nbytes(self, tensor_parallel: int = 1) -> int:
         """Bytes of the pool this component allocates in each process that runs it, one of
-        ``tensor_parallel`` ranks holding its share of the KV heads (allocates nothing)."""
-        config = self.config_kv
-        return pool_config_for(
-            self.lm, config.num_pages, config.page_size, "meta", tensor_parallel
-        ).nbytes
+        ``tensor_parallel`` ranks holding its share of each layer's KV heads (as
+        ``runtime.tp.heads`` splits them). Allocates nothing; probes the model's attention
+        once (a short forward) unless it was given."""
+        from walkserve.runtime.kv.hf_attention import probe_attention
+        from walkserve.runtime.tp.heads import split_heads
+
+        if self._attention is None:
+            self._attention = probe_attention(self.lm)
+        itemsize = next(self.lm.parameters()).element_size()
+        slots = self.config_kv.num_pages * self.config_kv.page_size
+        total = 0
+        for a in self._attention.layers:
+            kv = split_heads(a.num_heads, a.kv_heads, tensor_parallel).kv_heads
+            total += slots * kv * (a.head_dim + a.v_head_dim) * itemsize
+        return total
 
     def release_kv(self) -> None:
         """Drop the pool (a process that only captured or checked the model); live caches of
