@@ -88,10 +88,25 @@ def load_sharded(
         )
     else:
         distributed = DistributedConfig(tp_size=group.size, tp_plan=tp_plan)
+    _bind_device(group)
     model = cls.from_pretrained(path, distributed_config=distributed, **from_pretrained)
     if split is not None and override:
         _trim_replicated_kv(model, override, split, _head_dim(text_config(config)))
     return model.eval()
+
+
+def _bind_device(group: TPGroup) -> None:
+    """transformers builds its mesh on the machine's accelerator and binds this process to
+    ``cuda:$LOCAL_RANK``: point it at the group's device (a worker process is one rank)."""
+    accelerator = torch.accelerator.current_accelerator()
+    kind = accelerator.type if accelerator is not None else "cpu"
+    if kind != group.device.type:
+        raise ShardingError(
+            f"this TP group runs on {group.device}, but transformers shards over the machine's "
+            f"accelerator ({kind}): give the group a {kind} device (TPSetup.device)"
+        )
+    if kind == "cuda":
+        os.environ["LOCAL_RANK"] = str(group.device.index or 0)
 
 
 def _model_plan(cls: Any, config: Any) -> dict[str, str]:
