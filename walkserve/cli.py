@@ -295,17 +295,17 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if (args.tensor_parallel_size or 1) > 1:  # until the workers run TP groups (runtime.tp)
+        raise ValueError(
+            "--tensor-parallel-size: tensor-parallel execution is not wired into the worker "
+            "processes yet; 'walkserve plan --tensor-parallel-size N' shows one shard's memory"
+        )
     config = ApiConfig(api_key=args.api_key, max_queued=args.max_queued)
     progress = StartupProgress()
     try:
         profile = profile_for(args.model)
         captured = capture_model(args.model, args.seed, on_stage=progress.stage)
         placement = _placement(args, captured)
-        if (args.tensor_parallel_size or 1) > 1:
-            raise ValueError(  # until the workers run TP groups (runtime.tp): refuse, not ignore
-                "--tensor-parallel-size: tensor-parallel execution is not wired into the worker "
-                "processes yet; 'walkserve plan --tensor-parallel-size N' shows one shard's memory"
-            )
         pool = PoolConfig(kv_pool_tokens=args.kv_pool_tokens, kv_page_size=args.kv_page_size)
         remote = [int(r) for r in args.remote_ranks.split(",") if r.strip()]
         server = serve(
