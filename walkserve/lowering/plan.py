@@ -75,7 +75,10 @@ class RegionPlan(msgspec.Struct, frozen=True):
     reads from outside; ``trip_inputs``: walk inputs its loops' trip counts and ``max_iters``
     name; ``outputs``: values it makes that are read after it (by the block, the enclosing
     loop's plumbing or the walk's outputs); ``streamed``: accumulated channels of its loops
-    that are client outputs of the walk, reported as each iteration commits."""
+    that are client outputs of the walk, reported as each iteration commits; ``forwards``:
+    accumulated channels of its loops that stream into another region (each committed item
+    is sent on as it commits, as far as the consumer's credit allows); ``fed``: the streams
+    (edge names) its loops consume whose items come from another region."""
 
     name: str
     rank: int
@@ -85,6 +88,8 @@ class RegionPlan(msgspec.Struct, frozen=True):
     outputs: list[str]
     trip_inputs: list[str] = []
     streamed: list[str] = []
+    forwards: list[str] = []
+    fed: list[str] = []
 
 
 class MemoryLine(msgspec.Struct, frozen=True):

@@ -20,8 +20,10 @@ region never delays work that node-by-node dispatch would have started):
 
 - an item joins the run before it only if it is on the same rank and every value it reads from
   outside the run is a parameter of the block or already read by the run;
-- a loop that streams into, or out of, a loop outside its run is not rank-local (the stream
-  would cross the region's boundary): the conductor drives it;
+- a stream between two rank-local loops goes from region to region: the producer's region
+  sends each committed item on (its ``forwards``), the consumer's region takes them in (its
+  ``fed`` streams), ranks apart or not; a stream with a loop the conductor drives at one end
+  makes the other end conductor-driven too (the conductor cuts that stream itself);
 - a run holds at least one loop or two nodes (a lone node is dispatched as a node).
 
 What crosses the boundary: ``regions(walk, plan_block)`` reads the IR and the placed plan (every
@@ -50,6 +52,8 @@ class _Finder:
     def __init__(self, walk: ir.Walk) -> None:
         self.walk = walk
         self.found: list[RegionPlan] = []
+        self.edges: list[tuple[str, str, ir.StreamEdge]] = []  # streams of rank-local loops
+        self.apart: list[tuple[str, str, ir.StreamEdge]] = []  # ... between two regions
         nodes = ir.iter_nodes(walk.body)
         self.ir_nodes: dict[str, ir.Node] = {n.name: n for n in nodes}
         self.streams = {e.name: e for e in walk.streams}
@@ -61,21 +65,23 @@ class _Finder:
         local = {item.name: self._rank(item) for item in items}
         # Streams between loops of this block: both ends must share a run, else neither is
         # rank-local. Runs depend on which loops are local, so repeat until nothing changes.
-        ends = self._stream_pairs(items)
-        while True:
-            runs = self._runs(body, items, local)
-            run_of = {name: k for k, run in enumerate(runs) for name in run}
-            crossing = {
+        pairs = self._stream_pairs(items)
+        while True:  # a stream with one rank-local end: that end is conductor-driven too
+            half = {
                 name
-                for pair in ends
-                if run_of.get(pair[0]) is None or run_of.get(pair[0]) != run_of.get(pair[1])
-                for name in pair
+                for producer, consumer, _ in pairs
+                if (local[producer] is None) != (local[consumer] is None)
+                for name in (producer, consumer)
                 if local[name] is not None
             }
-            if not crossing:
+            if not half:
                 break
-            for name in crossing:
+            for name in half:
                 local[name] = None
+        self.edges = [(p, c, e) for p, c, e in pairs if local[p] is not None]
+        runs = self._runs(body, items, local)
+        run_of = {name: k for k, run in enumerate(runs) for name in run}
+        self.apart = [(p, c, e) for p, c, e in self.edges if run_of[p] != run_of[c]]
         for run in runs:
             if len(run) > 1 or any(isinstance(self._item(items, n), LoopPlan) for n in run):
                 self.found.append(self._region(body, items, run, path, pinned, local))
@@ -159,6 +165,8 @@ class _Finder:
                 node = self.ir_nodes[item.name]
                 if isinstance(node, ir.LoopNode):
                     streamed += [ch for ch in node.accumulated if ch in emitted]
+        fed = [e.name for _, c, e in self.apart if c in run]
+        forwards = list(dict.fromkeys(e.source for p, _, e in self.apart if p in run))
         rank = local[run[0]]
         assert rank is not None
         return RegionPlan(
@@ -170,6 +178,8 @@ class _Finder:
             outputs=outputs,
             trip_inputs=list(trips),
             streamed=streamed,
+            fed=fed,
+            forwards=forwards,
         )
 
     # ------------------------------------------------------------------ items
@@ -183,6 +193,8 @@ class _Finder:
         return only[0] if len(only) == 1 else None
 
     def _reads(self, item: NodePlan | LoopPlan) -> list[str]:
+        """What ``item`` needs from outside itself; a stream between two rank-local loops is
+        not a read (its items come from region to region)."""
         if isinstance(item, NodePlan):
             inside = set(item.ops)
             out: list[str] = []
@@ -191,7 +203,8 @@ class _Finder:
                 out += [r for r in ir.node_inputs(node) if r not in inside]
             return out
         node = self.ir_nodes[item.name]
-        return ir.node_inputs(node)
+        streamed = {e.source for _, c, e in self.edges if c == item.name}
+        return [v for v in ir.node_inputs(node) if v not in streamed]
 
     def _makes(self, item: NodePlan | LoopPlan) -> list[str]:
         if isinstance(item, NodePlan):
@@ -210,9 +223,11 @@ class _Finder:
     def _item(items: list[NodePlan | LoopPlan], name: str) -> NodePlan | LoopPlan:
         return next(i for i in items if i.name == name)
 
-    def _stream_pairs(self, items: list[NodePlan | LoopPlan]) -> list[tuple[str, str]]:
-        """(producer loop, consumer loop) of every stream between two loops of this block (a
-        stream of a whole value has no producer loop: its source is an ordinary input)."""
+    def _stream_pairs(
+        self, items: list[NodePlan | LoopPlan]
+    ) -> list[tuple[str, str, ir.StreamEdge]]:
+        """(producer loop, consumer loop, edge) of every stream between two loops of this
+        block (a stream of a whole value has no producer loop: its source is an input)."""
         made_by = {
             ch: item.name
             for item in items
@@ -221,7 +236,7 @@ class _Finder:
         }
         names = {i.name for i in items}
         return [
-            (made_by[e.source], e.consumer)
+            (made_by[e.source], e.consumer, e)
             for e in self.walk.streams
             if e.consumer in names and e.source in made_by
         ]

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -85,9 +85,27 @@ from walkserve.capture.loopsem import (
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.plan import BlockPlan, ExecutablePlan, NodePlan, RegionPlan
 
-NodeKind = Literal["component", "glue", "region"]
+NodeKind = Literal["component", "glue", "region", "loop"]
+UNLIMITED = 1 << 62  # a credit that never holds a producer back
 
 # ------------------------------------------------------------------------------ public types
+
+
+@dataclass(frozen=True)
+class LoopStart:
+    """A loop item's start (``kind="loop"``): its runner runs the loop ``loop`` by itself for
+    at most ``bound`` iterations and completes the item with ``channels``; the accumulated
+    channels in ``streams`` it reports as each iteration commits (``streamed``). ``carried``,
+    ``fixed``: the parameters' initial and invariant values; ``sources``: a per-step slice's
+    source value, or a table's values (a list), by parameter."""
+
+    loop: str
+    bound: int
+    carried: dict[str, Any]
+    fixed: dict[str, Any]
+    sources: dict[str, Any]
+    channels: tuple[str, ...]
+    streams: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -119,6 +137,7 @@ class WorkItem:
     call: tuple[list[Any], dict[str, Any]] | None = field(default=None, repr=False)
     env: Mapping[str, Any] = field(default_factory=dict, repr=False)
     outputs: tuple[str, ...] = ()
+    loop: LoopStart | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -155,6 +174,29 @@ class Failed:
 
 
 Event = Output | StreamItem | Finished | Failed
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Items of stream ``stream`` for region item ``item`` (its consumer), from another
+    region: ``pieces`` in order; ``finished``: the producer is done (no piece follows)."""
+
+    item: int
+    request: str
+    stream: str
+    pieces: tuple[Any, ...]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class Credit:
+    """Region item ``item`` may commit items of channel ``channel`` up to ``items`` (its
+    consumers' buffers are that full then): backpressure from region to region."""
+
+    item: int
+    request: str
+    channel: str
+    items: int
 
 
 @dataclass(frozen=True)
@@ -195,6 +237,8 @@ class _RegionSpec:
     trip_inputs: tuple[str, ...]  # walk inputs its loops' bounds name
     outputs: tuple[str, ...]
     emit: dict[str, tuple[str, ...]]  # streamed channel -> client outputs (walk level)
+    forwards: dict[str, tuple[str, ...]]  # channel -> the streams it feeds (other regions)
+    fed: tuple[str, ...]  # streams it consumes from other regions
 
 
 @dataclass(frozen=True)
@@ -216,6 +260,7 @@ class _LoopSpec:
     visible: ir.LoopNode  # the loop as its block reads it: unread accumulations left out
     feeds: tuple[tuple[str, str], ...]  # (stream, channel) pairs this loop produces into
     emit: dict[str, tuple[str, ...]]  # accumulated channel -> client outputs (walk level)
+    fast: bool = False  # handed to the runner whole (``fast_loops``): a simple loop
 
 
 @dataclass(eq=False)
@@ -263,7 +308,14 @@ def _min_buffer(policy: ChunkPolicy) -> int:
 class _SpecBuilder:
     """Builds the ``_BlockSpec`` tree of one walk from its IR and its plan."""
 
-    def __init__(self, captured: CapturedModel, walk: ir.Walk, plan: ExecutablePlan) -> None:
+    def __init__(
+        self,
+        captured: CapturedModel,
+        walk: ir.Walk,
+        plan: ExecutablePlan,
+        fast_loops: bool = False,
+    ) -> None:
+        self.fast_loops = fast_loops
         self.graph = captured.graph
         self.walk = walk
         self.region_at: dict[tuple[str, ...], dict[str, RegionPlan]] = {}
@@ -348,6 +400,7 @@ class _SpecBuilder:
             ls.feeds = tuple(
                 (name, s.edge.source) for name, s in streams.items() if s.producer == ls.node.name
             )
+            ls.fast = self.fast_loops and _simple(ls)
             if top:
                 ls.emit = {
                     ch: tuple(
@@ -376,12 +429,23 @@ class _SpecBuilder:
                     for out, arg in self.walk.outputs.items()
                     if arg == ir.Ref(ch) and out not in self.walk.state
                 )
+        forwards = {
+            ch: tuple(
+                e.name
+                for e in self.walk.streams
+                if e.source == ch
+                and any(e.name in r.fed for rs in self.region_at.values() for r in rs.values())
+            )
+            for ch in region.forwards
+        }
         return _RegionSpec(
             region.name,
             tuple(region.inputs),
             tuple(region.trip_inputs),
             tuple(region.outputs),
             emit,
+            forwards,
+            tuple(region.fed),
         )
 
     def _speculative(self, node: ir.LoopNode) -> bool:
@@ -517,6 +581,24 @@ class _Stream:
 
 
 @dataclass(eq=False)
+class _Forward:
+    """A stream between two regions of one frame: the producer's committed pieces wait
+    here until the consumer region is dispatched, then go to it as ``Feed``; those sent stay
+    referenced until the consumer says it received them (they live on the producer's rank)."""
+
+    stream: str
+    channel: str
+    pending: list[Any] = field(default_factory=list)
+    sent: deque[Any] = field(default_factory=deque)
+    received: int = 0  # pieces the consumer has (in ``sent`` order)
+    producer: int | None = None  # region items
+    consumer: int | None = None
+    finished: bool = False
+    finish_sent: bool = False
+    credit: int | None = None  # the consumer's base + the limit, when it said
+
+
+@dataclass(eq=False)
 class _Frame:
     """One instance of a block: a walk body, or one iteration of a loop body."""
 
@@ -530,6 +612,7 @@ class _Frame:
     waiting: list[_LoopSpec] = field(default_factory=list)  # loops not started
     runs: list[_LoopRun] = field(default_factory=list)  # loops started, not finished
     streams: dict[str, _Stream] = field(default_factory=dict)
+    forwards: dict[str, _Forward] = field(default_factory=dict)  # streams between regions
     inflight: set[int] = field(default_factory=set)
     speculative: bool = False
     alive: bool = True
@@ -613,6 +696,10 @@ class Conductor:
     its producer waits; it must cover the largest chunk (with context) of every stream.
     ``eager_outputs``: every walk output is an ``Output`` event as soon as its value exists
     (a region walk's, so that what its rank made reaches the conductor before the exit).
+    ``fed``: per walk, streams whose items come from outside (``feed``), not from a value or
+    a loop of the walk (a region walk's streams from another region). ``fast_loops``: a simple
+    loop (a straight body of nodes, no stream in or out) is one ``kind="loop"`` item its
+    runner steps by itself (``loopstep``), not a frame per iteration (a rank's conductor).
     """
 
     def __init__(
@@ -623,6 +710,8 @@ class Conductor:
         speculate: bool = True,
         stream_buffer_limit: int = 64,
         eager_outputs: bool = False,
+        fed: Mapping[str, Collection[str]] | None = None,
+        fast_loops: bool = False,
     ) -> None:
         if stream_buffer_limit < 1:
             raise ValueError(f"stream_buffer_limit must be >= 1, got {stream_buffer_limit}")
@@ -635,7 +724,7 @@ class Conductor:
             if name not in plan.walks:
                 raise ValueError(f"the plan has no walk {name!r}; was it lowered from this model?")
             pinned = {r for a in walk.outputs.values() for r in ir.arg_refs(a)}
-            builder = _SpecBuilder(captured, walk, plan)
+            builder = _SpecBuilder(captured, walk, plan, fast_loops)
             spec = builder.block(walk.body, plan.walks[name], pinned, True)
             self._walks[name] = spec
             self._check_streams(name, spec)
@@ -650,6 +739,11 @@ class Conductor:
         self._speculated = 0
         self._wasted = 0
         self._dropped: list[int] = []  # region items released while their rank ran them
+        self._feeds: list[Feed] = []
+        self._credits: list[Credit] = []
+        self._credit: dict[str, dict[str, int]] = {}  # region walks: request -> channel -> items
+        self._produced: dict[str, dict[str, int]] = {}
+        self._fed = {w: frozenset(streams) for w, streams in (fed or {}).items()}
 
     def _check_streams(self, walk: str, spec: _BlockSpec) -> None:
         for s in spec.streams.values():
@@ -701,6 +795,12 @@ class Conductor:
             self._node_failed(p, f"result has no value for ops {list(missing)}")
             return
         self._bind_results(p, value)
+        if p.region is not None:
+            for streams in p.region.forwards.values():
+                for stream in streams:
+                    fwd = p.frame.forwards[stream]
+                    fwd.finished = True
+                    self._flush(p.request, fwd)
         self._advance(p.request)
 
     def partial(self, item_id: int, values: Mapping[str, Any]) -> None:
@@ -730,13 +830,83 @@ class Conductor:
         if p is None or p.region is None:
             return
         outs = p.region.emit.get(channel)
-        if outs is None:
+        streams = p.region.forwards.get(channel)
+        if outs is None and streams is None:
             self._node_failed(p, f"region {p.node} streamed {channel!r}, which it does not stream")
             return
         req = p.request
-        for out in outs:
+        for out in outs or ():
             self._send_ready_outputs(req)
             self._events.append(StreamItem(req.id, out, index, value))
+        for stream in streams or ():
+            fwd = p.frame.forwards[stream]
+            fwd.pending.append(value)
+            self._flush(req, fwd)
+
+    def consumed(self, item_id: int, stream: str, base: int, received: int, closed: bool) -> None:
+        """Consumer region item ``item_id`` has ``received`` pieces of ``stream`` and has
+        released its items before ``base`` (``closed``: it takes no more): its producer may
+        commit up to ``base + stream_buffer_limit`` items (``Credit``)."""
+        p = self._items.get(item_id)
+        if p is None or p.region is None or stream not in p.region.fed:
+            return
+        fwd = p.frame.forwards[stream]
+        while fwd.received < received and fwd.sent:
+            fwd.sent.popleft()
+            fwd.received += 1
+        credit = UNLIMITED if closed else base + self.stream_buffer_limit
+        if fwd.producer is not None and credit != fwd.credit:
+            fwd.credit = credit
+            others = [
+                g.credit if g.credit is not None else self.stream_buffer_limit
+                for g in p.frame.forwards.values()
+                if g.channel == fwd.channel
+            ]
+            self._credits.append(Credit(fwd.producer, p.request.id, fwd.channel, min(others)))
+
+    def feed(self, request_id: str, stream: str, pieces: Sequence[Any], finished: bool) -> None:
+        """Items of fed stream ``stream`` of a request's walk (its root frame), in order."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        s = req.root.streams.get(stream)
+        if s is None or stream not in self._fed.get(req.walk, frozenset()):
+            self._fail_request(req, f"walk {req.walk!r} is fed no stream {stream!r}")
+            return
+        try:
+            for piece in pieces:
+                s.append(piece)
+        except LoopError as e:
+            self._fail_request(req, str(e))
+            return
+        s.finished = s.finished or finished
+        self._advance(req)
+
+    def fed_progress(self, request_id: str) -> dict[str, tuple[int, bool]]:
+        """(items released, consumer done) of every fed stream of the request."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return {}
+        fed = self._fed.get(req.walk, frozenset())
+        return {n: (s.base, s.closed) for n, s in req.root.streams.items() if n in fed}
+
+    def credit(self, request_id: str, channel: str, items: int) -> None:
+        """The request's walk-level loops may commit items of client channel ``channel`` up to
+        ``items`` (counting iterations in flight as one item each), then wait for more."""
+        if request_id not in self._requests:
+            return
+        self._credit.setdefault(request_id, {})[channel] = items
+        self._advance(self._requests[request_id])
+
+    def feeds(self) -> list[Feed]:
+        """Stream items for consumer regions (drained)."""
+        out, self._feeds = self._feeds, []
+        return out
+
+    def credits(self) -> list[Credit]:
+        """Credit for producer regions (drained)."""
+        out, self._credits = self._credits, []
+        return out
 
     def dropped(self) -> list[int]:
         """Region items released (cancel, failure, a discarded speculative iteration) before
@@ -873,6 +1043,8 @@ class Conductor:
             self._release(req)
 
     def _release(self, req: _Request) -> None:
+        self._credit.pop(req.id, None)
+        self._produced.pop(req.id, None)
         self._kill(req.root)
         req.state.clear()
         req.walk_inputs.clear()
@@ -905,6 +1077,10 @@ class Conductor:
         f = _Frame(spec, path, parent, uses=dict(spec.uses))
         f.todo = {n.name: list(range(len(n.ops))) for n in spec.nodes}
         f.regions = list(spec.regions)
+        for rs in spec.regions:
+            for ch, streams in rs.forwards.items():
+                for stream in streams:
+                    f.forwards[stream] = _Forward(stream, ch)
         f.waiting = list(spec.loops)
         f.streams = {name: _Stream(s) for name, s in spec.streams.items()}
         for name, value in values.items():
@@ -927,7 +1103,10 @@ class Conductor:
         """One pass over a frame: fill whole-value streams, start loops, dispatch ops,
         advance its loops. True if anything changed."""
         changed = False
+        fed = self._fed.get(req.walk, frozenset())
         for s in f.streams.values():
+            if s.spec.edge.name in fed:
+                continue
             if s.spec.producer is None and not s.finished and s.spec.edge.source in f.env:
                 s.append(f.env[s.spec.edge.source])
                 s.finished = changed = True
@@ -1032,6 +1211,22 @@ class Conductor:
         f.inflight.add(item.id)
         f.dispatched += 1
         self._queue.append(item)
+        for stream in rs.fed:
+            fwd = f.forwards[stream]
+            fwd.consumer = item.id
+            self._flush(req, fwd)
+        for streams in rs.forwards.values():
+            for stream in streams:
+                f.forwards[stream].producer = item.id
+
+    def _flush(self, req: _Request, fwd: _Forward) -> None:
+        if fwd.consumer is None or not (fwd.pending or (fwd.finished and not fwd.finish_sent)):
+            return
+        pieces = tuple(fwd.pending)
+        fwd.sent.extend(pieces)
+        fwd.pending = []
+        fwd.finish_sent = fwd.finished
+        self._feeds.append(Feed(fwd.consumer, req.id, fwd.stream, pieces, fwd.finished))
 
     def _kill(self, f: _Frame) -> int:
         """Release a frame and everything under it; returns how many items it dispatched."""
@@ -1054,6 +1249,9 @@ class Conductor:
     # ------------------------------------------------------------------ loops
 
     def _start_loop(self, req: _Request, f: _Frame, ls: _LoopSpec) -> None:
+        if ls.fast:
+            self._dispatch_loop(req, f, ls)
+            return
         node = ls.node
         carried = {
             p.name: self._interp.value(p.role.init, f.env)
@@ -1081,6 +1279,53 @@ class Conductor:
             if r not in ls.step_reads:
                 self._consume(f, r)
 
+    def _dispatch_loop(self, req: _Request, f: _Frame, ls: _LoopSpec) -> None:
+        """Hand simple loop ``ls`` to the runner: one item, its start values in ``loop``."""
+        node = ls.node
+        value = self._interp.value
+        carried, fixed, sources = {}, {}, {}
+        for p in node.params:
+            role = p.role
+            if isinstance(role, ir.Carried):
+                carried[p.name] = value(role.init, f.env)
+            elif isinstance(role, ir.Invariant):
+                fixed[p.name] = value(role.value, f.env)
+            elif isinstance(role.source, ir.SelectStep):
+                sources[p.name] = value(role.source.source, f.env)
+            elif isinstance(role.source, ir.TableStep):
+                sources[p.name] = [value(v, f.env) for v in role.source.values]
+        channels = tuple(ch for ch in ls.visible.channels())
+        start = LoopStart(
+            node.name,
+            loop_bound(node, req.walk_inputs, None),
+            carried,
+            fixed,
+            sources,
+            channels,
+            tuple(ls.emit),
+        )
+        f.waiting.remove(ls)
+        for r in ls.need:
+            self._consume(f, r)
+        item = WorkItem(
+            id=next(self._ids),
+            request=req.id,
+            walk=req.walk,
+            node=node.name,
+            kind="loop",
+            ops=(),
+            frame=f.path,
+            speculative=f.in_speculation(),
+            outputs=channels,
+            loop=start,
+        )
+        self._next_id = item.id + 1
+        spec = _RegionSpec(node.name, (), (), channels, ls.emit, {}, ())
+        self._items[item.id] = _Pending(req, f, node.name, channels, {}, item, spec)
+        f.inflight.add(item.id)
+        f.dispatched += 1
+        self._queue.append(item)
+
     def _pump_loop(self, req: _Request, run: _LoopRun) -> bool:
         changed = self._settle(req, run)
         if run not in run.parent.runs:
@@ -1088,12 +1333,12 @@ class Conductor:
         for sub in list(run.frames.values()):
             if sub.alive:
                 changed |= self._pump(req, sub)
-        if self._can_start(run):
+        if self._can_start(req, run):
             self._start_iteration(run)
             changed = True
         return self._settle(req, run) or changed
 
-    def _can_start(self, run: _LoopRun) -> bool:
+    def _can_start(self, req: _Request, run: _LoopRun) -> bool:
         ls, i = run.spec, run.started
         if run.stop_at is not None or len(run.frames) >= 2:
             return False
@@ -1117,6 +1362,12 @@ class Conductor:
             full = s.buffered + len(run.frames) >= self.stream_buffer_limit
             if s.spec.backpressure and not s.closed and full:
                 return False
+        credit = self._credit.get(req.id)
+        if credit and ls.emit:
+            produced = self._produced.get(req.id, {})
+            for ch in ls.emit:
+                if ch in credit and produced.get(ch, 0) + len(run.frames) >= credit[ch]:
+                    return False
         return True
 
     def _start_iteration(self, run: _LoopRun) -> None:
@@ -1199,10 +1450,14 @@ class Conductor:
         ls, i = run.spec, run.committed
         node = ls.node
         outs = [f.env[o] for o in node.outputs]
+        credit = self._credit.get(req.id)
         for ch, acc in node.accumulated.items():
             piece = outs[acc.output]
             if ch in run.collected:
                 run.collected[ch].append(piece)
+            if credit and ch in credit:
+                produced = self._produced.setdefault(req.id, {})
+                produced[ch] = produced.get(ch, 0) + piece_items(piece, acc)
             for out in ls.emit.get(ch, ()):
                 self._send_ready_outputs(req)
                 self._events.append(StreamItem(req.id, out, i, piece))
@@ -1238,6 +1493,30 @@ class Conductor:
 
 
 # ------------------------------------------------------------------------------ helpers
+
+
+def _simple(ls: _LoopSpec) -> bool:
+    """A loop the runner may step by itself: a straight body of nodes, no stream in or out."""
+    body = ls.body
+    return (
+        not body.loops
+        and not body.regions
+        and not body.streams
+        and not ls.feeds
+        and not isinstance(ls.node.trips, ir.StreamTrips)
+        and not any(
+            isinstance(p.role, ir.PerStep) and isinstance(p.role.source, ir.ChunkStep)
+            for p in ls.node.params
+        )
+    )
+
+
+def piece_items(piece: Any, acc: ir.Accumulated) -> int:
+    """Stream items one committed piece adds (cat: its length along the dim; stack: one)."""
+    if acc.mode == "stack" or not isinstance(piece, torch.Tensor):
+        return 1
+    shape = piece.shape
+    return int(shape[acc.dim if acc.dim >= 0 else acc.dim + len(shape)])
 
 
 def _first_error(f: _Frame) -> str | None:

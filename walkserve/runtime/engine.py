@@ -36,6 +36,7 @@ from walkserve.runtime import messages as m
 from walkserve.runtime.rankscheduler import (
     NodeBatchDone,
     RankScheduler,
+    RegionConsumed,
     RegionDone,
     RegionFailed,
     RegionOutput,
@@ -52,7 +53,9 @@ TINY = 256  # bytes: a tensor this small (a token, a stop flag) always travels w
 __all__ = [
     "CancelRequest",
     "Command",
+    "CreditItems",
     "DropItems",
+    "FeedItems",
     "EngineLoop",
     "NodeBatch",
     "StartRun",
@@ -99,7 +102,22 @@ class StatsAsk:
     seq: int
 
 
-Command = StartRun | NodeBatch | CancelRequest | DropItems | StatsAsk
+@dataclass(frozen=True)
+class FeedItems:
+    item: int
+    stream: str
+    pieces: list[Any]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class CreditItems:
+    item: int
+    channel: str
+    items: int
+
+
+Command = StartRun | NodeBatch | CancelRequest | DropItems | StatsAsk | FeedItems | CreditItems
 _STOP = None
 
 
@@ -192,6 +210,10 @@ class EngineLoop:
             self.objects.drop(command.request)
         elif isinstance(command, DropItems):
             self.scheduler.drop(command.items)
+        elif isinstance(command, FeedItems):
+            self.scheduler.feed(command.item, command.stream, command.pieces, command.finished)
+        elif isinstance(command, CreditItems):
+            self.scheduler.credit(command.item, command.channel, command.items)
         else:
             stats = self.scheduler.stats()
             sizes = dict(stats.batch_sizes)
@@ -227,13 +249,20 @@ class EngineLoop:
         for rep in reports:
             if isinstance(rep, NodeBatchDone):
                 self.send(self._batch_done(rep))
-            elif isinstance(rep, RegionStreamed):
+            elif isinstance(rep, RegionStreamed):  # a client's stream, or a forwarded one
                 request = self._requests[rep.item]
-                value = self._encode({"v": rep.value}, request, None)
+                walk = self._region_walk[rep.item]
+                value = self._encode({rep.channel: rep.value}, request, walk)
                 if isinstance(value, str):
                     events.append(m.RegionFailed(rep.item, value))
                 else:
-                    events.append(m.RegionStreamed(rep.item, rep.channel, rep.index, value["v"]))
+                    events.append(
+                        m.RegionStreamed(rep.item, rep.channel, rep.index, value[rep.channel])
+                    )
+            elif isinstance(rep, RegionConsumed):
+                events.append(
+                    m.RegionConsumed(rep.item, rep.stream, rep.base, rep.received, rep.closed)
+                )
             elif isinstance(rep, (RegionOutput, RegionDone)):
                 request = self._requests[rep.item]
                 outputs = self._encode(rep.outputs, request, self._region_walk[rep.item])

@@ -40,6 +40,7 @@ from walkserve.runtime.conductor import (
 from walkserve.runtime.rankscheduler import (
     NodeBatchDone,
     RankScheduler,
+    RegionConsumed,
     RegionDone,
     RegionFailed,
     RegionOutput,
@@ -154,9 +155,16 @@ class LocalExecutor:
                 conductor.complete(rep.item, rep.outputs)
             elif isinstance(rep, RegionFailed):
                 conductor.fail(rep.item, rep.error)
+            elif isinstance(rep, RegionConsumed):
+                conductor.consumed(rep.item, rep.stream, rep.base, rep.received, rep.closed)
             else:
                 assert not isinstance(rep, NodeBatchDone)  # node batches run above
         self.ranks.drop(conductor.dropped())
+        for feed in conductor.feeds():
+            self.ranks.feed(feed.item, feed.stream, feed.pieces, feed.finished)
+        for credit in conductor.credits():
+            self.ranks.credit(credit.item, credit.channel, credit.items)
+        self._reports += self.ranks.reports()
         return len(reports)
 
     def idle(self) -> bool:
@@ -179,6 +187,13 @@ class LocalExecutor:
         return results
 
     def _member(self, item: Any) -> tuple[str, tuple[int, ...], bool]:
+        if not hasattr(item, "request"):  # a loop stepper's item: (run, iteration)
+            found = self.ranks.loops.describe(item.id)
+            assert found is not None
+            run_id, i = found
+            run = self.ranks._runs.get(run_id)
+            request = self._requests.get(run.item, run_id) if run is not None else run_id
+            return (request, (i,), False)
         run = self.ranks._runs.get(item.request)
         request = self._requests.get(run.item, item.request) if run is not None else item.request
         return (request, item.frame, item.speculative)

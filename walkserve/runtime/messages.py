@@ -319,7 +319,38 @@ class RegionFailed(msgspec.Struct, frozen=True, tag="failed", tag_field="type"):
     error: str
 
 
-RegionEvent: TypeAlias = RegionStreamed | RegionOutput | RegionDone | RegionFailed
+class RegionConsumed(msgspec.Struct, frozen=True, tag="consumed", tag_field="type"):
+    """Region item ``item`` has ``received`` pieces of fed stream ``stream`` and released its
+    items before ``base`` (``closed``: it takes no more)."""
+
+    item: NonNegInt
+    stream: Name
+    base: NonNegInt
+    received: NonNegInt
+    closed: bool
+
+
+RegionEvent: TypeAlias = RegionStreamed | RegionOutput | RegionDone | RegionFailed | RegionConsumed
+
+
+class FeedStream(_Msg, frozen=True):
+    """Items of fed stream ``stream`` for region item ``item`` (of ``request_id``), from
+    another region: ``pieces`` in order (held values the receiver pulls from their rank);
+    ``finished``: no piece follows."""
+
+    item: NonNegInt
+    request_id: RequestId
+    stream: Name
+    pieces: list[Value]
+    finished: bool
+
+
+class GrantCredit(_Msg, frozen=True):
+    """Region item ``item`` may commit items of ``channel`` up to ``items``."""
+
+    item: NonNegInt
+    channel: Name
+    items: NonNegInt
 
 
 class RegionEvents(_Msg, frozen=True):
@@ -420,6 +451,8 @@ Message: TypeAlias = (
     | Release
     | Fetch
     | Fetched
+    | FeedStream
+    | GrantCredit
 )
 
 _encoder = msgspec.msgpack.Encoder()

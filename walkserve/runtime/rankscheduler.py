@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from walkserve.runtime.conductor import Conductor, Failed, Finished, Output, StreamItem
+from walkserve.runtime.loopstep import LoopDone, LoopStepper, LoopStreamed
 from walkserve.runtime.regionwalk import RegionWalks, region_walk_name
 from walkserve.runtime.runner import ItemResult, Runnable
 
@@ -81,6 +82,18 @@ class RegionFailed:
 
 
 @dataclass(frozen=True)
+class RegionConsumed:
+    """Region item ``item`` has received ``received`` pieces of fed stream ``stream`` and
+    released its items before ``base`` (``closed``: its consumer loop is done)."""
+
+    item: int
+    stream: str
+    base: int
+    received: int
+    closed: bool
+
+
+@dataclass(frozen=True)
 class NodeBatchDone:
     """The conductor's node batch ``batch`` ran: one result per item, in the batch's order."""
 
@@ -88,18 +101,20 @@ class NodeBatchDone:
     results: list[ItemResult]
 
 
-Report = RegionStreamed | RegionOutput | RegionDone | RegionFailed | NodeBatchDone
+Report = RegionStreamed | RegionOutput | RegionDone | RegionFailed | RegionConsumed | NodeBatchDone
 
 
 @dataclass(frozen=True)
 class Step:
     """Items of one node to run as one batch; ``external``: the conductor's batch id (a node
-    batch it sent), None for items of this rank's region runs."""
+    batch it sent), None for items of this rank's region runs; ``loops``: items of simple
+    loops the loop stepper runs."""
 
     walk: str
     node: str
     items: Sequence[Runnable]
     external: int | None = None
+    loops: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,8 +131,10 @@ class _Run:
     item: int
     request: str
     walk: str  # the region walk
-    streamed: frozenset[str]
+    streamed: frozenset[str]  # client streams and forwarded channels: reported per item
     outputs: dict[str, Any] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)  # fed stream -> pieces
+    progress: dict[str, tuple[int, bool, int]] = field(default_factory=dict)  # last reported
 
 
 class RankScheduler:
@@ -131,6 +148,7 @@ class RankScheduler:
         speculate: bool = True,
         stream_buffer_limit: int = 64,
         max_batch: int | None = None,
+        fast_loops: bool = True,
     ) -> None:
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -142,8 +160,13 @@ class RankScheduler:
             speculate=speculate,
             stream_buffer_limit=stream_buffer_limit,
             eager_outputs=True,
+            fed={name: r.fed for name, r in regions.regions.items() if r.fed},
+            fast_loops=fast_loops,
         )
+        self.loops = LoopStepper(regions)
+        self.stream_buffer_limit = stream_buffer_limit
         self._runs: dict[str, _Run] = {}
+        self._fed_runs: set[str] = set()  # runs with fed streams
         self._by_request: dict[str, set[str]] = {}
         self._external: list[Step] = []
         self._reports: list[Report] = []
@@ -166,14 +189,37 @@ class RankScheduler:
         if run_id in self._runs:
             self._reports.append(RegionFailed(item, f"region item {item} is already running"))
             return
+        for channel in plan.forwards:  # until its consumers say how far they are
+            self.loops.credit(run_id, channel, self.stream_buffer_limit)
         try:
             self.conductor.submit(run_id, inputs, name)
         except Exception as e:
             self._reports.append(RegionFailed(item, f"region {region} of {walk!r}: {e}"))
             return
-        self._runs[run_id] = _Run(item, request, name, frozenset(plan.streamed))
+        run = _Run(item, request, name, frozenset([*plan.streamed, *plan.forwards]))
+        self._runs[run_id] = run
+        if plan.fed:
+            self._fed_runs.add(run_id)
         self._by_request.setdefault(request, set()).add(run_id)
+        for channel in plan.forwards:  # until its consumers say how far they are
+            self.conductor.credit(run_id, channel, self.stream_buffer_limit)
         self._collect()
+
+    def feed(self, item: int, stream: str, pieces: Sequence[Any], finished: bool) -> None:
+        """Items of fed stream ``stream`` of region item ``item``, from another region."""
+        run = self._runs.get(str(item))
+        if run is None:
+            return
+        run.received[stream] = run.received.get(stream, 0) + len(pieces)
+        self.conductor.feed(str(item), stream, pieces, finished)
+        self._collect()
+
+    def credit(self, item: int, channel: str, items: int) -> None:
+        """Region item ``item`` may commit items of ``channel`` up to ``items``."""
+        if str(item) in self._runs:
+            self.loops.credit(str(item), channel, items)
+            self.conductor.credit(str(item), channel, items)
+            self._collect()
 
     def add_batch(self, batch: int, walk: str, node: str, items: Sequence[Runnable]) -> None:
         """A node batch from the conductor: run as it is at the next ``schedule``."""
@@ -199,15 +245,23 @@ class RankScheduler:
         conductor's node batches."""
         groups: dict[tuple[str, str, str], list[Runnable]] = {}
         for it in self.conductor.ready():
+            if it.kind == "loop":
+                self.loops.start(it)
+                continue
             key = (self.regions.walk_of[it.walk], it.node, it.kind)
             groups.setdefault(key, []).append(it)
+        self._loop_reports()
+        todo: list[tuple[str, str, Sequence[Runnable], bool]] = [
+            (walk, node, group, False) for (walk, node, _), group in groups.items()
+        ]
+        todo += [(walk, node, items, True) for walk, node, items in self.loops.schedule()]
         steps: list[Step] = []
         size = self.max_batch
-        for (walk, node, _), group in groups.items():
+        for walk, node, group, loops in todo:
             for k in range(0, len(group), size or len(group)):
                 part = group[k : k + size] if size else group
                 self.batch_sizes[len(part)] = self.batch_sizes.get(len(part), 0) + 1
-                steps.append(Step(walk, node, part))
+                steps.append(Step(walk, node, part, None, loops))
         steps += self._external
         self._external = []
         return steps
@@ -217,6 +271,11 @@ class RankScheduler:
         if step.external is not None:
             self._reports.append(NodeBatchDone(step.external, list(results)))
             return
+        if step.loops:
+            self.loops.update(results)
+            self._loop_reports()
+            self._collect()
+            return
         for r in results:
             if r.error is not None:
                 self.conductor.fail(r.item, r.error)
@@ -225,6 +284,15 @@ class RankScheduler:
             else:
                 self.conductor.complete(r.item, r.values)
         self._collect()
+
+    def _loop_reports(self) -> None:
+        for rep in self.loops.reports():
+            if isinstance(rep, LoopStreamed):
+                self.conductor.streamed(rep.item, rep.channel, rep.index, rep.value)
+            elif isinstance(rep, LoopDone):
+                self.conductor.complete(rep.item, rep.channels)
+            else:
+                self.conductor.fail(rep.item, rep.error)
 
     def reports(self) -> list[Report]:
         out, self._reports = self._reports, []
@@ -238,7 +306,7 @@ class RankScheduler:
         c = self.conductor.stats()
         return RankStats(
             len(self._runs),
-            c.live_values,
+            c.live_values + self.loops.held(),
             c.speculated_steps,
             c.wasted_steps,
             dict(self.batch_sizes),
@@ -250,7 +318,15 @@ class RankScheduler:
         """Turn the inner conductor's events into reports: outputs as soon as they exist
         (one ``RegionOutput`` per run and batch of events, always before a streamed item of
         the same run, so a client sees a prefill's token before the tokens after it)."""
+        self.loops.drop(self.conductor.dropped())
         waiting: dict[str, _Run] = {}
+        for run_id in self._fed_runs:  # how far consumers of fed streams are
+            fed = self._runs[run_id]
+            for stream, (base, closed) in self.conductor.fed_progress(run_id).items():
+                now = (base, closed, fed.received.get(stream, 0))
+                if fed.progress.get(stream) != now:
+                    fed.progress[stream] = now
+                    self._reports.append(RegionConsumed(fed.item, stream, base, now[2], closed))
         for event in self.conductor.events():
             run = self._runs.get(event.request)
             if run is None:
@@ -282,6 +358,8 @@ class RankScheduler:
         run.outputs = {}
 
     def _forget(self, run_id: str) -> None:
+        self._fed_runs.discard(run_id)
+        self.loops.forget(run_id)
         run = self._runs.pop(run_id)
         runs = self._by_request.get(run.request)
         if runs is not None:
@@ -291,4 +369,7 @@ class RankScheduler:
 
     def _drop(self, run_id: str) -> None:
         self.conductor.cancel(run_id)
+        self.loops.drop(self.conductor.dropped())
+        self.loops.forget(run_id)
+        self._fed_runs.discard(run_id)
         self._runs.pop(run_id, None)

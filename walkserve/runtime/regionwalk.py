@@ -86,7 +86,8 @@ def _region_walk(
         name=name,
         inputs=inputs,
         body=ir.Block([], nodes),
-        outputs={v: ir.Ref(v) for v in region.outputs},
+        # forwarded channels are outputs too: the walk's loops stream them item by item
+        outputs={v: ir.Ref(v) for v in dict.fromkeys([*region.outputs, *region.forwards])},
         streams=[e for e in walk.streams if e.consumer in loops],
         values=walk.values,
         source=walk.source,

@@ -60,6 +60,7 @@ from walkserve.runtime.kv.paged_lm import PagedLM
 from walkserve.runtime.messages import (
     KVStats,
     RankStatsReply,
+    RegionConsumed,
     RegionDone,
     RegionOutput,
     RegionStreamed,
@@ -393,6 +394,20 @@ class Server:
                 by_rank.setdefault(rank, []).append(item_id)
         for rank, group in by_rank.items():
             self.pool.drop_runs(rank, group)
+        self._route_streams()
+
+    def _route_streams(self) -> None:
+        """Streams between regions: items to consumer regions, credit to producer ones."""
+        for feed in self.conductor.feeds():
+            rank = self._region_rank.get(feed.item)
+            if rank is not None:
+                self.pool.feed(
+                    rank, feed.item, feed.request, feed.stream, feed.pieces, feed.finished
+                )
+        for credit in self.conductor.credits():
+            rank = self._region_rank.get(credit.item)
+            if rank is not None:
+                self.pool.grant(rank, credit.item, credit.channel, credit.items)
 
     def _reply_callback(self, batch: Batch) -> Any:
         def on_reply(future: Future[BatchResult]) -> None:
@@ -413,6 +428,10 @@ class Server:
                     self.conductor.streamed(event.item, event.channel, event.index, event.value)
                 elif isinstance(event, RegionOutput):
                     self.conductor.partial(event.item, event.outputs)
+                elif isinstance(event, RegionConsumed):
+                    self.conductor.consumed(
+                        event.item, event.stream, event.base, event.received, event.closed
+                    )
                 elif isinstance(event, RegionDone):
                     self._region_rank.pop(event.item, None)
                     self.conductor.complete(event.item, event.outputs)

@@ -391,11 +391,13 @@ class Worker:
     # ------------------------------------------------------------------ io thread
 
     def _io_loop(self, rx: zmq.Socket[bytes]) -> None:
-        from walkserve.runtime.engine import CancelRequest, DropItems, StatsAsk
+        from walkserve.runtime.engine import CancelRequest, CreditItems, DropItems, StatsAsk
         from walkserve.runtime.messages import (
             Ack,
             Cancel,
             DropRuns,
+            FeedStream,
+            GrantCredit,
             Heartbeat,
             MessageError,
             Probe,
@@ -415,6 +417,8 @@ class Worker:
             DropRuns: lambda m: self.engine.put(DropItems(list(m.items))),
             StatsQuery: lambda m: self.engine.put(StatsAsk(m.seq)),
             Release: lambda m: self.objects.release(m.request_id, m.keys),
+            FeedStream: self._feed,
+            GrantCredit: lambda m: self.engine.put(CreditItems(m.item, m.channel, m.items)),
             Shutdown: lambda m: self._stop(),
             Probe: self._on_probe,
         }
@@ -538,6 +542,26 @@ class Worker:
             self._send(Ack(handles))
         if failed:
             self._send(RegionEvents(self.rank, failed))
+
+    def _feed(self, msg: Any) -> None:
+        """Pull a fed stream's pieces from the rank that made them, then hand them on."""
+        from walkserve.runtime.engine import FeedItems
+        from walkserve.runtime.messages import Ack, RegionEvents, RegionFailed
+
+        handles: list[Any] = []
+        try:
+            env = self._receive(
+                {str(k): v for k, v in enumerate(msg.pieces)}, msg.request_id, handles
+            )
+        except Exception as e:
+            error = f"stream {msg.stream} could not be read on rank {self.rank}: {e}"
+            self._send(RegionEvents(self.rank, [RegionFailed(msg.item, error)]))
+            return
+        finally:
+            if handles:
+                self._send(Ack(handles))
+        pieces = [env[str(k)] for k in range(len(msg.pieces))]
+        self.engine.put(FeedItems(msg.item, msg.stream, pieces, msg.finished))
 
     def _on_probe(self, msg: Any) -> None:
         """A link measurement (``runtime.net.link``): read the value, then say so."""

@@ -73,6 +73,8 @@ from walkserve.runtime.messages import (
     Cancel,
     DropRuns,
     Fatal,
+    FeedStream,
+    GrantCredit,
     Heartbeat,
     Hello,
     Join,
@@ -689,6 +691,43 @@ class WorkerPool:
             self._send(state, data)
         except zmq.ZMQError as e:
             self._fail_regions(rank, f"worker rank {rank} is unreachable: {e}")
+
+    def feed(
+        self,
+        rank: int,
+        item: int,
+        request_id: str,
+        stream: str,
+        pieces: Sequence[Any],
+        finished: bool,
+    ) -> None:
+        """Items of a stream from one region to region item ``item`` on ``rank``: held values
+        (``ObjectRef``) that rank pulls from their producer itself."""
+        state = self._rank(rank)
+        transport = self._transport_for(rank)
+        values: list[Value] = []
+        handles: list[Token] = []
+        try:
+            for piece in pieces:
+                values.append(payload := transport.send(piece, request_id))
+                handles += shm_handles(payload)
+            data = encode(FeedStream(item, request_id, stream, values, finished))
+        except BaseException:
+            transport.release(handles)
+            raise
+        with self._lock:
+            for h in handles:
+                self._region_handles[h] = rank
+        if state.status not in ("dead", "closed"):
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(state, data)
+
+    def grant(self, rank: int, item: int, channel: str, items: int) -> None:
+        """Producer region item ``item`` on ``rank`` may commit ``channel`` up to ``items``."""
+        state = self._rank(rank)
+        if state.status not in ("dead", "closed"):
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(state, encode(GrantCredit(item, channel, items)))
 
     def drop_runs(self, rank: int, items: Sequence[int]) -> None:
         """Region runs on ``rank`` nobody waits for any more: the rank may stop them."""
