@@ -496,7 +496,8 @@ def create_app(server: Server, profile: ModelProfile, config: ApiConfig | None =
     # ------------------------------------------------------------ health, models, metrics
 
     engines = {  # which text engine serves each language model (the paged pool or a fallback)
-        name or "model": choice.to_json() for name, choice in engine_choices(captured.model).items()
+        name or "model": choice.to_json()
+        for name, choice in (engine_choices(captured.model) if captured is not None else {}).items()
     }
 
     @app.get("/health")
