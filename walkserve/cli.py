@@ -103,6 +103,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     sv.add_argument(
         "--placement", metavar="FILE", help="YAML or JSON placement (default: all on rank 0)"
     )
+    sv.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="every component on ranks 0..N-1 as one tensor-parallel group (not with --placement)",
+    )
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument(
@@ -191,6 +197,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     pl.add_argument(
         "--placement", metavar="FILE", help="YAML or JSON placement (default: all on rank 0)"
+    )
+    pl.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="every component on ranks 0..N-1 as one tensor-parallel group (not with --placement)",
     )
     pl.add_argument(
         "--device", default="cpu", help="cpu or cuda (decides compile and CUDA-graph plans)"
@@ -283,7 +295,7 @@ def _plan(args: argparse.Namespace) -> int:
     from walkserve.lowering.placement import Placement, PlacementWarning, resolve
 
     captured, _, sample = _capture(args.model)
-    placement = Placement.from_file(args.placement) if args.placement else Placement.default(1)
+    placement = _placement(args, captured) or Placement.default(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlacementWarning)
         plan = lower(
@@ -307,6 +319,18 @@ def _plan(args: argparse.Namespace) -> int:
     for message in resolved.warnings:
         print(f"warning: {message}")
     return 0
+
+
+def _placement(args: argparse.Namespace, captured: Any) -> Any:
+    """``--placement FILE``, or ``--tensor-parallel-size N`` as a placement, or None (the
+    default: everything on rank 0)."""
+    from walkserve.lowering.placement import Placement, tensor_parallel_placement
+
+    if args.tensor_parallel_size is not None and args.placement:
+        raise ValueError("give --placement or --tensor-parallel-size, not both")
+    if args.tensor_parallel_size is not None:
+        return tensor_parallel_placement(captured, args.tensor_parallel_size)
+    return Placement.from_file(args.placement) if args.placement else None
 
 
 ROUTES = (
@@ -374,6 +398,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if (args.tensor_parallel_size or 1) > 1:  # until the workers run TP groups (runtime.tp)
+        raise ValueError(
+            "--tensor-parallel-size: tensor-parallel execution is not wired into the worker "
+            "processes yet; 'walkserve plan --tensor-parallel-size N' shows one shard's memory"
+        )
     names = tuple(args.served_model_name or (model,))
     config = ApiConfig(
         api_key=args.api_key,
@@ -393,11 +422,12 @@ def _serve(args: argparse.Namespace) -> int:
         if args.max_model_len is not None:
             profile = with_limits(profile, args.max_model_len)
         captured = capture_model(model, args.seed, on_stage=progress.stage)
+        placement = _placement(args, captured)
         pool = PoolConfig(kv_pool_tokens=args.kv_pool_tokens, kv_page_size=args.kv_page_size)
         remote = [int(r) for r in args.remote_ranks.split(",") if r.strip()]
         server = serve(
             captured,
-            args.placement,
+            placement,
             seed=args.seed,
             device=args.device,
             max_batch=args.max_num_seqs or 32,

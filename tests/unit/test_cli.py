@@ -162,3 +162,27 @@ def test_a_server_without_tokenizer_says_to_send_token_ids() -> None:
     chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
     r = client.post("/v1/chat/completions", json=chat)
     assert r.status_code == 400 and "use /v1/completions with token ids" in r.text
+
+
+def test_tensor_parallel_size_plans_every_component_on_n_ranks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    args = ("--model", str(tmp_path), "--tensor-parallel-size", "2")
+    code, out, err = run(capsys, "plan", *args, "--skip-capture-check")
+    assert code == 0, err
+    assert "rank 0:" in out and "rank 1:" in out
+    code, _, err = run(capsys, "plan", *args, "--placement", "x.yaml")
+    assert code == 2 and "not both" in err
+    code, _, err = run(capsys, "serve", *args)
+    assert code == 2 and "not wired into the worker processes yet" in err

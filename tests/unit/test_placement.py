@@ -356,7 +356,9 @@ def test_over_budget_names_rank_total_budget_and_contributors(cfg: CapturedModel
     resolved = resolve_quietly(placement, cfg)
     message = (
         "rank 1 needs an estimated 8.8 KiB (9025 bytes) but its memory budget is 4.0 KiB "
-        "(4096 bytes); largest contributors: weights decoder 8.0 KiB, workspace 821 B"
+        "(4096 bytes); the biggest contributor is weights decoder (8.0 KiB, 90% of the total): "
+        "shard its component over more ranks (a higher tensor_parallel), move it to a rank with "
+        "room, or raise the budget. Largest contributors: weights decoder 8.0 KiB, workspace 821 B"
     )
     with pytest.raises(PlacementError, match=re.escape(message)):
         estimate_memory(resolved, cfg)

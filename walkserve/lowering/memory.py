@@ -9,25 +9,35 @@ weight bytes, its IR gives value shapes). Out: ``dict[rank, MemoryEstimate]``::
     total(rank) = weights + KV pool + stream buffers + workspace
 
     weights         parameter + buffer bytes of each component with a node on the rank, once
-                    per rank however often it is called (/ its tensor-parallel degree), plus the
-                    model attributes and tensor constants read by nodes on the rank
-    KV pool         each kv_cache component on the rank: the bytes of the growing carried state
-                    (a loop parameter with a None dim: the KV cache) its nodes read, per
-                    request, x max_concurrent_requests (/ its tensor-parallel degree)
+                    per rank however often it is called, plus the model attributes and tensor
+                    constants read by nodes on the rank. At tensor-parallel degree N, one
+                    shard's bytes: a Hugging Face model's parameters as its own TP plan splits
+                    them (sharded ones / N, replicated ones whole: norms, routers, row-parallel
+                    biases, K/V projections whose heads are replicated, ``runtime.tp.heads``);
+                    any other tensor / N
+    KV pool         each kv_cache component on the rank: a component that sizes its own pool
+                    (``kv_pool_nbytes(tensor_parallel)``: the paged pool, this rank's KV heads)
+                    says so; otherwise the bytes of the growing carried state (a loop parameter
+                    with a None dim: the KV cache) its nodes read, per request, x
+                    max_concurrent_requests (/ its tensor-parallel degree)
     stream buffers  each streaming edge whose consumer reads chunks on the rank: the producer
                     loop's per-iteration bytes x its maximum trips x max_concurrent_requests
     workspace       workspace_fraction x weights (activations, graph-capture workspaces)
 
 Unknown lengths (a None dim, a trip count that a request input or a stream sets) count as
 ``limits.max_len``. Shapes are the sample request's (one sequence), so bytes are per request.
+A rank over its budget is a ``PlacementError`` that names the rank's biggest contributor and
+what would shrink it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from typeguard import typechecked
@@ -148,12 +158,31 @@ def _estimate(
 
 def _over_budget_message(e: MemoryEstimate) -> str:
     largest = ", ".join(f"{what} {format_size(n)}" for what, n in e.contributors[:3])
+    biggest, nbytes = e.contributors[0] if e.contributors else ("nothing", 0)
     return (
         f"rank {e.rank} needs an estimated {format_size(e.total)} ({e.total} bytes) but its "
-        f"memory budget is {format_size(e.budget or 0)} ({e.budget} bytes); largest "
-        f"contributors: {largest}. Move components to other ranks, raise the budget, or lower "
-        f"max_len / max_concurrent_requests"
+        f"memory budget is {format_size(e.budget or 0)} ({e.budget} bytes); the biggest "
+        f"contributor is {biggest} ({format_size(nbytes)}, {100 * nbytes // max(e.total, 1)}% "
+        f"of the total): {_remedy(biggest)}. Largest contributors: {largest}"
     )
+
+
+def _remedy(what: str) -> str:
+    if what.startswith("weights "):
+        return (
+            "shard its component over more ranks (a higher tensor_parallel), move it to a "
+            "rank with room, or raise the budget"
+        )
+    if what.startswith("KV pool "):
+        return (
+            "give its component a smaller KV pool (kv_pool_tokens), lower max_len / "
+            "max_concurrent_requests, or shard it over more ranks"
+        )
+    if what.startswith("stream "):
+        return "lower max_len / max_concurrent_requests, or consume the stream on another rank"
+    if what == "workspace":
+        return "lower workspace_fraction, or shard the weights over more ranks"
+    return "move the nodes that read it to another rank, or raise the budget"
 
 
 # ------------------------------------------------------------------------------ weights
@@ -166,10 +195,12 @@ def _weights(
     "model attributes" entry per rank for the attributes and constants its nodes read."""
     seen: dict[int, set[int]] = defaultdict(set)  # rank -> tensors counted (shared: once)
     for rank, path, degree in _components_on_ranks(resolved):
-        tensors = _module_tensors(captured.model.get_submodule(path))
-        nbytes = sum(_nbytes(t) for t in tensors if id(t) not in seen[rank])
+        module = captured.model.get_submodule(path)
+        shard = _shard_bytes(module, degree)
+        tensors = _module_tensors(module)
+        nbytes = sum(shard.get(id(t), _nbytes(t)) for t in tensors if id(t) not in seen[rank])
         seen[rank].update(id(t) for t in tensors)
-        yield rank, f"weights {path}", math.ceil(nbytes / degree)
+        yield rank, _weights_label(path, degree), nbytes
     for rank, nbytes in _attribute_bytes(resolved, captured).items():
         yield rank, "model attributes", nbytes
 
@@ -185,6 +216,72 @@ def _components_on_ranks(resolved: ResolvedPlacement) -> list[tuple[int, str, in
                     degrees.get((rank, p.target), p.tensor_parallel), p.tensor_parallel
                 )
     return [(rank, path, degree) for (rank, path), degree in sorted(degrees.items())]
+
+
+def _weights_label(path: str, degree: int) -> str:
+    return f"weights {path}" + (f" (1/{degree} shard)" if degree > 1 else "")
+
+
+# styles of transformers' TP plans that keep a parameter whole on every rank
+_REPLICATED_STYLES = frozenset(
+    {"replicate", "replicated_with_grad_allreduce", "sequence_parallel", "moe_identity_expert"}
+)
+
+
+def _shard_bytes(module: torch.nn.Module, degree: int) -> dict[int, int]:
+    """id(tensor) -> its bytes on one of ``degree`` shards; tensors not listed count
+    ``ceil(bytes / degree)``. Parameters of a Hugging Face model inside ``module`` (one with a
+    ``tp_plan``) follow that plan: a style that splits them, / degree; a replicated style, a
+    row-parallel bias, no rule at all or a buffer, whole; K/V projections whose heads are
+    replicated (fewer KV heads than ranks), this rank's heads only."""
+    if degree == 1:
+        return {id(t): _nbytes(t) for t in _module_tensors(module)}
+    out: dict[int, int] = {id(t): math.ceil(_nbytes(t) / degree) for t in _module_tensors(module)}
+    done: set[int] = set()
+    for _, sub in module.named_modules():
+        plan = getattr(sub, "tp_plan", None)
+        if not isinstance(plan, Mapping) or not plan or id(sub) in done:
+            continue
+        kv_share = _kv_share(sub, degree)
+        for name, param in sub.named_parameters():
+            style = _plan_style(name, plan)
+            nbytes = _nbytes(param)
+            if (
+                style is None
+                or style in _REPLICATED_STYLES
+                or (style == "rowwise" and name.endswith(".bias"))
+            ):
+                out[id(param)] = nbytes
+            elif kv_share is not None and name.rsplit(".", 2)[-2] in ("k_proj", "v_proj"):
+                out[id(param)] = math.ceil(nbytes * kv_share)
+            else:
+                out[id(param)] = math.ceil(nbytes / degree)
+        for buffer in sub.buffers():  # rotary tables and the like: every rank's own copy
+            out[id(buffer)] = _nbytes(buffer)
+        done.update(id(m) for m in sub.modules())
+    return out
+
+
+def _plan_style(name: str, plan: Mapping[str, str]) -> str | None:
+    """The plan's style for parameter ``name`` (layer numbers match ``*``), its own or its
+    module's, as transformers looks it up."""
+    generic = re.sub(r"\.\d+\.", ".*.", name)
+    generic = re.sub(r"\.\d+\.", ".*.", generic)  # adjacent numbers (experts.3.0.)
+    if generic in plan:
+        return plan[generic]
+    return plan.get(generic.rsplit(".", 1)[0]) if "." in generic else None
+
+
+def _kv_share(model: torch.nn.Module, degree: int) -> float | None:
+    """The share of the K/V projections one rank holds when KV heads are replicated (fewer
+    than ranks); None when they split evenly like every other sharded matrix."""
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int) or not isinstance(kv, int) or kv % degree == 0:
+        return None
+    return 1 / kv
 
 
 def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -248,9 +345,13 @@ def _kv_pools(
             for path, nbytes in _loop_kv_bytes(loop, walk, captured, limits).items():
                 per_request[path] = max(per_request[path], nbytes)
     for rank, path, degree in _components_on_ranks(resolved):
-        if per_request.get(path):
+        sized = getattr(captured.model.get_submodule(path), "kv_pool_nbytes", None)
+        label = f"KV pool {path}" + (f" (1/{degree} shard)" if degree > 1 else "")
+        if callable(sized):
+            yield rank, label, int(sized(degree))
+        elif per_request.get(path):
             pool = per_request[path] * limits.max_concurrent_requests
-            yield rank, f"KV pool {path}", math.ceil(pool / degree)
+            yield rank, label, math.ceil(pool / degree)
 
 
 def _loop_kv_bytes(

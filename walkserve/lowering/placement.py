@@ -69,6 +69,7 @@ __all__ = [
     "format_size",
     "parse_size",
     "resolve",
+    "tensor_parallel_placement",
 ]
 
 
@@ -338,6 +339,22 @@ class Placement:
             path.write_text(json.dumps(data, indent=2) + "\n")
         else:
             path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def tensor_parallel_placement(captured: CapturedModel, size: int) -> Placement:
+    """``walkserve serve --tensor-parallel-size N``: every component of ``captured`` on ranks
+    0..N-1 as one tensor-parallel group of degree N (N = 1: everything on rank 0)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise PlacementError(f"--tensor-parallel-size must be a positive int, got {size!r}")
+    if size == 1:
+        return Placement.default(1)
+    components = list(captured.graph.components)
+    ranks = list(range(size))
+    return Placement(
+        ranks=size,
+        rules=dict.fromkeys(components, ranks),
+        tensor_parallel=dict.fromkeys(components, size),
+    )
 
 
 _FILE_KEYS = (

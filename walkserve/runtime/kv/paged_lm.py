@@ -464,6 +464,24 @@ class PagedLM(nn.Module):
             self._state = _State(self.lm, self.config_kv, self._attention)
         return self._state
 
+    def kv_pool_nbytes(self, tensor_parallel: int = 1) -> int:
+        """Bytes of the pool this component allocates in each process that runs it, one of
+        ``tensor_parallel`` ranks holding its share of each layer's KV heads (as
+        ``runtime.tp.heads`` splits them). Allocates nothing; probes the model's attention
+        once (a short forward) unless it was given."""
+        from walkserve.runtime.kv.hf_attention import probe_attention
+        from walkserve.runtime.tp.heads import split_heads
+
+        if self._attention is None:
+            self._attention = probe_attention(self.lm)
+        itemsize = next(self.lm.parameters()).element_size()
+        slots = self.config_kv.num_pages * self.config_kv.page_size
+        total = 0
+        for a in self._attention.layers:
+            kv = split_heads(a.num_heads, a.kv_heads, tensor_parallel).kv_heads
+            total += slots * kv * (a.head_dim + a.v_head_dim) * itemsize
+        return total
+
     def release_kv(self) -> None:
         """Drop the pool (a process that only captured or checked the model); live caches of
         this component become unusable."""
