@@ -57,8 +57,9 @@ from walkserve.adapters.registry import load_model
 from walkserve.capture.api import component, walk
 from walkserve.lowering.batched import build_callables
 from walkserve.lowering.lower import lower
+from walkserve.runtime.config import PoolConfig
+from walkserve.runtime.pool import WorkerPool
 from walkserve.runtime.worker import NodeExecutor
-from walkserve.runtime.workers import PoolConfig, WorkerPool
 
 RESULTS = Path(__file__).parent / "results" / "dispatch.json"
 TARGETS = {"in_process_p50_us": 50.0, "cross_process_p50_us": 300.0, "idle_rss_mb": 400.0}

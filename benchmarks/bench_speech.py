@@ -161,8 +161,8 @@ def main() -> None:
 
     from walkserve.benchmarking import write_result
     from walkserve.lowering.placement import Placement
+    from walkserve.runtime.config import PoolConfig
     from walkserve.runtime.server import serve
-    from walkserve.runtime.workers import PoolConfig
 
     rate = 24000
     load_before = os.getloadavg()

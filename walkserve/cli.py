@@ -381,8 +381,8 @@ def _serve(args: argparse.Namespace) -> int:
     from walkserve.api.app import ApiConfig, create_app
     from walkserve.api.profile import with_limits, without_tokenizer
     from walkserve.progress import StartupProgress
+    from walkserve.runtime.config import PoolConfig
     from walkserve.runtime.server import serve
-    from walkserve.runtime.workers import PoolConfig
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ: give one")

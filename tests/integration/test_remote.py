@@ -32,13 +32,13 @@ from walkserve import capture
 from walkserve.adapters.examples import example_placement
 from walkserve.adapters.registry import load_model
 from walkserve.lowering.placement import Placement
+from walkserve.runtime.config import PoolConfig
 from walkserve.runtime.messages import Join, encode
 from walkserve.runtime.net.auth import KeyPair, load_worker_keys
 from walkserve.runtime.net.mooncake import MooncakeTransport
 from walkserve.runtime.net.mooncake import available as mooncake_available
 from walkserve.runtime.server import Server, serve
 from walkserve.runtime.worker import routing_id
-from walkserve.runtime.workers import PoolConfig
 from walkserve.testing import assert_outputs_match, mixed_requests
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,9 +16,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from walkserve.adapters.hf_causal_lm import sample_request  # noqa: E402
+from walkserve.runtime.config import PoolConfig  # noqa: E402
 from walkserve.runtime.messages import KVStats  # noqa: E402
 from walkserve.runtime.server import Server, serve  # noqa: E402
-from walkserve.runtime.workers import PoolConfig  # noqa: E402
 
 EOS = 2
 

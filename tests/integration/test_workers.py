@@ -32,6 +32,14 @@ from walkserve.lowering.lower import lower
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.lowering.split import fuse_elementwise
 from walkserve.runtime.messages import ObjectRef, Seq
+from walkserve.runtime.pool import (
+    BatchError,
+    BatchResult,
+    PoolConfig,
+    WorkerDied,
+    WorkerPool,
+    WorkerStartError,
+)
 from walkserve.runtime.runner import NodeRunner, RunItem
 from walkserve.runtime.shm import KiB, ShmHandle, ShmPool, ShmPoolConfig, ShmReader
 from walkserve.runtime.tensorcodec import from_bytes, to_bytes
@@ -43,14 +51,6 @@ from walkserve.runtime.transport import (
     Unencodable,
     from_inline,
     inline,
-)
-from walkserve.runtime.workers import (
-    BatchError,
-    BatchResult,
-    PoolConfig,
-    WorkerDied,
-    WorkerPool,
-    WorkerStartError,
 )
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")

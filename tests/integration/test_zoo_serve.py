@@ -15,9 +15,9 @@ transformers = pytest.importorskip("transformers")
 
 from walkserve.adapters import hf_zoo  # noqa: E402
 from walkserve.adapters.hf_causal_lm import sample_request  # noqa: E402
+from walkserve.runtime.config import PoolConfig  # noqa: E402
 from walkserve.runtime.kv.engine_report import engine_choices  # noqa: E402
 from walkserve.runtime.server import serve  # noqa: E402
-from walkserve.runtime.workers import PoolConfig  # noqa: E402
 from walkserve.testing import greedy_generate  # noqa: E402
 
 SERVED = {

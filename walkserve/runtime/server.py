@@ -56,6 +56,7 @@ from walkserve.runtime.conductor import (
     StreamItem,
     WorkItem,
 )
+from walkserve.runtime.config import PoolConfig
 from walkserve.runtime.kv.paged_lm import PagedLM
 from walkserve.runtime.messages import (
     KVStats,
@@ -65,7 +66,7 @@ from walkserve.runtime.messages import (
     RegionOutput,
     RegionStreamed,
 )
-from walkserve.runtime.workers import BatchResult, PoolConfig, RankHealth, WorkerPool
+from walkserve.runtime.pool import BatchResult, RankHealth, WorkerPool
 
 log = logging.getLogger("walkserve.server")
 
@@ -233,7 +234,7 @@ class Server:
         self.batcher = Batcher(nodes, regions, merging, max_inflight)
         self.max_inflight = max_inflight
         self._region_rank: dict[int, int] = {}  # region items out -> their rank
-        pool.on_regions = self._region_events
+        pool.regions.on_regions = self._region_events
         self._closed = False
         self.cross_host_edges: list[Any] = []  # runtime.net.link.CrossHostEdge
         self.closers: list[Callable[[], None]] = []  # run after the pool closed (a launcher)
@@ -304,7 +305,7 @@ class Server:
         result: Future[ConductorStats] = Future()
         self._inbox.put(lambda: result.set_result(self.conductor.stats()))
         outer = result.result(timeout)
-        ranks = self.pool.rank_stats(timeout)
+        ranks = self.pool.regions.stats(timeout)
         return RuntimeStats(
             speculated_steps=outer.speculated_steps
             + sum(r.speculated_steps for r in ranks.values()),
@@ -323,7 +324,7 @@ class Server:
     def batch_sizes(self) -> dict[int, int]:
         """Items per batch -> batches: the conductor's node batches and every rank's steps."""
         sizes = dict(self.batcher.sizes)
-        for reply in self.pool.rank_stats().values():
+        for reply in self.pool.regions.stats().values():
             for k, v in reply.batch_sizes.items():
                 sizes[k] = sizes.get(k, 0) + v
         return sizes
@@ -372,7 +373,7 @@ class Server:
             if batch.kind == "regions":
                 for it in batch.items:
                     self._region_rank[it.id] = batch.rank
-                self.pool.start_regions(
+                self.pool.regions.start(
                     batch.rank,
                     [(it.id, it.request, it.walk, it.node, it.env) for it in batch.items],
                 )
@@ -397,7 +398,7 @@ class Server:
             if rank is not None:
                 by_rank.setdefault(rank, []).append(item_id)
         for rank, group in by_rank.items():
-            self.pool.drop_runs(rank, group)
+            self.pool.regions.drop(rank, group)
         self._route_streams()
 
     def _route_streams(self) -> None:
@@ -405,13 +406,13 @@ class Server:
         for feed in self.conductor.feeds():
             rank = self._region_rank.get(feed.item)
             if rank is not None:
-                self.pool.feed(
+                self.pool.regions.feed(
                     rank, feed.item, feed.request, feed.stream, feed.pieces, feed.finished
                 )
         for credit in self.conductor.credits():
             rank = self._region_rank.get(credit.item)
             if rank is not None:
-                self.pool.grant(rank, credit.item, credit.channel, credit.items)
+                self.pool.regions.grant(rank, credit.item, credit.channel, credit.items)
 
     def _reply_callback(self, batch: Batch) -> Any:
         def on_reply(future: Future[BatchResult]) -> None:

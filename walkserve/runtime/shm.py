@@ -44,15 +44,32 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 import torch
 
-from walkserve.runtime.tensorcodec import TensorHeader, copy_into, from_bytes, header_of
+from walkserve.runtime.config import KiB, MiB, ShmPoolConfig
 
-KiB = 1 << 10
-MiB = 1 << 20
+__all__ = [
+    "KiB",
+    "MiB",
+    "InvalidHandle",
+    "PoolClosed",
+    "PoolExhausted",
+    "PoolStats",
+    "SegmentSpec",
+    "ShmError",
+    "ShmHandle",
+    "ShmPool",
+    "ShmPoolConfig",
+    "ShmPoolSpec",
+    "ShmReader",
+    "StaleHandle",
+    "ClassStats",
+    "segment_name",
+]
+from walkserve.runtime.tensorcodec import TensorHeader, copy_into, from_bytes, header_of
 
 MAGIC = b"WSHM"
 LAYOUT_VERSION = 1
@@ -132,46 +149,6 @@ def segment_name(pool_id: str, index: int) -> str:
 
 
 # ------------------------------------------------------------------------------ config
-
-
-@dataclass(frozen=True)
-class ShmPoolConfig:
-    """Size classes are the powers of two from ``min_slot_bytes`` to ``max_slot_bytes``.
-    ``when_exhausted``: ``"block"`` waits up to ``block_timeout_s`` for an ack to free a slot,
-    then raises ``PoolExhausted``; ``"raise"`` raises at once."""
-
-    min_slot_bytes: int = 64 * KiB
-    max_slot_bytes: int = 256 * MiB
-    slots_per_class: int = 4
-    when_exhausted: Literal["block", "raise"] = "block"
-    block_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        for field in ("min_slot_bytes", "max_slot_bytes"):
-            value = getattr(self, field)
-            if value < 4 * KiB or value & (value - 1):
-                raise ValueError(f"{field} must be a power of two >= 4096, got {value}")
-        if self.max_slot_bytes < self.min_slot_bytes:
-            raise ValueError(
-                f"max_slot_bytes ({self.max_slot_bytes}) < min_slot_bytes ({self.min_slot_bytes})"
-            )
-        if self.slots_per_class < 1:
-            raise ValueError(f"slots_per_class must be >= 1, got {self.slots_per_class}")
-        if self.when_exhausted not in ("block", "raise"):
-            raise ValueError(
-                f"when_exhausted must be 'block' or 'raise', got {self.when_exhausted!r}"
-            )
-        if not self.block_timeout_s > 0:
-            raise ValueError(f"block_timeout_s must be > 0, got {self.block_timeout_s}")
-
-    @property
-    def class_sizes(self) -> tuple[int, ...]:
-        sizes = []
-        size = self.min_slot_bytes
-        while size <= self.max_slot_bytes:
-            sizes.append(size)
-            size *= 2
-        return tuple(sizes)
 
 
 @dataclass(frozen=True)

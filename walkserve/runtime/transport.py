@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 
+from walkserve.runtime.config import INLINE_MAX_BYTES
 from walkserve.runtime.messages import Inline, ObjectRef, Seq, Value
 from walkserve.runtime.net.handles import MooncakeHandle
-from walkserve.runtime.shm import KiB, ShmHandle, ShmPool, ShmReader
+from walkserve.runtime.shm import ShmHandle, ShmPool, ShmReader
 from walkserve.runtime.tensorcodec import DTYPES, TensorHeader, to_bytes
 
-INLINE_MAX_BYTES = 64 * KiB
 _INT_RANGE = (-(2**63), 2**64 - 1)  # what msgpack carries
 
 

@@ -64,8 +64,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 if TYPE_CHECKING:
     import zmq
 
@@ -82,67 +80,18 @@ if TYPE_CHECKING:
     from walkserve.runtime.shm import ShmPool, ShmReader
     from walkserve.runtime.transport import ObjectStore, ShmTransport
 
-KiB = 1 << 10
-MiB = 1 << 20
+from walkserve.runtime.config import KiB, WorkerConfig, default_threads, routing_id
+
+__all__ = [
+    "Worker",
+    "WorkerConfig",
+    "default_threads",
+    "forbid_pickle",
+    "routing_id",
+    "worker_main",
+]
 
 log = logging.getLogger("walkserve.worker")
-
-
-def default_threads(ranks: int) -> int:
-    """Torch threads per worker when none are given: the cores this process may use, divided
-    evenly over ``ranks`` workers on the host, at least 1 (oversubscribed cores cost more than
-    idle ones)."""
-    if hasattr(os, "sched_getaffinity"):
-        cores = len(os.sched_getaffinity(0))
-    else:
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, ranks))
-
-
-def routing_id(rank: int) -> bytes:
-    """The ZeroMQ identity of both of rank ``rank``'s sockets."""
-    return f"walkserve-rank-{rank}".encode()
-
-
-class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Process-level settings, given to the child at spawn as JSON (a plain ``str``: spawn
-    pickles its arguments, so they stay plain data). ``forbid_pickle``: after setup, every
-    pickle entry point in the worker raises (a hardening and testing aid)."""
-
-    threads: int
-    commands_addr: str  # the conductor's command socket (conductor_addr: its report socket)
-    heartbeat_s: float = 1.0
-    setup_timeout_s: float = 120.0
-    inline_max_bytes: int = 64 * KiB
-    shm_max_slot_bytes: int = 256 * MiB
-    shm_slots_per_class: int = 8
-    forbid_pickle: bool = False
-    kv_pool_tokens: int | None = None  # PagedLM pools: capacity in tokens (None: the model's)
-    kv_page_size: int | None = None
-    # CURVE (Z85 keys; empty: none): set by ``net`` when the conductor listens on TCP
-    curve_server_key: str = ""
-    curve_public_key: str = ""
-    curve_secret_key: str = ""
-
-    def __post_init__(self) -> None:
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if not self.commands_addr:
-            raise ValueError("commands_addr must name the conductor's command socket")
-        for name in ("heartbeat_s", "setup_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.inline_max_bytes < 0:
-            raise ValueError(f"inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
-        if self.shm_slots_per_class < 1:
-            raise ValueError(f"shm_slots_per_class must be >= 1, got {self.shm_slots_per_class}")
-
-    def to_json(self) -> str:
-        return msgspec.json.encode(self).decode()
-
-    @staticmethod
-    def from_json(text: str | bytes) -> WorkerConfig:
-        return msgspec.json.decode(text, type=WorkerConfig)
 
 
 def configure_kv(

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from walkserve.runtime.workers import WorkerPool
+    from walkserve.runtime.pool import WorkerPool
 
 log = logging.getLogger("walkserve.net")
 

@@ -1,4 +1,4 @@
-"""The conductor's side of the worker processes: start them, dispatch batches, watch, stop.
+"""The server's side of the worker processes: start them, dispatch work, watch, stop.
 
 Owns the worker processes, the ROUTER sockets they connect to, the conductor's shared-memory
 pool (inputs it sends) and the reads of the workers' pools (outputs it receives). What crosses
@@ -41,29 +41,25 @@ link to each is measured at start-up (``links``, ``measure_link``).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import logging
 import multiprocessing as mp
 import shutil
-import signal
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
 import zmq
 
 from walkserve.capture.model import CapturedModel
 from walkserve.capture.serialize import to_json as ir_to_json
 from walkserve.lowering.plan import ExecutablePlan
+from walkserve.runtime.config import PoolConfig, WorkerConfig, default_threads, routing_id
 from walkserve.runtime.messages import (
     Ack,
     AttachPools,
@@ -71,32 +67,19 @@ from walkserve.runtime.messages import (
     BatchFailed,
     BatchItem,
     Cancel,
-    DropRuns,
     Fatal,
-    FeedStream,
-    GrantCredit,
     Heartbeat,
     Hello,
     Join,
     KVStats,
     Message,
     MessageError,
-    ObjectRef,
     Probe,
     ProbeReply,
     RankStatsReply,
-    RegionDone,
-    RegionEvent,
     RegionEvents,
-    RegionFailed,
-    RegionOutput,
-    RegionStart,
-    RegionStreamed,
-    Release,
     RunBatch,
     Shutdown,
-    StartRegions,
-    StatsQuery,
     Value,
     WorkerSetup,
     decode,
@@ -105,184 +88,41 @@ from walkserve.runtime.messages import (
 from walkserve.runtime.net.handles import MooncakeHandle
 from walkserve.runtime.net.link import PROBE_SIZES, LinkModel, fit_link
 from walkserve.runtime.net.remote import INLINE_ALL, RemoteProcess
+from walkserve.runtime.poolregions import RegionTraffic
+from walkserve.runtime.poolstate import (
+    BatchError,
+    BatchResult,
+    DataPath,
+    Item,
+    Pending,
+    RankHealth,
+    RankState,
+    WorkerDied,
+    WorkerError,
+    WorkerPoolClosed,
+    WorkerStartError,
+    describe_exit,
+    fail_future,
+    reap,
+    recv_multipart,
+    unlink_segments,
+)
 from walkserve.runtime.shm import (
     PoolStats,
     ShmError,
     ShmPool,
-    ShmPoolConfig,
-    ShmPoolSpec,
     ShmReader,
 )
 from walkserve.runtime.transport import (
-    INLINE_MAX_BYTES,
     ShmTransport,
     Token,
     Transport,
     TransportError,
     shm_handles,
 )
-from walkserve.runtime.worker import WorkerConfig, default_threads, routing_id, worker_main
+from walkserve.runtime.worker import worker_main
 
-log = logging.getLogger("walkserve.workers")
-
-Item = tuple[int, str, Mapping[str, Any]]  # (item id, request id, {input name: value})
-DataPath = Literal["shm", "inline", "mooncake"]  # how tensors reach a worker
-Status = Literal["starting", "ready", "unresponsive", "dead", "closed"]
-
-
-# ------------------------------------------------------------------------------ errors
-
-
-class WorkerError(RuntimeError):
-    """Base of the errors a batch or the pool raises; ``rank`` names the worker."""
-
-    def __init__(self, message: str, rank: int | None = None) -> None:
-        super().__init__(message)
-        self.rank = rank
-
-
-class WorkerStartError(WorkerError):
-    """A worker did not come up (it failed its setup, died, or did not say Hello in time)."""
-
-
-class WorkerDied(WorkerError):
-    """The worker running a batch died before replying."""
-
-
-class BatchError(WorkerError):
-    """The node raised on the worker; ``errors`` holds the message of every item."""
-
-    def __init__(self, rank: int, walk: str, node: str, errors: dict[int, str]) -> None:
-        first = next(iter(errors.values()), "no items")
-        super().__init__(f"batch of {walk}:{node} failed on rank {rank}: {first}", rank)
-        self.errors = errors
-
-
-class WorkerPoolClosed(WorkerError):
-    """The pool was closed (before or while a batch ran)."""
-
-
-# ------------------------------------------------------------------------------ config
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    """``address``: ``"ipc"`` (a socket file in a private temporary directory) or ``"tcp"``
-    (127.0.0.1, a free port). ``unresponsive_after_s``: a ready worker silent for this long is
-    reported ``unresponsive`` (heartbeats come every ``heartbeat_s``). ``forbid_pickle``: make
-    pickle raise inside the workers after their setup. ``shm`` configures this process's pool;
-    ``worker_shm_slots_per_class`` the slots per size class of each worker's own pool (which
-    holds every node output a worker sends until its reader acks it)."""
-
-    start_timeout_s: float = 120.0
-    stop_timeout_s: float = 10.0
-    address: Literal["ipc", "tcp"] = "ipc"
-    heartbeat_s: float = 1.0
-    unresponsive_after_s: float = 10.0
-    inline_max_bytes: int = INLINE_MAX_BYTES
-    shm: ShmPoolConfig = field(default_factory=ShmPoolConfig)
-    forbid_pickle: bool = False
-    kv_pool_tokens: int | None = None  # paged KV pools (PagedLM): tokens each (None: default)
-    kv_page_size: int | None = None
-    worker_shm_slots_per_class: int = 8  # each worker's output pool: slots per size class
-    # Beyond one host (``runtime.net``): ``bind`` ``tcp://HOST:PORT`` puts both ROUTERs on TCP
-    # (reports at PORT, commands at PORT+1; PORT 0: free ports) as CURVE servers that admit
-    # only known keys; ``remote_ranks`` are not spawned but awaited (``walkserve worker``),
-    # their tensors travel inline (no shared memory between hosts); ``keys_dir`` holds the
-    # server's and the remote ranks' key files (made where missing). ``remote_data``: how
-    # tensors travel to and from remote ranks: inline in the messages, or Mooncake transfers.
-    bind: str | None = None
-    remote_ranks: tuple[int, ...] = ()
-    keys_dir: str | None = None
-    remote_data: Literal["inline", "mooncake"] = "inline"
-
-    def __post_init__(self) -> None:
-        if self.kv_page_size is not None and self.kv_page_size < 1:
-            raise ValueError(f"kv_page_size must be >= 1, got {self.kv_page_size}")
-        if self.kv_pool_tokens is not None and self.kv_pool_tokens < (self.kv_page_size or 1):
-            raise ValueError(
-                f"kv_pool_tokens must hold at least one page, got {self.kv_pool_tokens}"
-            )
-        for name in ("start_timeout_s", "stop_timeout_s", "heartbeat_s", "unresponsive_after_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.address not in ("ipc", "tcp"):
-            raise ValueError(f"address must be 'ipc' or 'tcp', got {self.address!r}")
-        if self.inline_max_bytes < 0:
-            raise ValueError(f"inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
-        if self.worker_shm_slots_per_class < 1:
-            raise ValueError(
-                f"worker_shm_slots_per_class must be >= 1, got {self.worker_shm_slots_per_class}"
-            )
-        if self.bind is not None:
-            from walkserve.runtime.net.remote import parse_tcp
-
-            parse_tcp(self.bind)
-        if self.remote_data not in ("inline", "mooncake"):
-            raise ValueError(
-                f"remote_data must be 'inline' or 'mooncake', got {self.remote_data!r}"
-            )
-        if self.remote_ranks and (self.bind is None or self.keys_dir is None):
-            raise ValueError(
-                "remote_ranks need bind='tcp://HOST:PORT' (where remote workers connect) and "
-                "keys_dir (where their CURVE keys are written)"
-            )
-
-
-# ------------------------------------------------------------------------------ results
-
-
-@dataclass(frozen=True)
-class BatchResult:
-    """What a batch produced: per item id, the node's outputs by name (``NodeIO.outputs``)."""
-
-    rank: int
-    walk: str
-    node: str
-    outputs: dict[int, dict[str, Any]]
-    deferred: frozenset[int] = frozenset()  # items to send again later (no memory for them)
-    errors: Mapping[int, str] = field(default_factory=dict)  # items that failed, alone
-
-
-@dataclass(frozen=True)
-class RankHealth:
-    rank: int
-    pid: int | None
-    status: Status
-    exitcode: int | None  # negative: killed by that signal
-    last_seen_s: float | None  # seconds since its last message
-    in_flight: int  # batches sent and not answered
-    error: str | None
-    shm_pool: str | None  # pool id of its output pool (segments ``wsp_<id>_<i>``)
-
-
-@dataclass(eq=False)
-class _Pending:
-    rank: int
-    walk: str
-    node: str
-    items: list[int]
-    future: Future[BatchResult]
-    handles: set[Token]  # input slots the worker has not acked yet
-    requests: dict[int, str] = field(default_factory=dict)  # item -> request
-
-
-@dataclass(eq=False)
-class _Rank:
-    rank: int
-    process: BaseProcess
-    identity: bytes
-    status: Status = "starting"
-    pid: int | None = None
-    exitcode: int | None = None
-    error: str | None = None
-    last_seen: float | None = None
-    spec: ShmPoolSpec | None = None
-    kv: list[KVStats] = field(default_factory=list)  # from its last heartbeat
-    settled: threading.Event = field(default_factory=threading.Event)  # ready, or never will be
-
-
-# -------------------------------------------------------------------------------- pool
+log = logging.getLogger("walkserve.pool")
 
 
 class WorkerPool:
@@ -327,20 +167,15 @@ class WorkerPool:
         self._model = (model_name, seed, ir_to_json(captured.graph), plan.to_json())
         self._scheduling = (speculate, stream_buffer_limit)
         self.hold = hold
-        self.on_regions: Callable[[int, list[RegionEvent]], None] = lambda rank, events: None
-        self._regions: dict[int, dict[int, str]] = {}  # rank -> region item -> request
-        self._region_handles: dict[Token, int] = {}  # input slots of region starts -> rank
-        self._stats_replies: dict[int, tuple[threading.Event, dict[int, RankStatsReply]]] = {}
-        self._releases: collections.deque[tuple[int, str, str]] = collections.deque()
-        self._stats_seq = itertools.count()
+        self.regions = RegionTraffic(self)
         self._lock = threading.Lock()
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._handle_batch: dict[Token, int] = {}
         self._batch_ids = itertools.count()
         self._closed = False
         self._tmpdir: str | None = None
         self._io: threading.Thread | None = None
-        self._ranks: dict[int, _Rank] = {}
+        self._ranks: dict[int, RankState] = {}
         self._ctx = zmq.Context()
         self._on_listening = on_listening
         self._remote_data: dict[int, DataPath] = {}  # remote rank -> data path, when not config's
@@ -431,9 +266,9 @@ class WorkerPool:
                 daemon=True,
             )
             process.start()
-            self._ranks[rank] = _Rank(rank, process, routing_id(rank), pid=process.pid)
+            self._ranks[rank] = RankState(rank, process, routing_id(rank), pid=process.pid)
         self._by_identity = {r.identity: r for r in self._ranks.values()}
-        self._handlers: dict[type, Callable[[_Rank, Any], None]] = {
+        self._handlers: dict[type, Callable[[RankState, Any], None]] = {
             Join: self._on_join,
             AttachPools: self._on_attach,
             Hello: self._on_hello,
@@ -443,8 +278,8 @@ class WorkerPool:
             Ack: self._on_ack,
             Fatal: self._on_fatal,
             ProbeReply: self._on_probe_reply,
-            RegionEvents: self._on_region_events,
-            RankStatsReply: self._on_rank_stats,
+            RegionEvents: self.regions.on_events,
+            RankStatsReply: self.regions.on_stats,
         }
         self._probes: dict[int, threading.Event] = {}
         self._probe_ids = itertools.count()
@@ -488,15 +323,15 @@ class WorkerPool:
         self._guard.start()
         return commands, (server.public, local.public, local.secret)
 
-    def _remote_rank(self, rank: int) -> _Rank:
-        holder: list[_Rank] = []
+    def _remote_rank(self, rank: int) -> RankState:
+        holder: list[RankState] = []
         process = RemoteProcess(
             rank,
             closing=lambda: self._closed,
             last_seen=lambda: holder[0].last_seen if holder else None,
             dead_after_s=max(self.config.unresponsive_after_s, 3 * self.config.heartbeat_s),
         )
-        state = _Rank(rank, process, routing_id(rank), pid=None)  # type: ignore[arg-type]
+        state = RankState(rank, process, routing_id(rank), pid=None)  # type: ignore[arg-type]
         holder.append(state)
         return state
 
@@ -527,7 +362,7 @@ class WorkerPool:
                     transport.release(shm_handles(payload))
         return fit_link(samples)
 
-    def _on_probe_reply(self, state: _Rank, msg: ProbeReply) -> None:
+    def _on_probe_reply(self, state: RankState, msg: ProbeReply) -> None:
         done = self._probes.get(msg.seq)
         if done is not None:
             done.set()
@@ -560,11 +395,11 @@ class WorkerPool:
             )
         self._remote_data[rank] = data
 
-    def _start_failure(self, state: _Rank) -> str:
+    def _start_failure(self, state: RankState) -> str:
         if state.error is not None:
             return state.error
         if state.status == "dead":
-            return f"the process exited ({_describe_exit(state.exitcode)})"
+            return f"the process exited ({describe_exit(state.exitcode)})"
         return f"no Hello within {self.config.start_timeout_s:.0f} s"
 
     # ------------------------------------------------------------------ public API
@@ -630,9 +465,9 @@ class WorkerPool:
                     raise WorkerPoolClosed("the worker pool is closed", rank)
                 if state.status in ("dead", "closed"):
                     raise WorkerDied(
-                        f"worker rank {rank} is dead ({_describe_exit(state.exitcode)})", rank
+                        f"worker rank {rank} is dead ({describe_exit(state.exitcode)})", rank
                     )
-                self._pending[batch] = _Pending(
+                self._pending[batch] = Pending(
                     rank,
                     walk,
                     node,
@@ -656,115 +491,8 @@ class WorkerPool:
             pending = self._take(batch)
             if pending is not None:
                 error = WorkerDied(f"worker rank {rank} is unreachable: {e}", rank)
-                _fail(pending.future, error)
+                fail_future(pending.future, error)
         return future
-
-    def start_regions(
-        self, rank: int, starts: Iterable[tuple[int, str, str, str, Mapping[str, Any]]]
-    ) -> None:
-        """Start region runs on ``rank``: (item id, request id, walk, region, inputs by
-        name). What they do arrives at ``on_regions(rank, events)`` (on the io thread),
-        their exits included; a rank that dies fails its runs there too."""
-        self.flush_releases()
-        state = self._rank(rank)
-        transport = self._transport_for(rank)
-        wire: list[RegionStart] = []
-        handles: list[Token] = []
-        try:
-            for item, request_id, walk, region, inputs in starts:
-                values: dict[str, Value] = {}
-                for name, value in inputs.items():
-                    values[name] = payload = transport.send(value, request_id)
-                    handles += shm_handles(payload)
-                wire.append(RegionStart(item, request_id, walk, region, values))
-            data = encode(StartRegions(wire))
-        except BaseException:
-            transport.release(handles)
-            raise
-        with self._lock:
-            dead = self._closed or state.status in ("dead", "closed")
-            if not dead:
-                self._regions.setdefault(rank, {}).update({s.item: s.request_id for s in wire})
-                for h in handles:
-                    self._region_handles[h] = rank
-        if dead:
-            transport.release(handles)
-            error = f"worker rank {rank} is dead ({_describe_exit(state.exitcode)})"
-            self.on_regions(rank, [RegionFailed(s.item, error) for s in wire])
-            return
-        try:
-            self._send(state, data)
-        except zmq.ZMQError as e:
-            self._fail_regions(rank, f"worker rank {rank} is unreachable: {e}")
-
-    def feed(
-        self,
-        rank: int,
-        item: int,
-        request_id: str,
-        stream: str,
-        pieces: Sequence[Any],
-        finished: bool,
-    ) -> None:
-        """Items of a stream from one region to region item ``item`` on ``rank``: held values
-        (``ObjectRef``) that rank pulls from their producer itself."""
-        state = self._rank(rank)
-        transport = self._transport_for(rank)
-        values: list[Value] = []
-        handles: list[Token] = []
-        try:
-            for piece in pieces:
-                values.append(payload := transport.send(piece, request_id))
-                handles += shm_handles(payload)
-            data = encode(FeedStream(item, request_id, stream, values, finished))
-        except BaseException:
-            transport.release(handles)
-            raise
-        with self._lock:
-            for h in handles:
-                self._region_handles[h] = rank
-        if state.status not in ("dead", "closed"):
-            with contextlib.suppress(zmq.ZMQError):
-                self._send(state, data)
-
-    def grant(self, rank: int, item: int, channel: str, items: int) -> None:
-        """Producer region item ``item`` on ``rank`` may commit ``channel`` up to ``items``."""
-        state = self._rank(rank)
-        if state.status not in ("dead", "closed"):
-            with contextlib.suppress(zmq.ZMQError):
-                self._send(state, encode(GrantCredit(item, channel, items)))
-
-    def drop_runs(self, rank: int, items: Sequence[int]) -> None:
-        """Region runs on ``rank`` nobody waits for any more: the rank may stop them."""
-        state = self._rank(rank)
-        with self._lock:
-            live = self._regions.get(rank, {})
-            items = [i for i in items if live.pop(i, None) is not None]
-        if items and state.status not in ("dead", "closed"):
-            with contextlib.suppress(zmq.ZMQError):
-                self._send(state, encode(DropRuns(list(items))))
-
-    def rank_stats(self, timeout: float = 10.0) -> dict[int, RankStatsReply]:
-        """Every live rank's scheduler and stores, as each answered a ``StatsQuery`` sent after
-        every command before this call (ranks that do not answer in ``timeout`` are left out)."""
-        seq = next(self._stats_seq)
-        done = threading.Event()
-        replies: dict[int, RankStatsReply] = {}
-        with self._lock:
-            live = [s for s in self._ranks.values() if s.status == "ready"]
-            self._stats_replies[seq] = (done, replies)
-        try:
-            for state in live:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._send(state, encode(StatsQuery(seq)))
-            deadline = time.monotonic() + timeout
-            while len(replies) < len(live) and time.monotonic() < deadline:
-                done.wait(max(0.0, deadline - time.monotonic()))
-                done.clear()
-            return dict(replies)
-        finally:
-            with self._lock:
-                self._stats_replies.pop(seq, None)
 
     def release_request(self, request_id: str) -> None:
         """Tell every live worker that ``request_id`` is over (finished, failed or cancelled):
@@ -776,7 +504,7 @@ class WorkerPool:
             with contextlib.suppress(zmq.ZMQError):  # a dead worker holds nothing any more
                 self._send(state, data)
 
-    def _send(self, state: _Rank, data: bytes) -> None:
+    def _send(self, state: RankState, data: bytes) -> None:
         with self._send_lock:
             self._commands.send_multipart([state.identity, data], zmq.NOBLOCK)
 
@@ -815,12 +543,12 @@ class WorkerPool:
                     self._send(s, encode(Shutdown()))
         deadline = time.monotonic() + self.config.stop_timeout_s
         for s in self._ranks.values():
-            _reap(s.process, deadline - time.monotonic())
+            reap(s.process, deadline - time.monotonic())
         for s in self._ranks.values():
             if s.process.exitcode is None:
                 log.warning("worker rank %d did not stop in time; killing it", s.rank)
                 s.process.kill()
-                _reap(s.process, 5.0)
+                reap(s.process, 5.0)
         if self._io is not None:
             self._wake.send(b"stop")
             if threading.current_thread() is not self._io:  # close() from a future callback
@@ -832,7 +560,7 @@ class WorkerPool:
         with self._lock:
             pending, self._pending = self._pending, {}
         for batch, p in pending.items():
-            _fail(
+            fail_future(
                 p.future, WorkerPoolClosed(f"the pool closed with batch {batch} in flight", p.rank)
             )
         guard = getattr(self, "_guard", None)
@@ -856,7 +584,7 @@ class WorkerPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _rank(self, rank: int) -> _Rank:
+    def _rank(self, rank: int) -> RankState:
         state = self._ranks.get(rank)
         if state is None:
             raise ValueError(f"no rank {rank}; the pool has ranks {self.ranks}")
@@ -874,7 +602,7 @@ class WorkerPool:
         while True:
             for sock, _ in poller.poll(5 if self._setups_due else 1000):
                 if sock is self._reports:
-                    while (frames := _recv_multipart(self._reports)) is not None:
+                    while (frames := recv_multipart(self._reports)) is not None:
                         self._dispatch(frames)
                 elif sock is self._wake_rx:
                     return
@@ -884,16 +612,16 @@ class WorkerPool:
                     self._on_exit(sentinels.pop(sock), closing=self._closed)
             for rank, setup in list(self._setups_due.items()):
                 self._send_setup(self._ranks[rank], setup)
-            self.flush_releases()
+            self.regions.flush()
 
     def _drain_reports(self, wait_ms: int = 20) -> None:
         """Dispatch what the workers sent so far, waiting up to ``wait_ms`` for stragglers."""
         while self._reports.poll(wait_ms):
-            while (frames := _recv_multipart(self._reports)) is not None:
+            while (frames := recv_multipart(self._reports)) is not None:
                 self._dispatch(frames)
             wait_ms = 2
 
-    def _send_setup(self, state: _Rank, setup: bytes) -> None:
+    def _send_setup(self, state: RankState, setup: bytes) -> None:
         """Send a worker its setup once its command socket is connected (its ``Join`` came
         over the other one, so it may not be yet)."""
         try:
@@ -925,7 +653,7 @@ class WorkerPool:
             return
         handler(state, msg)
 
-    def _on_join(self, state: _Rank, msg: Join) -> None:
+    def _on_join(self, state: RankState, msg: Join) -> None:
         if state.rank in self.config.remote_ranks and state.pid is None:
             state.pid = msg.pid  # a remote worker: its pid on its host
             if isinstance(state.process, RemoteProcess):
@@ -962,7 +690,7 @@ class WorkerPool:
             return {}
         return {r: peer_address(self._tmpdir, r) for r in self._ranks}
 
-    def _on_heartbeat(self, state: _Rank, msg: Heartbeat) -> None:
+    def _on_heartbeat(self, state: RankState, msg: Heartbeat) -> None:
         state.kv = list(msg.kv)
 
     def kv_stats(self) -> dict[int, list[KVStats]]:
@@ -970,14 +698,14 @@ class WorkerPool:
         with self._lock:
             return {rank: list(s.kv) for rank, s in sorted(self._ranks.items())}
 
-    def _on_attach(self, state: _Rank, msg: AttachPools) -> None:
+    def _on_attach(self, state: RankState, msg: AttachPools) -> None:
         if len(msg.pools) != 1 or state.spec is not None:
             log.warning("rank %d: unexpected AttachPools", state.rank)
             return
         state.spec = msg.pools[0]
         self._reader.add(state.spec)
 
-    def _on_hello(self, state: _Rank, msg: Hello) -> None:
+    def _on_hello(self, state: RankState, msg: Hello) -> None:
         if msg.pid != state.process.pid or state.spec is None:
             log.warning("rank %d: unexpected Hello", state.rank)
             return
@@ -985,14 +713,15 @@ class WorkerPool:
             state.status = "ready"
         state.settled.set()
 
-    def _on_fatal(self, state: _Rank, msg: Fatal) -> None:
+    def _on_fatal(self, state: RankState, msg: Fatal) -> None:
         state.error = msg.error
         log.error("worker rank %d: %s", state.rank, msg.error)
 
-    def _on_ack(self, state: _Rank, msg: Ack) -> None:
+    def _on_ack(self, state: RankState, msg: Ack) -> None:
         with self._lock:
             for h in msg.handles:
-                if self._region_handles.pop(h, None) is not None:
+                if h in self.regions._region_handles:
+                    del self.regions._region_handles[h]
                     self._release(h)
                     continue
                 batch = self._handle_batch.pop(h, None)
@@ -1003,7 +732,7 @@ class WorkerPool:
                 pending.handles.discard(h)
                 self._release(h)
 
-    def _on_done(self, state: _Rank, msg: BatchDone) -> None:
+    def _on_done(self, state: RankState, msg: BatchDone) -> None:
         handles = [h for out in msg.outputs for v in out.values.values() for h in shm_handles(v)]
         pending = self._take(msg.batch, state.rank)
         try:
@@ -1015,11 +744,11 @@ class WorkerPool:
                     name: self._transport_for(state.rank).receive(payload, "")[0]
                     for name, payload in out.values.items()
                 }
-                self._track(outputs[out.item], pending.requests.get(out.item, ""))
+                self.regions.track(outputs[out.item], pending.requests.get(out.item, ""))
         except Exception as e:
             assert pending is not None
             error = f"outputs of batch {msg.batch} from rank {state.rank} are unreadable: {e}"
-            _fail(pending.future, WorkerError(error, state.rank))
+            fail_future(pending.future, WorkerError(error, state.rank))
             return
         finally:
             if handles:  # copied out (or unreadable): the worker may reuse the slots
@@ -1028,7 +757,7 @@ class WorkerPool:
         answered = sorted([*outputs, *msg.deferred, *(e.item for e in msg.errors)])
         if answered != sorted(pending.items):
             error = f"rank {state.rank} answered items {answered}, sent {sorted(pending.items)}"
-            _fail(pending.future, WorkerError(error, state.rank))
+            fail_future(pending.future, WorkerError(error, state.rank))
             return
         errors = {e.item: e.error for e in msg.errors}
         pending.future.set_result(
@@ -1042,92 +771,15 @@ class WorkerPool:
             )
         )
 
-    def _on_region_events(self, state: _Rank, msg: RegionEvents) -> None:
-        """Copy the values out (acking their slots at once) and hand the events on."""
-        transport = self._transport_for(state.rank)
-        handles: list[Token] = []
-        events: list[RegionEvent] = []
-        with self._lock:
-            live = self._regions.setdefault(state.rank, {})
-        for event in msg.events:
-            request = live.get(event.item, "")
-            try:
-                if isinstance(event, RegionStreamed):
-                    value, tokens = transport.receive(event.value, "")
-                    handles += tokens
-                    events.append(msgspec.structs.replace(event, value=value))
-                elif isinstance(event, (RegionOutput, RegionDone)):
-                    outputs = {}
-                    for name, payload in event.outputs.items():
-                        outputs[name], tokens = transport.receive(payload, "")
-                        handles += tokens
-                    self._track(outputs, request)
-                    events.append(msgspec.structs.replace(event, outputs=outputs))
-                else:
-                    events.append(event)
-            except Exception as e:
-                error = (
-                    f"region item {event.item}'s values from rank {state.rank} are unreadable: {e}"
-                )
-                events.append(RegionFailed(event.item, error))
-            if isinstance(events[-1], (RegionDone, RegionFailed)):
-                with self._lock:
-                    live.pop(event.item, None)
-        if handles:
-            with contextlib.suppress(zmq.ZMQError):
-                self._send(state, encode(Ack(handles)))
-        self.on_regions(state.rank, events)
-
-    def _track(self, values: Mapping[str, Any], request: str) -> None:
-        """Release each held value of ``values`` (an ``ObjectRef``) on its rank once this
-        process drops its last reference to it: its last reader is done."""
-        todo = list(values.values())
-        while todo:
-            v = todo.pop()
-            if isinstance(v, ObjectRef):
-                weakref.finalize(v, self._releases.append, (v.rank, request, v.key))
-            elif isinstance(v, (list, tuple)):
-                todo += v
-
-    def flush_releases(self) -> None:
-        """Send the ``Release`` of every held value dropped since the last flush (the
-        finalizers only queue them: they may run in any thread, holding any lock)."""
-        by: dict[tuple[int, str], list[str]] = {}
-        while self._releases:
-            rank, request, key = self._releases.popleft()
-            by.setdefault((rank, request), []).append(key)
-        for (rank, request), keys in by.items():
-            state = self._ranks.get(rank)
-            if request and state is not None and state.status == "ready":
-                with contextlib.suppress(zmq.ZMQError):
-                    self._send(state, encode(Release(request, keys)))
-
-    def _on_rank_stats(self, state: _Rank, msg: RankStatsReply) -> None:
-        with self._lock:
-            waiting = self._stats_replies.get(msg.seq)
-        if waiting is not None:
-            waiting[1][state.rank] = msg
-            waiting[0].set()
-
-    def _fail_regions(self, rank: int, error: str) -> None:
-        """Every region run of ``rank`` fails with ``error`` (its worker died)."""
-        with self._lock:
-            items = self._regions.pop(rank, {})
-            mine = [h for h, r in self._region_handles.items() if r == rank]
-            for h in mine:
-                del self._region_handles[h]
-        for h in mine:
-            self._release(h)
-        if items:
-            self.on_regions(rank, [RegionFailed(item, error) for item in items])
-
-    def _on_failed(self, state: _Rank, msg: BatchFailed) -> None:
+    def _on_failed(self, state: RankState, msg: BatchFailed) -> None:
         pending = self._take(msg.batch, state.rank)
         if pending is not None:
             errors = {e.item: e.error for e in msg.errors}
-            _fail(pending.future, BatchError(pending.rank, pending.walk, pending.node, errors))
+            fail_future(
+                pending.future, BatchError(pending.rank, pending.walk, pending.node, errors)
+            )
 
-    def _take(self, batch: int, rank: int | None = None) -> _Pending | None:
+    def _take(self, batch: int, rank: int | None = None) -> Pending | None:
         """Take batch ``batch`` out of the pending table and release the input slots its
         worker did not ack (it is done with them once it replied, or dead)."""
         with self._lock:
@@ -1142,12 +794,12 @@ class WorkerPool:
             pending.handles.clear()
         return pending
 
-    def _on_exit(self, state: _Rank, closing: bool) -> None:
+    def _on_exit(self, state: RankState, closing: bool) -> None:
         """A worker process ended (or the pool closed): settle its state, free what it held,
         then fail its batches (so that whoever sees the failure finds everything released)."""
         if state.status in ("dead", "closed"):
             return
-        _reap(state.process, 5.0)  # no zombie
+        reap(state.process, 5.0)  # no zombie
         with self._lock:
             if state.status in ("dead", "closed"):
                 return
@@ -1155,13 +807,13 @@ class WorkerPool:
             clean = closing and state.exitcode == 0
             state.status = "closed" if clean else "dead"
             if not clean:
-                exit_ = _describe_exit(state.exitcode)
+                exit_ = describe_exit(state.exitcode)
                 state.error = state.error or f"the process exited ({exit_})"
             mine = [b for b, p in self._pending.items() if p.rank == state.rank]
         if not clean:
-            log.error("worker rank %d died (%s)", state.rank, _describe_exit(state.exitcode))
+            log.error("worker rank %d died (%s)", state.rank, describe_exit(state.exitcode))
             if state.spec is not None and state.rank not in self.config.remote_ranks:
-                _unlink_segments(state.spec)
+                unlink_segments(state.spec)
         for batch in mine:
             pending = self._take(batch)
             if pending is None:
@@ -1174,16 +826,18 @@ class WorkerPool:
             else:
                 error = WorkerDied(
                     f"worker rank {state.rank} (pid {state.pid}) died "
-                    f"({_describe_exit(state.exitcode)}) with {what} in flight",
+                    f"({describe_exit(state.exitcode)}) with {what} in flight",
                     state.rank,
                 )
-            _fail(pending.future, error)
+            fail_future(pending.future, error)
         if clean:
-            self._fail_regions(state.rank, f"the pool closed with region runs on rank {state.rank}")
+            self.regions.fail_rank(
+                state.rank, f"the pool closed with region runs on rank {state.rank}"
+            )
         else:
-            self._fail_regions(
+            self.regions.fail_rank(
                 state.rank,
-                f"worker rank {state.rank} (pid {state.pid}) died ({_describe_exit(state.exitcode)})",
+                f"worker rank {state.rank} (pid {state.pid}) died ({describe_exit(state.exitcode)})",
             )
         state.settled.set()
 
@@ -1195,61 +849,6 @@ class WorkerPool:
                 self._transport.release([handle])
         except (ShmError, TransportError) as e:
             log.warning("could not release an input slot: %s", e)
-
-
-# ------------------------------------------------------------------------------ helpers
-
-
-def _fail(future: Future[BatchResult], error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)
-
-
-def _reap(process: BaseProcess, timeout: float) -> None:
-    """Wait up to ``timeout`` seconds for ``process`` to end and reap it. ``join`` alone
-    returns early when the sentinel fires, which happens as the process closes its files, a
-    moment before it can be reaped."""
-    deadline = time.monotonic() + timeout
-    while process.exitcode is None and (remaining := deadline - time.monotonic()) > 0:
-        process.join(remaining)
-        if process.exitcode is None:
-            time.sleep(0.001)
-
-
-def _recv_multipart(sock: zmq.Socket[bytes]) -> list[bytes] | None:
-    try:
-        return sock.recv_multipart(zmq.NOBLOCK)
-    except zmq.Again:
-        return None
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _unlink_segments(spec: ShmPoolSpec) -> None:
-    """Unlink the segments of a dead worker's pool (it cannot any more), and tell the resource
-    tracker the worker registered them with (shared with this process under spawn)."""
-    import _posixshmem
-    from multiprocessing import resource_tracker
-
-    for seg in spec.segments:
-        try:
-            _posixshmem.shm_unlink("/" + seg.name)
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            log.warning("could not unlink %s: %s", seg.name, e)
-            continue
-        with contextlib.suppress(Exception):
-            resource_tracker.unregister("/" + seg.name, "shared_memory")
 
 
 __all__ = [

@@ -1,0 +1,183 @@
+"""Configuration of the runtime's processes: small frozen dataclasses, validated on creation.
+
+    PoolConfig      the server's side of the worker pool: start/stop deadlines, heartbeats,
+                    the control sockets' address, shared memory, KV pool sizes, other hosts
+    WorkerConfig    one worker process's settings (JSON on its spawn command line)
+    ShmPoolConfig   one shared-memory pool: slot size classes, slots per class, exhaustion
+
+Imports no torch: a spawned worker reads its config before torch loads (``OMP_NUM_THREADS``
+must be set first).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+
+KiB = 1 << 10
+MiB = 1 << 20
+INLINE_MAX_BYTES = 64 * KiB  # a tensor smaller than this travels inside its message
+
+
+@dataclass(frozen=True)
+class ShmPoolConfig:
+    """Size classes are the powers of two from ``min_slot_bytes`` to ``max_slot_bytes``.
+    ``when_exhausted``: ``"block"`` waits up to ``block_timeout_s`` for an ack to free a slot,
+    then raises ``PoolExhausted``; ``"raise"`` raises at once."""
+
+    min_slot_bytes: int = 64 * KiB
+    max_slot_bytes: int = 256 * MiB
+    slots_per_class: int = 4
+    when_exhausted: Literal["block", "raise"] = "block"
+    block_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("min_slot_bytes", "max_slot_bytes"):
+            value = getattr(self, name)
+            if value < 4 * KiB or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 4096, got {value}")
+        if self.max_slot_bytes < self.min_slot_bytes:
+            raise ValueError(
+                f"max_slot_bytes ({self.max_slot_bytes}) < min_slot_bytes ({self.min_slot_bytes})"
+            )
+        if self.slots_per_class < 1:
+            raise ValueError(f"slots_per_class must be >= 1, got {self.slots_per_class}")
+        if self.when_exhausted not in ("block", "raise"):
+            raise ValueError(
+                f"when_exhausted must be 'block' or 'raise', got {self.when_exhausted!r}"
+            )
+        if not self.block_timeout_s > 0:
+            raise ValueError(f"block_timeout_s must be > 0, got {self.block_timeout_s}")
+
+    @property
+    def class_sizes(self) -> tuple[int, ...]:
+        sizes = []
+        size = self.min_slot_bytes
+        while size <= self.max_slot_bytes:
+            sizes.append(size)
+            size *= 2
+        return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """``address``: ``"ipc"`` (a socket file in a private temporary directory) or ``"tcp"``
+    (127.0.0.1, a free port). ``unresponsive_after_s``: a ready worker silent for this long is
+    reported ``unresponsive`` (heartbeats come every ``heartbeat_s``). ``forbid_pickle``: make
+    pickle raise inside the workers after their setup. ``shm`` configures this process's pool;
+    ``worker_shm_slots_per_class`` the slots per size class of each worker's own pool (which
+    holds every node output a worker sends until its reader acks it)."""
+
+    start_timeout_s: float = 120.0
+    stop_timeout_s: float = 10.0
+    address: Literal["ipc", "tcp"] = "ipc"
+    heartbeat_s: float = 1.0
+    unresponsive_after_s: float = 10.0
+    inline_max_bytes: int = INLINE_MAX_BYTES
+    shm: ShmPoolConfig = field(default_factory=ShmPoolConfig)
+    forbid_pickle: bool = False
+    kv_pool_tokens: int | None = None  # paged KV pools (PagedLM): tokens each (None: default)
+    kv_page_size: int | None = None
+    worker_shm_slots_per_class: int = 8  # each worker's output pool: slots per size class
+    # Beyond one host (``runtime.net``): ``bind`` ``tcp://HOST:PORT`` puts both ROUTERs on TCP
+    # (reports at PORT, commands at PORT+1; PORT 0: free ports) as CURVE servers that admit
+    # only known keys; ``remote_ranks`` are not spawned but awaited (``walkserve worker``),
+    # their tensors travel inline (no shared memory between hosts); ``keys_dir`` holds the
+    # server's and the remote ranks' key files (made where missing). ``remote_data``: how
+    # tensors travel to and from remote ranks: inline in the messages, or Mooncake transfers.
+    bind: str | None = None
+    remote_ranks: tuple[int, ...] = ()
+    keys_dir: str | None = None
+    remote_data: Literal["inline", "mooncake"] = "inline"
+
+    def __post_init__(self) -> None:
+        if self.kv_page_size is not None and self.kv_page_size < 1:
+            raise ValueError(f"kv_page_size must be >= 1, got {self.kv_page_size}")
+        if self.kv_pool_tokens is not None and self.kv_pool_tokens < (self.kv_page_size or 1):
+            raise ValueError(
+                f"kv_pool_tokens must hold at least one page, got {self.kv_pool_tokens}"
+            )
+        for name in ("start_timeout_s", "stop_timeout_s", "heartbeat_s", "unresponsive_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.address not in ("ipc", "tcp"):
+            raise ValueError(f"address must be 'ipc' or 'tcp', got {self.address!r}")
+        if self.inline_max_bytes < 0:
+            raise ValueError(f"inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
+        if self.worker_shm_slots_per_class < 1:
+            raise ValueError(
+                f"worker_shm_slots_per_class must be >= 1, got {self.worker_shm_slots_per_class}"
+            )
+        if self.bind is not None:
+            from walkserve.runtime.net.remote import parse_tcp
+
+            parse_tcp(self.bind)
+        if self.remote_data not in ("inline", "mooncake"):
+            raise ValueError(
+                f"remote_data must be 'inline' or 'mooncake', got {self.remote_data!r}"
+            )
+        if self.remote_ranks and (self.bind is None or self.keys_dir is None):
+            raise ValueError(
+                "remote_ranks need bind='tcp://HOST:PORT' (where remote workers connect) and "
+                "keys_dir (where their CURVE keys are written)"
+            )
+
+
+def default_threads(ranks: int) -> int:
+    """Torch threads per worker when none are given: the cores this process may use, divided
+    evenly over ``ranks`` workers on the host, at least 1 (oversubscribed cores cost more than
+    idle ones)."""
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, ranks))
+
+
+def routing_id(rank: int) -> bytes:
+    """The ZeroMQ identity of both of rank ``rank``'s sockets."""
+    return f"walkserve-rank-{rank}".encode()
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Process-level settings, given to the child at spawn as JSON (a plain ``str``: spawn
+    pickles its arguments, so they stay plain data). ``forbid_pickle``: after setup, every
+    pickle entry point in the worker raises (a hardening and testing aid)."""
+
+    threads: int
+    commands_addr: str  # the conductor's command socket (conductor_addr: its report socket)
+    heartbeat_s: float = 1.0
+    setup_timeout_s: float = 120.0
+    inline_max_bytes: int = 64 * KiB
+    shm_max_slot_bytes: int = 256 * MiB
+    shm_slots_per_class: int = 8
+    forbid_pickle: bool = False
+    kv_pool_tokens: int | None = None  # PagedLM pools: capacity in tokens (None: the model's)
+    kv_page_size: int | None = None
+    # CURVE (Z85 keys; empty: none): set by ``net`` when the conductor listens on TCP
+    curve_server_key: str = ""
+    curve_public_key: str = ""
+    curve_secret_key: str = ""
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not self.commands_addr:
+            raise ValueError("commands_addr must name the conductor's command socket")
+        for name in ("heartbeat_s", "setup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.inline_max_bytes < 0:
+            raise ValueError(f"inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
+        if self.shm_slots_per_class < 1:
+            raise ValueError(f"shm_slots_per_class must be >= 1, got {self.shm_slots_per_class}")
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @staticmethod
+    def from_json(text: str | bytes) -> WorkerConfig:
+        return msgspec.json.decode(text, type=WorkerConfig)

@@ -1,0 +1,163 @@
+"""The worker pool's bookkeeping: errors, results, each rank's state, process helpers.
+
+``RankState`` is what the pool knows of one rank (its process, status, last message, output
+pool, KV figures); ``Pending`` one batch in flight. ``BatchResult`` and ``RankHealth`` are what
+the pool's callers read. The helpers reap processes, describe exit codes and unlink a dead
+worker's shared memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal
+
+import zmq
+
+from walkserve.runtime.messages import KVStats
+from walkserve.runtime.shm import ShmPoolSpec
+from walkserve.runtime.transport import Token
+
+log = logging.getLogger("walkserve.pool")
+
+Item = tuple[int, str, Mapping[str, Any]]  # (item id, request id, {input name: value})
+DataPath = Literal["shm", "inline", "mooncake"]  # how tensors reach a worker
+Status = Literal["starting", "ready", "unresponsive", "dead", "closed"]
+
+
+class WorkerError(RuntimeError):
+    """Base of the errors a batch or the pool raises; ``rank`` names the worker."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class WorkerStartError(WorkerError):
+    """A worker did not come up (it failed its setup, died, or did not say Hello in time)."""
+
+
+class WorkerDied(WorkerError):
+    """The worker running a batch died before replying."""
+
+
+class BatchError(WorkerError):
+    """The node raised on the worker; ``errors`` holds the message of every item."""
+
+    def __init__(self, rank: int, walk: str, node: str, errors: dict[int, str]) -> None:
+        first = next(iter(errors.values()), "no items")
+        super().__init__(f"batch of {walk}:{node} failed on rank {rank}: {first}", rank)
+        self.errors = errors
+
+
+class WorkerPoolClosed(WorkerError):
+    """The pool was closed (before or while a batch ran)."""
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """What a batch produced: per item id, the node's outputs by name (``NodeIO.outputs``)."""
+
+    rank: int
+    walk: str
+    node: str
+    outputs: dict[int, dict[str, Any]]
+    deferred: frozenset[int] = frozenset()  # items to send again later (no memory for them)
+    errors: Mapping[int, str] = field(default_factory=dict)  # items that failed, alone
+
+
+@dataclass(frozen=True)
+class RankHealth:
+    rank: int
+    pid: int | None
+    status: Status
+    exitcode: int | None  # negative: killed by that signal
+    last_seen_s: float | None  # seconds since its last message
+    in_flight: int  # batches sent and not answered
+    error: str | None
+    shm_pool: str | None  # pool id of its output pool (segments ``wsp_<id>_<i>``)
+
+
+@dataclass(eq=False)
+class Pending:
+    rank: int
+    walk: str
+    node: str
+    items: list[int]
+    future: Future[BatchResult]
+    handles: set[Token]  # input slots the worker has not acked yet
+    requests: dict[int, str] = field(default_factory=dict)  # item -> request
+
+
+@dataclass(eq=False)
+class RankState:
+    rank: int
+    process: BaseProcess
+    identity: bytes
+    status: Status = "starting"
+    pid: int | None = None
+    exitcode: int | None = None
+    error: str | None = None
+    last_seen: float | None = None
+    spec: ShmPoolSpec | None = None
+    kv: list[KVStats] = field(default_factory=list)  # from its last heartbeat
+    settled: threading.Event = field(default_factory=threading.Event)  # ready, or never will be
+
+
+def fail_future(future: Future[BatchResult], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def reap(process: BaseProcess, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for ``process`` to end and reap it. ``join`` alone
+    returns early when the sentinel fires, which happens as the process closes its files, a
+    moment before it can be reaped."""
+    deadline = time.monotonic() + timeout
+    while process.exitcode is None and (remaining := deadline - time.monotonic()) > 0:
+        process.join(remaining)
+        if process.exitcode is None:
+            time.sleep(0.001)
+
+
+def recv_multipart(sock: zmq.Socket[bytes]) -> list[bytes] | None:
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def unlink_segments(spec: ShmPoolSpec) -> None:
+    """Unlink the segments of a dead worker's pool (it cannot any more), and tell the resource
+    tracker the worker registered them with (shared with this process under spawn)."""
+    import _posixshmem
+    from multiprocessing import resource_tracker
+
+    for seg in spec.segments:
+        try:
+            _posixshmem.shm_unlink("/" + seg.name)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.warning("could not unlink %s: %s", seg.name, e)
+            continue
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister("/" + seg.name, "shared_memory")
