@@ -90,15 +90,26 @@ def test_speculation_off_wastes_nothing() -> None:
 def test_cancel_mid_walk_releases_state() -> None:
     captured, sample = reference("example-cfg-image")
     with serve("example-cfg-image") as server:
-        handle = server.submit(sample, "generate")
-        time.sleep(0.3)  # some Euler steps in
-        handle.cancel()
-        with pytest.raises(RequestFailed, match="cancelled"):
-            handle.result(timeout=60)
+        # A walk runs inside its rank now (tens of ms): cancel a crowd of them while the rank
+        # holds their runs, so that some are surely cancelled mid-walk.
+        handles = [server.submit(sample, "generate") for _ in range(12)]
+        deadline = time.time() + 60
+        while not server.stats().ranks[0].runs and time.time() < deadline:
+            time.sleep(0.005)
+        for handle in handles:
+            handle.cancel()
+        cancelled = 0
+        for handle in handles:
+            try:
+                assert_outputs_match(handle.result(timeout=60), captured.run(sample, "generate"))
+            except RequestFailed as e:
+                assert "cancelled" in str(e)
+                cancelled += 1
+        assert cancelled > 0
         deadline = time.time() + 30
         while server.stats().live_requests and time.time() < deadline:
             time.sleep(0.05)
-        assert server.stats().live_values == 0
+        assert server.stats().live_values == 0 and server.stats().ranks[0].runs == 0
         # The next request is answered, and correct.
         assert_outputs_match(
             server.run(sample, "generate", timeout=120), captured.run(sample, "generate")

@@ -1,0 +1,51 @@
+"""The runtime: one request's path through the processes, and who owns what on the way.
+
+::
+
+    server process                                         worker process (one per rank)
+    ------------------------------------------------       -----------------------------------
+    api/ (asyncio)   route: parse, admit, submit_async
+        |  inbox (thread hand-off)
+    conductor thread Conductor: the walk state machine       io thread: decode inputs, pull held
+                     Batcher: which ready items leave,         values from their rank (peers),
+                     to which rank                             heartbeats, peer socket answers
+                     pool.submit_batch / pool.regions ------>     |  queue (thread hand-off)
+                                   StartRegions, RunBatch     engine loop (main thread):
+                                                                RankScheduler: region runs (a
+                                                                Conductor over region walks) and
+                                                                simple loops (LoopStepper), every
+                                                                ready item of every request
+                                                                batched by node
+                                                                NodeRunner: the batched call
+        pool io thread: copy reports out, ack <--------------   reports: loop exits, committed
+        |  inbox (thread hand-off)          RegionEvents,        stream items, failures; outputs
+    conductor thread: complete / streamed   BatchDone            as soon as they exist
+        |  RequestHandle (asyncio wake-up)
+    api/: SSE chunks, JSON answer                            rank to rank (peer sockets): a held
+                                                             value pulled by its consumer rank
+
+Who drives what (``lowering.regions``): a *region*, the items of a walk one rank holds wholly
+(loops included), is handed to its rank once per request; the rank steps its iterations with
+no process crossing and reports only at its exit (and each committed item of a client stream
+or a stream into another region). Loops whose bodies span ranks the conductor drives node by
+node, speculating one iteration of a dynamic loop ahead (``Conductor(speculate=)``).
+
+Where values live (``ObjectRef``): a value stays on the rank that made it unless a client or the
+conductor itself needs its bytes (``ExecutablePlan.conductor_values``); a consumer on another
+rank pulls it from there (``peers``), never through the server process, which releases it
+(``Release``) when its last reader is done.
+
+Modules, by role:
+
+    server        serve(), Server, RequestHandle: the Python API and the conductor thread
+    conductor     the walk state machine (pure); workitem, walkspec, frames: its parts
+    batcher       the batching rule of the conductor's node items (pure)
+    pool          the worker processes, sockets, batches; poolregions, poolstate, config
+    worker        a worker process: sockets, setup, io thread; engine: its engine loop
+    rankscheduler what a rank runs next (pure); regionwalk: regions as walks; loopstep: the
+                  fast path for simple loops (pure); runner: runs a batch of one node
+    messages      every message on a socket (msgspec structs, never pickle)
+    transport, shm, tensorcodec, peers   how values move: inline, shared memory, rank to rank
+    local         the same path in one process (tests, reference runs)
+    kv/           the paged KV engine; net/ other hosts; tp/ tensor parallelism
+"""
