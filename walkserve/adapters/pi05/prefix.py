@@ -3,7 +3,7 @@ and the discretised robot state, run once per observation; its per-layer keys an
 what the action expert attends to at every flow step.
 
     images     [B, C, 3, S, S] float in [-1, 1]   C cameras, S the vision tower's image size
-    prompt_ids [B, L] int64                        L <= max_prompt_len; padded here
+    prompt_ids [B, L] int64                        L <= max_prompt_len; padded (pad_prompt)
     state      [B, state_dim] float                normalised to [-1, 1] (clamped outside)
     -> prefix_k, prefix_v [layers, B, kv_heads, P, head_dim]   keys RoPE-rotated
        prefix_mask        [B, P] bool                          False at padding
@@ -30,6 +30,20 @@ from transformers import PaliGemmaModel
 from walkserve.adapters.pi05.attention import block_causal_mask, positions
 from walkserve.adapters.pi05.config import Pi05Config
 from walkserve.capture.api import component
+from walkserve.capture.gluefn import glue_function
+
+
+@glue_function
+def pad_prompt(prompt_ids: Tensor, length: int, pad_id: int) -> Tensor:
+    """prompt_ids [B, L] -> [B, length], padded at the end with ``pad_id``; a prompt longer
+    than ``length`` is refused (never cut). The ``act`` walk pads before the prefix encoder,
+    so that prompts of any length give prefixes of one shape, which batch."""
+    if prompt_ids.dim() != 2 or prompt_ids.shape[1] > length:
+        raise ValueError(
+            f"prompt_ids must be [B, L] token ids with L <= {length}; at most {length} fit, "
+            f"got {list(prompt_ids.shape)}"
+        )
+    return F.pad(prompt_ids, (0, length - prompt_ids.shape[1]), value=pad_id)
 
 
 def discretise_state(state: Tensor, bins: int) -> Tensor:
@@ -64,7 +78,7 @@ class PrefixEncoder(nn.Module):
         lm = self.paligemma.language_model
         features = self.paligemma.get_image_features(images.flatten(0, 1)).pooler_output
         image_tokens = features.unflatten(0, (b, cfg.num_cameras)).flatten(1, 2)  # [B, C*N, D]
-        prompt = F.pad(prompt_ids, (0, cfg.max_prompt_len - prompt_ids.shape[1]), value=self.pad_id)
+        prompt = pad_prompt(prompt_ids, cfg.max_prompt_len, self.pad_id)
         state_ids = self.state_base + discretise_state(state, cfg.state_bins)  # [B, state_dim]
         text_tokens = lm.embed_tokens(torch.cat([prompt, state_ids], dim=1))  # [B, Lmax + D_s, D]
         tokens = torch.cat([image_tokens.to(text_tokens.dtype), text_tokens], dim=1)
@@ -103,10 +117,6 @@ class PrefixEncoder(nn.Module):
         b = images.shape[0]
         if prompt_ids.dim() != 2 or prompt_ids.shape[0] != b:
             raise ValueError(f"prompt_ids must be [{b}, L] token ids, got {list(prompt_ids.shape)}")
-        if prompt_ids.shape[1] > cfg.max_prompt_len:
-            raise ValueError(
-                f"prompt_ids has {prompt_ids.shape[1]} tokens; at most {cfg.max_prompt_len} fit"
-            )
         if prompt_ids.numel() and (prompt_ids.min() < 0 or prompt_ids.max() >= self.state_base):
             raise ValueError(
                 f"prompt_ids must lie in [0, {self.state_base}) (the last {cfg.state_bins} ids "

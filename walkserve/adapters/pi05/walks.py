@@ -2,6 +2,8 @@
 request state, then ``num_steps`` (10) Euler steps of the action expert reading them.
 
     act(images, prompt_ids, state)                  -> prefix_k, prefix_v, prefix_mask (state)
+      (the prompt padded to max_prompt_len first, so that every request's prefix has one
+       shape: prefixes batch whatever the prompts' lengths, and so do expert steps)
       next: denoise(prefix_k, prefix_v, prefix_mask, noise) -> actions [B, H, A]
 
 A request to ``act`` gives all four inputs and gets ``actions``. Flow matching as pi0 defines
@@ -26,7 +28,7 @@ from transformers import PaliGemmaModel
 
 from walkserve.adapters.pi05.config import Pi05Config
 from walkserve.adapters.pi05.expert import ActionExpert
-from walkserve.adapters.pi05.prefix import PrefixEncoder
+from walkserve.adapters.pi05.prefix import PrefixEncoder, pad_prompt
 from walkserve.capture.api import loop, walk
 
 
@@ -43,7 +45,8 @@ class Pi05Policy(nn.Module):
     @walk(next="denoise", state=("prefix_k", "prefix_v", "prefix_mask"))
     def act(self, images: Tensor, prompt_ids: Tensor, state: Tensor) -> dict[str, Tensor]:
         # images [B, C, 3, S, S]; prompt_ids [B, L]; state [B, state_dim]
-        prefix_k, prefix_v, prefix_mask = self.prefix(images, prompt_ids, state)
+        prompt = pad_prompt(prompt_ids, self.cfg.max_prompt_len, self.prefix.pad_id)  # [B, Lmax]
+        prefix_k, prefix_v, prefix_mask = self.prefix(images, prompt, state)
         return {"prefix_k": prefix_k, "prefix_v": prefix_v, "prefix_mask": prefix_mask}
 
     @walk
