@@ -93,7 +93,7 @@ def test_a_bad_request_fails_alone(server: Server, captured: CapturedModel) -> N
     too_long = {**r, "prompt_ids": torch.ones(1, 13, dtype=torch.long)}
     bad = server.submit(too_long, "act")
     good = server.submit(r, "act")
-    with pytest.raises(RequestFailed, match="at most 12 fit"):
+    with pytest.raises(RequestFailed, match="L <= 12"):
         bad.result(timeout=120)
     assert_outputs_match(good.result(timeout=120), eager(policy, r))
 

@@ -100,7 +100,8 @@ def test_state_is_part_of_the_prefix(policy: pi05.Pi05Policy) -> None:
     with torch.no_grad():
         k, _, _ = policy.prefix(**obs)
         k2, _, _ = policy.prefix(**{**obs, "state": -obs["state"]})
-    images = policy.cfg.num_cameras * 16  # the image tokens come first
+    vision = policy.prefix.paligemma.config.vision_config
+    images = policy.cfg.num_cameras * (vision.image_size // vision.patch_size) ** 2  # first
     assert torch.equal(k2[0, :, :, :images], k[0, :, :, :images])
     assert (k2[1, :, :, :images] - k[1, :, :, :images]).abs().max() > 1e-3
 
@@ -148,9 +149,9 @@ def test_rows_of_a_batch_are_independent(policy: pi05.Pi05Policy) -> None:
 def test_captured_walks_equal_eager(policy: pi05.Pi05Policy) -> None:
     captured = capture.trace(policy, pi05.sample_inputs(policy))
     act, denoise = captured.render("act"), captured.render("denoise")
-    assert "state prefix_k, prefix_v, prefix_mask; next denoise" in act
+    assert "state prefix_k, prefix_v, prefix_mask, flow_t; next denoise" in act
     assert "loop euler_step x10" in denoise
-    assert "carried     x <- noise" in denoise and "carried     t <- new_ones" in denoise
+    assert "carried     x <- noise" in denoise and "carried     t <- flow_t" in denoise
     assert "invariant   prefix_k = prefix_k, prefix_v = prefix_v" in denoise
     for seed in (1, 2):
         r = pi05.sample_inputs(policy, batch=1, prompt_len=3 * seed, seed=seed)
@@ -176,9 +177,10 @@ def test_bad_inputs_are_refused(policy: pi05.Pi05Policy) -> None:
     r = pi05.sample_inputs(policy)
     cases = {
         "images must be": {"images": r["images"][:, :1]},
-        "at most 12 fit": {"prompt_ids": torch.ones(1, 13, dtype=torch.long)},
+        "L <= 12": {"prompt_ids": torch.ones(1, 13, dtype=torch.long)},
         "state tokens": {"prompt_ids": torch.full((1, 4), 1000)},
-        "state must be": {"state": r["state"][:, :3]},
+        "state must be \\[": {"state": r["state"][:, :3]},
+        "state must be finite": {"state": r["state"] * float("nan")},
         "noise must be": {"noise": r["noise"][:, :5]},
     }
     for message, change in cases.items():

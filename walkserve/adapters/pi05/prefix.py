@@ -3,7 +3,8 @@ and the discretised robot state, run once per observation; its per-layer keys an
 what the action expert attends to at every flow step.
 
     images     [B, C, 3, S, S] float in [-1, 1]   C cameras, S the vision tower's image size
-    prompt_ids [B, L] int64                        L <= max_prompt_len; padded (pad_prompt)
+    prompt_ids [B, L] int64                        L <= max_prompt_len; padded (pad_prompt);
+                                                   the pad id (0) marks padding anywhere
     state      [B, state_dim] float                normalised to [-1, 1] (clamped outside)
     -> prefix_k, prefix_v [layers, B, kv_heads, P, head_dim]   keys RoPE-rotated
        prefix_mask        [B, P] bool                          False at padding
@@ -40,8 +41,7 @@ def pad_prompt(prompt_ids: Tensor, length: int, pad_id: int) -> Tensor:
     so that prompts of any length give prefixes of one shape, which batch."""
     if prompt_ids.dim() != 2 or prompt_ids.shape[1] > length:
         raise ValueError(
-            f"prompt_ids must be [B, L] token ids with L <= {length}; at most {length} fit, "
-            f"got {list(prompt_ids.shape)}"
+            f"prompt_ids must be [B, L] token ids with L <= {length}, got {list(prompt_ids.shape)}"
         )
     return F.pad(prompt_ids, (0, length - prompt_ids.shape[1]), value=pad_id)
 
@@ -124,3 +124,5 @@ class PrefixEncoder(nn.Module):
             )
         if tuple(state.shape) != (b, cfg.state_dim):
             raise ValueError(f"state must be [{b}, {cfg.state_dim}], got {list(state.shape)}")
+        if not torch.isfinite(state).all():
+            raise ValueError("state must be finite (normalised to [-1, 1])")

@@ -1,10 +1,11 @@
 """The policy as walks: the prefix prefilled once per observation, its keys and values kept as
 request state, then ``num_steps`` (10) Euler steps of the action expert reading them.
 
-    act(images, prompt_ids, state)                  -> prefix_k, prefix_v, prefix_mask (state)
+    act(images, prompt_ids, state)   -> prefix_k, prefix_v, prefix_mask, flow_t = 1 (state)
       (the prompt padded to max_prompt_len first, so that every request's prefix has one
-       shape: prefixes batch whatever the prompts' lengths, and so do expert steps)
-      next: denoise(prefix_k, prefix_v, prefix_mask, noise) -> actions [B, H, A]
+       shape: prefixes batch whatever the prompts' lengths, and so do expert steps; flow_t
+       is made here, fused into the prefix encoder's dispatch, not as a glue node of its own)
+      next: denoise(prefix_k, prefix_v, prefix_mask, flow_t, noise) -> actions [B, H, A]
 
 A request to ``act`` gives all four inputs and gets ``actions``. Flow matching as pi0 defines
 it: ``x_t = t * noise + (1 - t) * actions``, the expert predicts ``v = noise - actions``, and
@@ -23,6 +24,7 @@ depends on the state from the first layer's attention on; a new state is a new p
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from transformers import PaliGemmaModel
 
@@ -42,19 +44,30 @@ class Pi05Policy(nn.Module):
         self.prefix = PrefixEncoder(paligemma, cfg)
         self.expert = ActionExpert(cfg, paligemma.config)
 
-    @walk(next="denoise", state=("prefix_k", "prefix_v", "prefix_mask"))
+    @walk(next="denoise", state=("prefix_k", "prefix_v", "prefix_mask", "flow_t"))
     def act(self, images: Tensor, prompt_ids: Tensor, state: Tensor) -> dict[str, Tensor]:
         # images [B, C, 3, S, S]; prompt_ids [B, L]; state [B, state_dim]
         prompt = pad_prompt(prompt_ids, self.cfg.max_prompt_len, self.prefix.pad_id)  # [B, Lmax]
         prefix_k, prefix_v, prefix_mask = self.prefix(images, prompt, state)
-        return {"prefix_k": prefix_k, "prefix_v": prefix_v, "prefix_mask": prefix_mask}
+        flow_t = torch.ones_like(prefix_k[0, :, 0, 0, 0])  # [B] = 1: the flow starts at the noise
+        return {
+            "prefix_k": prefix_k,
+            "prefix_v": prefix_v,
+            "prefix_mask": prefix_mask,
+            "flow_t": flow_t,
+        }
 
     @walk
     def denoise(
-        self, prefix_k: Tensor, prefix_v: Tensor, prefix_mask: Tensor, noise: Tensor
+        self,
+        prefix_k: Tensor,
+        prefix_v: Tensor,
+        prefix_mask: Tensor,
+        flow_t: Tensor,
+        noise: Tensor,
     ) -> dict[str, Tensor]:
-        # prefix_k, prefix_v [layers, B, kv, P, hd]; prefix_mask [B, P]; noise [B, H, A]
-        x, t = noise, noise.new_ones(noise.shape[0])  # t [B] = 1: pure noise
+        # prefix_k, prefix_v [layers, B, kv, P, hd]; prefix_mask [B, P]; flow_t [B]; noise [B, H, A]
+        x, t = noise, flow_t
         for _ in range(self.cfg.num_steps):
             x, t = self.euler_step(x, t, prefix_k, prefix_v, prefix_mask)
         return {"actions": x}
