@@ -97,11 +97,20 @@ def run_served(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     from walkserve.adapters import pi05
     from walkserve.adapters.pi05 import native
     from walkserve.runtime.server import serve
+    from walkserve.runtime.shm import ShmPoolConfig
+    from walkserve.runtime.workers import PoolConfig
 
     policy, _ = getattr(pi05, args.model)()
     placement = TWO_RANKS if ranks == 2 else None
     reqs = requests(policy, args.requests, 0)
-    with serve(f"walkserve.adapters.pi05:{args.model}", placement) as server:
+    # Every expert step ships each request's prefix keys and values (loop invariants) from
+    # the conductor: 2 values per request per batch, 106 KiB each for ``medium``, above the
+    # 64 KiB inline limit. The default pools (4 slots per size class here, 8 per worker)
+    # cannot hold a batch of 8 such requests.
+    slots = 8 * CONCURRENCY
+    pool = PoolConfig(shm=ShmPoolConfig(slots_per_class=slots), worker_shm_slots_per_class=slots)
+    name = f"walkserve.adapters.pi05:{args.model}"
+    with serve(name, placement, pool_config=pool) as server:
 
         def one(r: dict[str, Any]) -> tuple[float, torch.Tensor]:
             start = time.perf_counter()

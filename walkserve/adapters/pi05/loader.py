@@ -14,6 +14,7 @@ Checkpoint directory (``save_checkpoint`` / ``load_checkpoint``)::
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict
 from typing import Any
@@ -27,7 +28,7 @@ from walkserve.adapters.pi05.walks import Pi05Policy
 
 PI05_CONFIG = "pi05_config.json"
 EXPERT_WEIGHTS = "expert.safetensors"
-EXPERT_INIT_STD = 0.2
+EXPERT_INIT_GAIN = 1.2
 TINY = Pi05Config(
     action_dim=6,
     action_horizon=8,
@@ -89,15 +90,17 @@ def backbone_config(
 
 def build(backbone: PaliGemmaConfig, cfg: Pi05Config, seed: int = 0) -> Pi05Policy:
     """The policy with seeded random weights, in eval mode without gradients. The expert's
-    linear weights are drawn with std ``EXPERT_INIT_STD`` and zero biases (PyTorch's default
-    init leaves its attention to the prefix nearly uniform: the observation then moves a
-    random policy's actions by ~1%; with this, by 5-25%)."""
+    linear weights are drawn with std ``EXPERT_INIT_GAIN / sqrt(fan_in)`` and zero biases:
+    PyTorch's default init leaves its attention to the prefix nearly uniform (the observation
+    then moves a random policy's actions by ~1%; with this, by 2-20%), and a fixed std grows
+    activations with the width until ten Euler steps amplify float32 rounding (a batch of
+    rows then differs from the rows alone by 1e-3 at width 128; with this, by ~3e-7)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         policy = Pi05Policy(PaliGemmaModel(backbone), cfg)
         for module in policy.expert.modules():
             if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=EXPERT_INIT_STD)
+                nn.init.normal_(module.weight, std=EXPERT_INIT_GAIN / math.sqrt(module.in_features))
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
     return policy.eval().requires_grad_(False)
