@@ -79,7 +79,10 @@ def test_concurrent_requests_equal_the_eager_policy(
         assert_outputs_match(got, eager(policy, r))
     first = outputs[0]["actions"]
     assert all((o["actions"] - first).abs().max() > 0.1 for o in outputs[1:])
-    assert max(server.batch_sizes) == CONCURRENT, server.batch_sizes  # expert steps shared
+    # Alone, each request costs 12 dispatches (pad_prompt, prefix, 10 expert steps); the eight
+    # are admitted in one or (racing the conductor loop) a few rounds and then share them.
+    dispatches = sum(server.batch_sizes.values())
+    assert max(server.batch_sizes) > 1 and dispatches <= 12 * CONCURRENT // 2, server.batch_sizes
     stats = server.stats()
     assert stats.live_requests == 0 and stats.live_values == 0
     ranks = {n.target: n.ranks for w in server.plan.walks for n in server.plan.nodes(w)}
