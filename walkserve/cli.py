@@ -1,4 +1,6 @@
-"""``walkserve`` command line: ``serve`` (the HTTP API), ``trace`` (print a model's Walk Graph),
+"""``walkserve`` command line: ``serve`` (the HTTP API, with ``vllm serve``'s flags where they
+apply: ``walkserve serve MODEL --served-model-name NAME --max-model-len N ...``, ``--config
+FILE`` for the same flags as YAML), ``trace`` (print a model's Walk Graph),
 ``plan`` (lower it for a placement), ``demo`` (serve every built-in model on worker processes
 and run its walks) and ``bench`` (drive a running server with the load generator in
 ``benchmarks/loadgen.py``; needs a source checkout). Heavy imports happen inside the commands, so
@@ -18,14 +20,85 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every option belongs to the load generator
         return _bench(argv[1:])
+    try:
+        args = parse(argv)
+        if args.command == "trace":
+            return _trace(args)
+        if args.command == "plan":
+            return _plan(args)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "worker":
+            return _worker(args)
+        return _demo(args)
+    except (ValueError, KeyError, OSError) as e:
+        print(f"walkserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line's arguments; for ``serve``, with its ``--config`` file's values for
+    the flags the command line leaves out."""
     parser = argparse.ArgumentParser(prog="walkserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     sv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible routes)")
     sv.add_argument(
-        "--model",
-        default="walkserve-default",
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
         help="built-in name, checkpoint dir, or module:factory (default: walkserve-default)",
+    )
+    sv.add_argument("--model", help="the same as MODEL (kept for older command lines)")
+    sv.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML of these flags (served-model-name: x, max-model-len: 512, ...); flags given"
+        " on the command line win",
+    )
+    sv.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the model names clients send and answers carry (the first); default: MODEL",
+    )
+    sv.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="prompt plus generated tokens of a text request at most N (default: the model's)",
+    )
+    sv.add_argument(
+        "--dtype",
+        default="auto",
+        help="weights dtype: auto (the model's own; the only one supported yet) or float32",
+    )
+    sv.add_argument("--device", default="cpu", help="cpu or cuda (lowering and workers)")
+    sv.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEMPLATE",
+        help="a Jinja chat template (a file, or the template text) instead of the model's",
+    )
+    sv.add_argument(
+        "--max-num-seqs", type=int, metavar="N", help="at most N requests in one batch (32)"
+    )
+    sv.add_argument(
+        "--allowed-origins",
+        metavar="ORIGINS",
+        help="CORS: a JSON list ('[\"https://a.example\"]') or comma-separated origins; none by"
+        " default",
+    )
+    sv.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this key")
+    sv.add_argument("--ssl-certfile", metavar="FILE", help="... and this certificate")
+    sv.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+    )
+    sv.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="no tokenizer: prompts as token ids only, answers as token ids (text gets a 400)",
     )
     sv.add_argument(
         "--placement", metavar="FILE", help="YAML or JSON placement (default: all on rank 0)"
@@ -142,19 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     args = parser.parse_args(argv)
-    try:
-        if args.command == "trace":
-            return _trace(args)
-        if args.command == "plan":
-            return _plan(args)
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "worker":
-            return _worker(args)
-        return _demo(args)
-    except (ValueError, KeyError, OSError) as e:
-        print(f"walkserve: error: {e}", file=sys.stderr)
-        return 2
+    if args.command == "serve":
+        args = _with_config(parser, sv, argv, args)
+    return args
 
 
 def _bench(argv: list[str]) -> int:
@@ -259,29 +322,85 @@ ROUTES = (
 )
 
 
+def _with_config(
+    parser: argparse.ArgumentParser,
+    serve: argparse.ArgumentParser,
+    argv: list[str],
+    args: argparse.Namespace,
+) -> argparse.Namespace:
+    """``args`` with the ``--config`` YAML's values for the flags the command line does not
+    give; an unknown key is an error naming it."""
+    import yaml
+
+    if args.config is None:
+        return args
+    with open(args.config) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {args.config}: expected a mapping of flags to values")
+    known = {a.dest: a for a in serve._actions if a.dest not in ("help", "config")}
+    defaults = {}
+    for key, value in values.items():
+        dest = str(key).replace("-", "_")
+        dest = "model_tag" if dest == "model" else dest
+        if dest not in known:
+            raise ValueError(f"--config {args.config}: unknown flag {key!r}")
+        defaults[dest] = value
+    serve.set_defaults(**defaults)
+    return parser.parse_args(argv)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from walkserve.adapters.registry import capture_model
+    from walkserve.adapters.registry import capture_model, profile_for
     from walkserve.api.app import ApiConfig, create_app
-    from walkserve.api.profile import profile_for
+    from walkserve.api.profile import with_limits, without_tokenizer
     from walkserve.progress import StartupProgress
     from walkserve.runtime.server import serve
     from walkserve.runtime.workers import PoolConfig
 
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ: give one")
+    model = args.model_tag or args.model or "walkserve-default"
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    config = ApiConfig(api_key=args.api_key, max_queued=args.max_queued)
+    if args.dtype not in ("auto", "float32"):
+        raise ValueError(
+            f"--dtype {args.dtype} is not supported yet: workers load the weights in the"
+            " model's own dtype; use auto"
+        )
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    names = tuple(args.served_model_name or (model,))
+    config = ApiConfig(
+        api_key=args.api_key,
+        max_queued=args.max_queued,
+        served_names=names,
+        allowed_origins=_origins(args.allowed_origins),
+    )
     progress = StartupProgress()
     try:
-        profile = profile_for(args.model)
-        captured = capture_model(args.model, args.seed, on_stage=progress.stage)
+        profile = profile_for(model, names[0])
+        if args.skip_tokenizer_init:
+            profile = without_tokenizer(profile)
+        if args.chat_template is not None:
+            from walkserve.api.chattemplate import with_chat_template
+
+            profile = with_chat_template(profile, _read_template(args.chat_template))
+        if args.max_model_len is not None:
+            profile = with_limits(profile, args.max_model_len)
+        captured = capture_model(model, args.seed, on_stage=progress.stage)
         pool = PoolConfig(kv_pool_tokens=args.kv_pool_tokens, kv_page_size=args.kv_page_size)
         remote = [int(r) for r in args.remote_ranks.split(",") if r.strip()]
         server = serve(
             captured,
             args.placement,
             seed=args.seed,
+            device=args.device,
+            max_batch=args.max_num_seqs or 32,
             pool_config=pool,
             on_stage=progress.stage,
             bind=args.bind,
@@ -298,8 +417,9 @@ def _serve(args: argparse.Namespace) -> int:
         app = create_app(server, profile, config)
         ranks = len(server.health())
         progress.stage("ready")
-        print(f"walkserve: serving {args.model} on {ranks} worker(s)", flush=True)
-        print(f"walkserve: listening on http://{args.host}:{args.port}", flush=True)
+        print(f"walkserve: serving {model} as {', '.join(names)} on {ranks} worker(s)", flush=True)
+        scheme = "https" if args.ssl_certfile else "http"
+        print(f"walkserve: listening on {scheme}://{args.host}:{args.port}", flush=True)
         for route in ROUTES:
             print(f"    {route}", flush=True)
         # Ctrl-C: uvicorn stops accepting, gives open streams 5 s, then returns here.
@@ -309,14 +429,42 @@ def _serve(args: argparse.Namespace) -> int:
             app,
             host=args.host,
             port=args.port,
-            log_level="warning",
+            log_level=args.uvicorn_log_level,
             lifespan="off",
             timeout_graceful_shutdown=5,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
         )
     finally:
         server.close()  # every worker process shuts down
         print("walkserve: stopped", flush=True)
     return 0
+
+
+def _origins(value: str | list[str] | None) -> tuple[str, ...]:
+    """``--allowed-origins``: a JSON list or comma-separated origins (a YAML list too)."""
+    import json
+
+    if value is None:
+        return ()
+    if isinstance(value, list):
+        return tuple(str(v) for v in value)
+    if value.strip().startswith("["):
+        parsed = json.loads(value)
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise ValueError("--allowed-origins: a JSON list of strings")
+        return tuple(parsed)
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _read_template(value: str) -> str:
+    """``--chat-template``: a file's text, or the value itself when it is no file."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template")
+    return value
 
 
 def _worker(args: argparse.Namespace) -> int:

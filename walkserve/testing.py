@@ -1,5 +1,7 @@
-"""Helpers shared by tests and benchmarks: mixed request sets for the example models, and the
-one rule by which an executor's outputs are compared with the reference interpreter's.
+"""Helpers shared by tests and benchmarks: mixed request sets for the example models, the one
+rule by which an executor's outputs are compared with the reference interpreter's, and greedy
+text generation two ways (upstream ``generate()``, and a text engine driven as the text walks
+drive it).
 
 The rule: integer outputs (tokens, codes) are identical; float outputs satisfy
 ``max|got - want| <= 1e-5 * max|want|``. Not bitwise, because a batched matmul sums in another
@@ -10,7 +12,7 @@ each request alone are compared bitwise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -70,3 +72,59 @@ def assert_outputs_match(
             assert error <= RELATIVE_TOLERANCE * scale, (
                 f"{key}: max error {error:.3g} > {RELATIVE_TOLERANCE} x {scale:.3g}"
             )
+
+
+def greedy_generate(lm: Any, prompt: Sequence[int], n: int, eos: int | None) -> list[int]:
+    """Upstream ``generate(do_sample=False)``: the new tokens of one unpadded prompt."""
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = lm.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, ids.shape[1] :]]
+
+
+def serve_text_greedy(
+    engine: Any, work: Sequence[tuple[Sequence[int], int]], eos: int | None
+) -> tuple[list[list[int]], list[int]]:
+    """Every request of ``work`` (prompt, token budget) to ``eos`` or its budget, on a text
+    engine (``PagedLM``, ``HFCacheLM``) called as the text walks call it: each step, every live
+    request's call in one ``forward_batch`` when the engine has one (deferred calls come again),
+    else one call each. Returns the tokens and the number of calls each batch ran."""
+    from walkserve.lowering.batched import Deferred
+
+    caches: list[Any] = [None] * len(work)
+    last: list[Any] = [None] * len(work)
+    outs: list[list[int]] = [[] for _ in work]
+    live, sizes = list(range(len(work))), list[int]()
+    while live:
+        calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+            (
+                (
+                    torch.tensor([list(work[i][0])]) if caches[i] is None else last[i],
+                    caches[i],
+                    len(outs[i]),
+                ),
+                {},
+            )
+            for i in live
+        ]
+        batch = getattr(engine, "forward_batch", None)
+        results = batch(calls) if batch is not None else [engine(*a) for a, _ in calls]
+        sizes.append(sum(not isinstance(r, Deferred) for r in results))
+        still = []
+        for i, result in zip(live, results):
+            if isinstance(result, Deferred):
+                still.append(i)
+                continue
+            last[i], caches[i] = result
+            outs[i].append(int(last[i]))
+            if len(outs[i]) < work[i][1] and outs[i][-1] != eos:
+                still.append(i)
+        live = still
+    return outs, sizes

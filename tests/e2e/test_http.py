@@ -28,6 +28,7 @@ from walkserve.adapters.hf_causal_lm import sample_request  # noqa: E402
 from walkserve.adapters.registry import capture_model  # noqa: E402
 from walkserve.adapters.tokenizer import ByteTokenizer  # noqa: E402
 from walkserve.api import media  # noqa: E402
+from walkserve.api.metrics import read_metric  # noqa: E402
 from walkserve.api.profile import plain_chat  # noqa: E402
 
 KEY = "test-key"
@@ -335,7 +336,8 @@ def test_walk_route_json_b64_and_sse(base_url: str, ref: Any) -> None:
     want_text = ref.run({"input_ids": prompt, "max_new_tokens": 5, **sampling}, walk="prefill")
     assert r.json()["outputs"]["tokens"] == want_text["tokens"].tolist()
 
-    inputs = {**sample_request([5, 6, 7], 3), "input_ids": [[5, 6, 7]]}
+    plain = {k: v for k, v in sample_request([5, 6, 7], 3).items() if k != "constraints"}
+    inputs = {**plain, "input_ids": [[5, 6, 7]]}  # the prefill walk takes no constraints
     body = {"inputs": inputs, "stream": True}
     with httpx.stream("POST", f"{base_url}/v1/walks/prefill", json=body, headers=AUTH) as s:
         lines = [line for line in s.iter_lines() if line.startswith("data: ")]
@@ -359,13 +361,13 @@ ERRORS = [
     ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, "model 'gpt-4' is not served"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, "greater than"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 9999}, "too large"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a" * 300}, "the limit is 256"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a" * 600}, "the limit is 512"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt is empty"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 999]}, "outside [0, 259)"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "temperature": 5}, "less than"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "top_p": 0}, "greater than"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "top_k": -1}, "greater than or equal"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "seed": -1}, "greater than or equal"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "top_k": -2}, "greater than or equal"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "seed": 2**63}, "less than"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 17}, "n=17 is too large"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [""]}, "non-empty"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
@@ -437,22 +439,21 @@ def test_every_route_but_health_needs_the_key(base_url: str, method: str, path: 
     assert httpx.get(f"{base_url}/health", timeout=30).status_code == 200
 
 
-def metric(base_url: str, name: str) -> float:
+def metric(base_url: str, name: str, **labels: str) -> float:
     text = httpx.get(f"{base_url}/metrics", headers=AUTH, timeout=30).text
-    for line in text.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
-    raise AssertionError(f"no metric {name}")
+    value = read_metric(text, name, **labels)
+    assert value is not None, f"no metric {name} {labels}"
+    return value
 
 
 def test_metrics_cover_tokens_audio_and_the_kv_pool(base_url: str, client: Any) -> None:
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=6)
     client.audio.speech.create(model=MODEL, voice="alloy", input="metrics").read()
-    assert metric(base_url, "walkserve_inter_token_latency_seconds_count") >= 5
-    assert metric(base_url, "walkserve_time_to_first_token_seconds_count") >= 1
-    assert metric(base_url, "walkserve_time_to_first_audio_seconds_count") >= 1
-    assert metric(base_url, "walkserve_real_time_factor_count") >= 1
-    assert metric(base_url, 'walkserve_kv_pages{rank="0",component="lm"}') > 0
+    assert metric(base_url, "walkserve:inter_token_latency_seconds_count") >= 5
+    assert metric(base_url, "walkserve:time_to_first_token_seconds_count") >= 1
+    assert metric(base_url, "walkserve:time_to_first_audio_seconds_count") >= 1
+    assert metric(base_url, "walkserve:real_time_factor_count") >= 1
+    assert metric(base_url, "walkserve:kv_pages", rank="0", component="lm") > 0
 
 
 def test_over_max_queued_gets_503_with_retry_after(base_url: str) -> None:
@@ -474,12 +475,12 @@ def test_over_max_queued_gets_503_with_retry_after(base_url: str) -> None:
     assert 200 in codes and 503 in codes, codes
     busy = next(r for r in results if r.status_code == 503)
     assert busy.headers["retry-after"] == "1" and "retry later" in busy.json()["error"]["message"]
-    assert metric(base_url, "walkserve_queued_requests") == 0
+    assert metric(base_url, "walkserve:num_requests_waiting") == 0
 
 
 def test_client_disconnect_cancels_the_request(base_url: str) -> None:
     body = {"model": MODEL, "prompt": "long", "max_tokens": 256, "stream": True}
-    cancelled = metric(base_url, "walkserve_cancelled_requests_total")
+    cancelled = metric(base_url, "walkserve:cancelled_requests_total")
     with httpx.stream(
         "POST", f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=60
     ) as s:
@@ -487,24 +488,24 @@ def test_client_disconnect_cancels_the_request(base_url: str) -> None:
         assert next(lines).startswith("data: ")  # mid-stream: close the connection now
     deadline = time.monotonic() + 20
     while (
-        metric(base_url, "walkserve_running_requests") != 0
-        or metric(base_url, "walkserve_queued_requests") != 0
+        metric(base_url, "walkserve:num_requests_running") != 0
+        or metric(base_url, "walkserve:num_requests_waiting") != 0
     ):
         assert time.monotonic() < deadline, "the abandoned request is still running"
         time.sleep(0.1)
-    assert metric(base_url, "walkserve_cancelled_requests_total") == cancelled + 1
+    assert metric(base_url, "walkserve:cancelled_requests_total") == cancelled + 1
 
 
 def test_a_client_leaving_a_non_streamed_request_cancels_it(base_url: str, ref: Any) -> None:
     """The request must still be running when the client leaves: a prompt whose greedy
-    decode makes no EOS in the first 768 tokens (checked on the reference)."""
+    decode makes no EOS in the first 512 tokens (checked on the reference)."""
     prompt = next(
         p
         for p in ("long", "longer", "longest", "lengthy")
-        if len(ref_text(ref, TEXT.encode(p), 768)) == 768
+        if len(ref_text(ref, TEXT.encode(p), 512)) == 512
     )
-    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 768}).encode()
-    cancelled = metric(base_url, "walkserve_cancelled_requests_total")
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 512}).encode()
+    cancelled = metric(base_url, "walkserve:cancelled_requests_total")
     host, port = base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(
@@ -515,13 +516,13 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it(base_url: str, ref: 
         time.sleep(0.5)  # the request is running; leave without reading the answer
     deadline = time.monotonic() + 20
     while (
-        metric(base_url, "walkserve_running_requests") != 0
-        or metric(base_url, "walkserve_queued_requests") != 0
-        or metric(base_url, 'walkserve_kv_pages_in_use{rank="0",component="lm"}') != 0
+        metric(base_url, "walkserve:num_requests_running") != 0
+        or metric(base_url, "walkserve:num_requests_waiting") != 0
+        or metric(base_url, "walkserve:kv_pages_in_use", rank="0", component="lm") != 0
     ):
         assert time.monotonic() < deadline, "the abandoned request still holds its state"
         time.sleep(0.1)
-    assert metric(base_url, "walkserve_cancelled_requests_total") == cancelled + 1
+    assert metric(base_url, "walkserve:cancelled_requests_total") == cancelled + 1
 
 
 def test_health_is_503_when_a_worker_dies(base_url: str) -> None:

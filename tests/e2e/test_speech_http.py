@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai")
 from walkserve.adapters import omni_http, qwen3_omni  # noqa: E402
 from walkserve.adapters.registry import capture_model  # noqa: E402
 from walkserve.api import media  # noqa: E402
+from walkserve.api.metrics import read_metric  # noqa: E402
 
 OMNI = "walkserve.adapters.qwen3_omni:tiny_audible"
 CONFIG = qwen3_omni.tiny_config()
@@ -207,11 +208,9 @@ def test_chat_audio_rejects_what_it_cannot_do(client: Any) -> None:
 
 def test_metrics_have_the_viability_gauge(omni: Any, client: Any) -> None:
     text = httpx.get(f"{omni.url}/metrics", timeout=30).text
-    values = {
-        line.split()[0]: float(line.split()[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
-    assert 0.0 <= values["walkserve_streaming_viability"] <= 1.0
-    assert values["walkserve_audio_chunks_judged_total"] >= 2  # the streamed tests' chunks
-    assert values["walkserve_time_to_first_audio_seconds_count"] >= 3
+    viability = read_metric(text, "walkserve:streaming_viability")
+    assert viability is not None and 0.0 <= viability <= 1.0
+    judged = read_metric(text, "walkserve:audio_chunks_judged_total")
+    assert judged is not None and judged >= 2  # the streamed tests' chunks
+    first = read_metric(text, "walkserve:time_to_first_audio_seconds_count")
+    assert first is not None and first >= 3

@@ -1,8 +1,11 @@
 """On a CUDA machine: ``FlashInferPagedAttention`` against its twin ``TorchPagedAttention``, in
 float16 and bfloat16, on batches that mix prefill, chunked prefill and decode, with GQA ratios
 1/2/4, sliding windows, page sizes 1 and 16 and shuffled page ids; also the double-buffered
-pipeline, and the Torch backend on CUDA against itself on CPU. Skipped without CUDA; the
-FlashInfer tests are also skipped without the ``flashinfer`` package (the ``gpu`` extra).
+pipeline, and the Torch backend on CUDA against itself on CPU. Also (written without a GPU, not
+yet run: see the backend's UNVERIFIED note) logit soft-capping, attention sinks, sequences whose
+leading pages a sliding window freed, and value heads smaller than key heads. Skipped without
+CUDA; the FlashInfer tests are also skipped without the ``flashinfer`` package (the ``gpu``
+extra).
 
 Reference: ``TorchPagedAttention`` on the same GPU in float32, fed exactly the float16/bfloat16
 values FlashInfer reads (q and the caches upcast), so the reference adds no rounding beyond
@@ -33,12 +36,13 @@ import torch
 
 from walkserve.runtime.kv.attention import (
     AttentionConfig,
-    DoubleBufferedPlanner,
+    ScoreParams,
     SequenceSpec,
-    TorchPagedAttention,
     sequence_slots,
     write_kv,
 )
+from walkserve.runtime.kv.planner import DoubleBufferedPlanner
+from walkserve.runtime.kv.torch_attention import TorchPagedAttention
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -57,27 +61,37 @@ DECODE = [(0, 1), (15, 1), (16, 1), (200, 1), (1000, 1)]
 
 
 def make_batch(
-    config: AttentionConfig, shapes: list[tuple[int, int]], dtype: torch.dtype, seed: int
-) -> tuple[list[SequenceSpec], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    config: AttentionConfig,
+    shapes: list[tuple[int, int]],
+    dtype: torch.dtype,
+    seed: int,
+    freed: bool = False,
+) -> tuple[list[SequenceSpec], torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """Specs over shuffled pages, a pool of random values (context and garbage alike), the new
-    tokens' K/V ``[T, kv_heads, D]`` and q ``[T, heads, D]``, all on CUDA in ``dtype``."""
+    tokens' K ``[T, kv_heads, D]`` and V ``[T, kv_heads, Dv]`` and q ``[T, heads, D]``, all on
+    CUDA in ``dtype``. ``freed``: each sequence's leading pages that its window no longer
+    reaches are left out of its block table (``first_page``), as ``GroupedKVPool`` frees them."""
     g = torch.Generator().manual_seed(seed)
-    ps = config.page_size
-    needed = [-(-(c + q) // ps) for c, q in shapes]
+    ps, window = config.page_size, config.sliding_window
+    firsts = [
+        max(0, c - window + 1) // ps if freed and window is not None else 0 for c, _ in shapes
+    ]
+    needed = [-(-(c + q) // ps) - f for (c, q), f in zip(shapes, firsts)]
     pages = torch.randperm(sum(needed) + 7, generator=g).tolist()
     specs, taken = [], 0
-    for (context_len, query_len), n in zip(shapes, needed):
-        specs.append(SequenceSpec(tuple(pages[taken : taken + n]), context_len, query_len))
+    for (context_len, query_len), n, first in zip(shapes, needed, firsts):
+        table = tuple(pages[taken : taken + n])
+        specs.append(SequenceSpec(table, context_len, query_len, first))
         taken += n
     total = sum(q for _, q in shapes)
-    kv_shape = (len(pages), ps, config.num_kv_heads, config.head_dim)
+    heads, dk, dv = config.num_kv_heads, config.head_dim, config.value_dim
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to("cuda", dtype)
 
-    new_kv = rand(2, total, config.num_kv_heads, config.head_dim)
-    k_cache, v_cache = rand(*kv_shape), rand(*kv_shape)
-    q = rand(total, config.num_heads, config.head_dim)
+    new_kv = (rand(total, heads, dk), rand(total, heads, dv))
+    k_cache, v_cache = rand(len(pages), ps, heads, dk), rand(len(pages), ps, heads, dv)
+    q = rand(total, config.num_heads, dk)
     return specs, q, k_cache, v_cache, new_kv
 
 
@@ -87,14 +101,17 @@ def reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    scores: ScoreParams | None = None,
 ) -> torch.Tensor:
     backend = TorchPagedAttention(config, "cuda")
-    return backend.run(q.float(), k_cache.float(), v_cache.float(), backend.plan(specs))
+    meta = backend.plan(specs)
+    return backend.run(q.float(), k_cache.float(), v_cache.float(), meta, scores)
 
 
 def tolerance(config: AttentionConfig, specs: list[SequenceSpec], v_cache: torch.Tensor) -> float:
-    slots = torch.cat([sequence_slots(s, config.page_size) for s in specs]).cuda()
-    max_v = v_cache.view(-1, config.num_kv_heads, config.head_dim)[slots].abs().max().item()
+    ps = config.page_size
+    slots = torch.cat([sequence_slots(s, ps, s.first_page * ps) for s in specs]).cuda()
+    max_v = v_cache.view(-1, config.num_kv_heads, config.value_dim)[slots].abs().max().item()
     return 4 * torch.finfo(v_cache.dtype).eps * max_v
 
 
@@ -105,13 +122,14 @@ def check_step(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    new_kv: torch.Tensor,
+    new_kv: tuple[torch.Tensor, ...],
+    scores: ScoreParams | None = None,
 ) -> str:
     """Plan, write the new K/V at the plan's slots, run, compare; returns the wrapper kind."""
     meta = backend.plan(specs, meta_slot)
     write_kv(k_cache, v_cache, meta.slot_mapping, new_kv[0], new_kv[1])
-    got = backend.run(q, k_cache, v_cache, meta).float()
-    want = reference(backend.config, specs, q, k_cache, v_cache)
+    got = backend.run(q, k_cache, v_cache, meta, scores).float()
+    want = reference(backend.config, specs, q, k_cache, v_cache, scores)
     err = (got - want).abs().max().item()
     tol = tolerance(backend.config, specs, v_cache)
     assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
@@ -148,6 +166,50 @@ def test_decode_batch_uses_the_decode_wrapper(dtype: torch.dtype, window: int | 
     backend = FlashInferPagedAttention(config, "cuda", dtype)
     specs, q, k_cache, v_cache, new_kv = make_batch(config, DECODE, dtype, seed=5)
     assert check_step(backend, specs, 1, q, k_cache, v_cache, new_kv) == "decode"
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("shapes", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_soft_cap_scale_and_sinks_match_torch(shapes: list[tuple[int, int]]) -> None:
+    """UNVERIFIED until run on a GPU: Gemma 2's soft cap with a non-default scale, and gpt-oss
+    sinks, in the decode and the prefill wrapper."""
+    config = AttentionConfig(
+        num_heads=8, num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, scale=0.05, softcap=1.5
+    )
+    backend = FlashInferPagedAttention(config, "cuda", torch.bfloat16)
+    specs, q, k_cache, v_cache, new_kv = make_batch(config, shapes, torch.bfloat16, seed=11)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(1)).cuda()
+    scores = ScoreParams(config.softmax_scale, config.softcap, sinks)
+    check_step(backend, specs, 0, q, k_cache, v_cache, new_kv, scores)
+    with pytest.raises(ValueError, match="sm_scale"):
+        backend.run(q, k_cache, v_cache, backend.plan(specs, 1), ScoreParams(0.1, 1.5))
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("shapes", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_freed_leading_pages_match_torch(shapes: list[tuple[int, int]]) -> None:
+    """UNVERIFIED until run on a GPU: block tables from ``first_page`` on (a window of 33 freed
+    the pages before it), prefill and decode."""
+    config = AttentionConfig(
+        num_heads=8, num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, sliding_window=33
+    )
+    backend = FlashInferPagedAttention(config, "cuda", torch.bfloat16)
+    specs, q, k_cache, v_cache, new_kv = make_batch(config, shapes, torch.bfloat16, 12, freed=True)
+    assert any(s.first_page > 0 for s in specs)
+    check_step(backend, specs, 0, q, k_cache, v_cache, new_kv)
+
+
+@needs_flashinfer
+def test_value_heads_smaller_than_key_heads_match_torch() -> None:
+    """UNVERIFIED until run on a GPU: multi-head latent attention's shapes (K 192, V 128), which
+    plan decode batches with the prefill wrapper (``head_dim_vo``)."""
+    config = AttentionConfig(
+        num_heads=8, num_kv_heads=8, head_dim=192, page_size=16, v_head_dim=128
+    )
+    backend = FlashInferPagedAttention(config, "cuda", torch.bfloat16)
+    for shapes, seed in ((MIXED, 13), (DECODE, 14)):
+        specs, q, k_cache, v_cache, new_kv = make_batch(config, shapes, torch.bfloat16, seed)
+        assert check_step(backend, specs, 0, q, k_cache, v_cache, new_kv) == "prefill"
 
 
 @needs_flashinfer
@@ -191,6 +253,7 @@ def test_torch_backend_on_cuda_matches_cpu(window: int | None) -> None:
         num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, sliding_window=window
     )
     specs, q, k_cache, v_cache, new_kv = make_batch(config, MIXED, torch.float32, seed=9)
+    scores = ScoreParams(0.1, 2.0, torch.randn(8).cuda())  # the explicit path too
     outs = []
     for device in ("cuda", "cpu"):
         backend = TorchPagedAttention(config, device)
@@ -198,4 +261,7 @@ def test_torch_backend_on_cuda_matches_cpu(window: int | None) -> None:
         kc, vc = k_cache.to(device), v_cache.to(device)
         write_kv(kc, vc, meta.slot_mapping, new_kv[0].to(device), new_kv[1].to(device))
         outs.append(backend.run(q.to(device), kc, vc, meta).cpu())
-    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=0)
+        sinks = scores.sinks.to(device)  # type: ignore[union-attr]
+        outs.append(backend.run(q.to(device), kc, vc, meta, ScoreParams(0.1, 2.0, sinks)).cpu())
+    assert torch.allclose(outs[0], outs[2], atol=1e-5, rtol=0)
+    assert torch.allclose(outs[1], outs[3], atol=1e-5, rtol=0)

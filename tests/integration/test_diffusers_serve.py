@@ -22,10 +22,9 @@ from fastapi.testclient import TestClient
 
 from walkserve import capture
 from walkserve.adapters import diffusers_dit as D
-from walkserve.adapters.registry import capture_model
+from walkserve.adapters.registry import capture_model, profile_for
 from walkserve.api import media
 from walkserve.api.app import create_app
-from walkserve.api.profile import profile_for
 from walkserve.runtime.server import Server, serve
 from walkserve.testing import assert_outputs_match
 

@@ -72,9 +72,9 @@ def test_images_generations_route_serves_the_walk(
     PNG holds the interpreter's image for the same prompt and seed."""
     from fastapi.testclient import TestClient
 
+    from walkserve.adapters.registry import profile_for
     from walkserve.api import media
     from walkserve.api.app import create_app
-    from walkserve.api.profile import profile_for
 
     profile = profile_for(FACTORY)
     assert profile.image is not None and profile.image.seed_input == "seed"

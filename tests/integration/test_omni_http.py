@@ -14,10 +14,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from walkserve.adapters import omni_http, qwen3_omni, qwen25_omni
-from walkserve.adapters.registry import capture_model
+from walkserve.adapters.registry import capture_model, profile_for
 from walkserve.api import media
 from walkserve.api.app import create_app
-from walkserve.api.profile import profile_for
 from walkserve.runtime.server import serve
 
 FACTORY = "walkserve.adapters.qwen25_omni:tiny_audible"  # its waveform survives pcm16

@@ -61,9 +61,9 @@ def check_speech_route(server: Server, reference: capture.CapturedModel) -> None
     Starlette's test client): WAV and streamed PCM equal the reference walk's waveform."""
     from fastapi.testclient import TestClient
 
+    from walkserve.adapters.registry import profile_for
     from walkserve.api import media
     from walkserve.api.app import create_app
-    from walkserve.api.profile import profile_for
 
     profile = profile_for(FACTORY)
     assert profile.speech is not None and profile.speech.walk == "speak"

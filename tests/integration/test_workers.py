@@ -32,6 +32,7 @@ from walkserve.lowering.lower import lower
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.lowering.split import fuse_elementwise
 from walkserve.runtime.messages import ObjectRef, Seq
+from walkserve.runtime.runner import NodeRunner, RunItem
 from walkserve.runtime.shm import KiB, ShmHandle, ShmPool, ShmPoolConfig, ShmReader
 from walkserve.runtime.tensorcodec import from_bytes, to_bytes
 from walkserve.runtime.transport import (
@@ -43,7 +44,6 @@ from walkserve.runtime.transport import (
     from_inline,
     inline,
 )
-from walkserve.runtime.worker import NodeExecutor, node_io
 from walkserve.runtime.workers import (
     BatchError,
     BatchResult,
@@ -73,7 +73,7 @@ def prepare(name: str) -> Prepared:
     if name not in _CACHE:
         model, sample = load_model(name, 0)
         captured = capture.trace(model, sample)
-        plan = lower(captured, sample, check_capture=False, glue=full_like_apart)
+        plan = lower(captured, sample, check_capture=False, glue=full_like_apart, regions=False)
         for walk in plan.walks:
             for node in plan.nodes(walk):
                 node.ranks = [0, 1]
@@ -127,8 +127,7 @@ def reference_outputs(
     (plan_node,) = [n for n in plan.nodes(walk) if n.name == node]
     walk_ir = captured.graph.walks[walk]
     ops = {n.name: n for n in ir.iter_nodes(walk_ir.body) if isinstance(n, ir.Op)}
-    io = node_io(walk_ir, plan_node)
-    envs = [{k: r.values[k] for k in io.inputs} for r in recorded]
+    envs = [{k: r.values[k] for k in plan_node.inputs} for r in recorded]
     interp = Interpreter(captured)
     glue = plan_node.ops
     with torch.no_grad():
@@ -141,7 +140,7 @@ def reference_outputs(
         for env in envs:
             for name in glue:
                 env[name] = interp.op(ops[name], env)
-    return [{k: env[k] for k in io.outputs} for env in envs]
+    return [{k: env[k] for k in plan_node.outputs} for env in envs]
 
 
 def items_for(
@@ -152,9 +151,9 @@ def items_for(
     recorded: list[Recorded],
 ) -> list[tuple[int, str, dict[str, Any]]]:
     (plan_node,) = [n for n in plan.nodes(walk) if n.name == node]
-    io = node_io(captured.graph.walks[walk], plan_node)
     return [
-        (10 + i, f"req-{i}", {k: r.values[k] for k in io.inputs}) for i, r in enumerate(recorded)
+        (10 + i, f"req-{i}", {k: r.values[k] for k in plan_node.inputs})
+        for i, r in enumerate(recorded)
     ]
 
 
@@ -305,25 +304,29 @@ def test_large_tensors_travel_through_shared_memory(cfg_pool: WorkerPool) -> Non
     assert wait_for(lambda: output_slots_idle(cfg_pool, 1))  # and we acked it
 
 
-def test_a_failing_node_fails_only_its_batch(cfg_pool: WorkerPool) -> None:
+def test_a_failing_request_fails_alone_in_its_batch(cfg_pool: WorkerPool) -> None:
     ok = torch.ones(1, 8, dtype=torch.int64)
     items = [(0, "a", {"prompt_ids": ok}), (1, "b", {"prompt_ids": "not a tensor"})]
     items.append((2, "c", {"prompt_ids": ok}))
-    with pytest.raises(BatchError) as failed:
-        cfg_pool.submit_batch(0, "generate", "full_like", items).result(TIMEOUT_S)
-    errors = failed.value.errors
-    assert failed.value.rank == 0 and sorted(errors) == [0, 1, 2]
-    assert "full_like" in errors[1] and "rank 0" in errors[1]
-    assert "request b of the same batch" in errors[0]
+    result = cfg_pool.submit_batch(0, "generate", "full_like", items).result(TIMEOUT_S)
+    assert sorted(result.errors) == [1] and sorted(result.outputs) == [0, 2]
+    assert "full_like" in result.errors[1] and "rank 0" in result.errors[1]
+    assert torch.equal(result.outputs[2]["full_like"], torch.zeros_like(ok))
 
-    # A batched component call that raises fails every item of the batch.
+    # A batched call of a stateless component that raises is retried request by request:
+    # the bad one fails, the other gets what it gets alone.
     captured, plan = prepare("example-cfg-image")
     recorded = [Recorded(captured, "generate", r) for r in requests("example-cfg-image", 2)]
     items = items_for(plan, captured, "generate", "euler_step/denoiser", recorded)
     items[0][2]["euler_step/z"] = torch.ones(1, 3, 5, 5)  # wrong channels: conv raises
+    result = cfg_pool.submit_batch(0, "generate", "euler_step/denoiser", items).result(TIMEOUT_S)
+    assert sorted(result.errors) == [10] and "denoiser" in result.errors[10]
+    alone = reference_outputs(captured, plan, "generate", "euler_step/denoiser", recorded[1:])
+    assert_same({10: result.outputs[11]}, alone)
+    # Every item failing is the batch failing.
     with pytest.raises(BatchError, match="denoiser") as failed:
-        cfg_pool.submit_batch(0, "generate", "euler_step/denoiser", items).result(TIMEOUT_S)
-    assert sorted(failed.value.errors) == [10, 11]
+        cfg_pool.submit_batch(0, "generate", "euler_step/denoiser", items[:1]).result(TIMEOUT_S)
+    assert sorted(failed.value.errors) == [10]
 
     # An unknown node fails its batch too; the worker serves on.
     with pytest.raises(BatchError, match="not placed"):
@@ -357,7 +360,7 @@ def test_no_pickle_in_a_full_round_trip(
     items2 = items_for(plan, captured, "generate", "text_encoder_1", recorded)
     result = cfg_pool.submit_batch(0, "generate", "text_encoder_1", items2).result(TIMEOUT_S)
     node = next(n for n in plan.nodes("generate") if n.name == "text_encoder_1")
-    want = set(node_io(captured.graph.walks["generate"], node).outputs)
+    want = set(node.outputs)
     assert "text_encoder_1" in want and set(result.outputs[10]) == want
     # The workers forbid pickle themselves (PoolConfig.forbid_pickle) and still serve.
     assert all(h.status == "ready" for h in cfg_pool.health().values())
@@ -443,17 +446,20 @@ def test_worker_module_imports_no_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
-def test_executor_runs_nodes_in_process() -> None:
+def test_runner_runs_nodes_in_process() -> None:
     captured, plan = prepare("example-cfg-image")
     recorded = [Recorded(captured, "generate", r) for r in requests("example-cfg-image")]
-    executor = NodeExecutor(captured, plan, 1)
+    runner = NodeRunner(captured, plan, 1)
     node = "euler_step/denoiser_2"
-    items = items_for(plan, captured, "generate", node, recorded)
-    outs = executor.run("generate", node, [dict(inputs) for _, _, inputs in items])
+    (plan_node,) = [n for n in plan.nodes("generate") if n.name == node]
+    items = [
+        RunItem(item, tuple(plan_node.ops), inputs, tuple(plan_node.outputs))
+        for item, _, inputs in items_for(plan, captured, "generate", node, recorded)
+    ]
+    results = runner.run("generate", node, items)
     expected = reference_outputs(captured, plan, "generate", node, recorded)
-    assert_same({10 + i: o for i, o in enumerate(outs)}, expected)
-    assert executor.is_glue("generate", "full_like")
-    assert not executor.is_glue("generate", node)
+    assert_same({r.item: r.values for r in results}, expected)
+    assert runner.has("generate", "full_like") and not runner.has("generate", "nope")
 
 
 def test_transports_and_object_store() -> None:

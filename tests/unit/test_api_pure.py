@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from walkserve.adapters import default
+from walkserve.adapters.registry import profile_for
 from walkserve.adapters.tokenizer import ByteTokenizer
 from walkserve.api import jsontensor, media
-from walkserve.api.profile import profile_for
 from walkserve.api.textgen import TextAssembler
 from walkserve.capture import trace
 from walkserve.capture.model import CapturedModel
@@ -131,7 +131,7 @@ def test_default_model_walks_match_eager(captured: CapturedModel) -> None:
     assert all(torch.equal(got[k], speech[k]) for k in speech)
     assert torch.equal(captured.run(sample, walk="generate")["image"], image["image"])
     assert torch.equal(captured.run(sample, walk="edit")["image"], edited["image"])
-    assert captured.graph.entry_walks() == ["prefill", "speak", "generate", "edit"]
+    assert captured.graph.entry_walks() == ["prefill", "prefill_ext", "speak", "generate", "edit"]
 
 
 def test_read_png_reads_what_png_writes() -> None:

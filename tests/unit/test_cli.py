@@ -54,9 +54,8 @@ def test_trace_local_hf_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path:
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     code, out, _ = run(capsys, "trace", "--model", str(tmp_path))
     assert code == 0
-    assert (
-        "walk prefill(input_ids, temperature, top_p, top_k, seed)" in out and "walk decode(" in out
-    )
+    assert "walk prefill(input_ids, temperature, top_p, top_k, seed, repetition_penalty" in out
+    assert "walk decode(" in out and "walk prefill_ext(input_ids, constraints," in out
 
 
 def test_unknown_model_and_walk(capsys: pytest.CaptureFixture[str]) -> None:
@@ -117,3 +116,49 @@ def test_bench_forwards_to_the_load_generator(capsys: pytest.CaptureFixture[str]
     assert code == 2 and "--rate must be > 0" in err
     code, _, err = run(capsys, "bench", "--model", "m", "--slo", "latency=1")
     assert code == 2 and "ttft" in err
+
+
+def test_serve_flags_from_a_config_file(tmp_path: Path) -> None:
+    from walkserve.cli import _origins, parse
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: tiny-llama\nserved-model-name: [a, b]\nmax-model-len: 64\nport: 9\n")
+    args = parse(["serve", "--config", str(config), "--port", "8001"])
+    assert args.model_tag == "tiny-llama" and args.served_model_name == ["a", "b"]
+    assert args.max_model_len == 64 and args.port == 8001  # the command line wins
+    args = parse(["serve", "tiny-qwen2", "--config", str(config)])
+    assert args.model_tag == "tiny-qwen2"
+    config.write_text("no-such-flag: 1\n")
+    with pytest.raises(ValueError, match="unknown flag 'no-such-flag'"):
+        parse(["serve", "--config", str(config)])
+    assert _origins('["https://a", "https://b"]') == ("https://a", "https://b")
+    assert _origins("https://a, https://b") == ("https://a", "https://b")
+
+
+def test_serve_refuses_flags_it_cannot_honour(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "serve", "tiny-llama", "--dtype", "float16")
+    assert code == 2 and "--dtype float16 is not supported" in err
+    code, _, err = run(capsys, "serve", "tiny-llama", "--model", "tiny-qwen2")
+    assert code == 2 and "differ" in err
+    code, _, err = run(capsys, "serve", "tiny-llama", "--ssl-keyfile", "k.pem")
+    assert code == 2 and "go together" in err
+
+
+def test_a_server_without_tokenizer_says_to_send_token_ids() -> None:
+    """--skip-tokenizer-init: text prompts and chats get a 400 that says what to send."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from walkserve.adapters.registry import profile_for
+    from walkserve.api.app import create_app
+    from walkserve.api.profile import without_tokenizer
+
+    profile = without_tokenizer(profile_for("tiny-llama"))
+    app = create_app(SimpleNamespace(captured=None), profile)  # type: ignore[arg-type]
+    client = TestClient(app)
+    r = client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi"})
+    assert r.status_code == 400 and "send the prompt as token ids" in r.json()["error"]["message"]
+    chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and "use /v1/completions with token ids" in r.text

@@ -16,6 +16,7 @@ Two kinds of tests:
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -46,7 +47,9 @@ from walkserve.runtime.conductor import (
 )
 from walkserve.runtime.local import LocalExecutor, run_local
 
-CACHE: dict[tuple[str, str], tuple[capture.CapturedModel, ExecutablePlan, dict[str, Any]]] = {}
+CACHE: dict[
+    tuple[str, str, bool], tuple[capture.CapturedModel, ExecutablePlan, dict[str, Any]]
+] = {}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -67,15 +70,18 @@ def predicate_apart(op: Any) -> bool:
 
 
 def setup(
-    name: str, glue: str = "fuse"
+    name: str, glue: str = "fuse", regions: bool = False
 ) -> tuple[capture.CapturedModel, ExecutablePlan, dict[str, Any]]:
-    if (name, glue) not in CACHE:
+    """The example, captured and lowered; ``regions=False`` (tests of the conductor itself,
+    which drive it node by node): no region is handed to a rank scheduler, as when a walk's
+    nodes sit on different ranks."""
+    if (name, glue, regions) not in CACHE:
         model, sample = build_example(name)
         captured = capture.trace(model, sample)
         policy = predicate_apart if glue == "predicate_apart" else glue
-        plan = lower(captured, sample, check_capture=False, glue=policy)
-        CACHE[(name, glue)] = (captured, plan, sample)
-    return CACHE[(name, glue)]
+        plan = lower(captured, sample, check_capture=False, glue=policy, regions=regions)
+        CACHE[(name, glue, regions)] = (captured, plan, sample)
+    return CACHE[(name, glue, regions)]
 
 
 def mixed_requests(name: str, sample: dict[str, Any], n: int) -> dict[str, dict[str, Any]]:
@@ -114,10 +120,11 @@ def joined_stream_items(
 # --------------------------------------------------------------------------- real runs
 
 
+@pytest.mark.parametrize("regions", [True, False])
 @pytest.mark.parametrize("n", [1, 8])
 @pytest.mark.parametrize("name", list(EXAMPLES))
-def test_run_local_matches_interpreter(name: str, n: int) -> None:
-    captured, plan, sample = setup(name)
+def test_run_local_matches_interpreter(name: str, n: int, regions: bool) -> None:
+    captured, plan, sample = setup(name, regions=regions)
     requests = mixed_requests(name, sample, n)
     arrivals = {rid: i % 3 for i, rid in enumerate(requests)}  # join running batches
     for start in captured.graph.entry_walks():  # every walk: later ones follow the chain
@@ -136,8 +143,9 @@ def test_run_local_matches_interpreter(name: str, n: int) -> None:
         assert stats.buffered_stream_items == 0
 
 
-def test_continuous_batching_mixes_iterations() -> None:
-    captured, plan, sample = setup("example-speech")
+@pytest.mark.parametrize("regions", [True, False])
+def test_continuous_batching_mixes_iterations(regions: bool) -> None:
+    captured, plan, sample = setup("example-speech", regions=regions)
     requests = mixed_requests("example-speech", sample, 8)
     arrivals = {rid: i % 3 for i, rid in enumerate(requests)}
     result = run_local(captured, plan, requests, arrivals=arrivals)
@@ -157,8 +165,9 @@ def test_continuous_batching_mixes_iterations() -> None:
     assert any(len({arrivals[rid] for rid, _, _ in d.members}) > 1 for d in mixed)
 
 
-def test_bad_request_fails_alone_in_a_batch() -> None:
-    captured, plan, sample = setup("example-text")
+@pytest.mark.parametrize("regions", [True, False])
+def test_bad_request_fails_alone_in_a_batch(regions: bool) -> None:
+    captured, plan, sample = setup("example-text", regions=regions)
     requests = mixed_requests("example-text", sample, 4)
     requests["bad"] = dict(requests["r1"], prompt_ids=torch.tensor([[5, 999, 7]]))  # vocab 96
     requests["bad2"] = dict(requests["r1"], max_new_tokens="many")  # not a loop bound
@@ -247,7 +256,7 @@ def test_other_loop_forms_match_interpreter() -> None:
     model = Forms().eval().requires_grad_(False)
     sample = {"h": torch.randn(1, 4), "xs": torch.randn(1, 3, 2, 4), "x": torch.randn(1, 4), "n": 9}
     captured = capture.trace(model, sample)
-    plan = lower(captured, sample, check_capture=False)
+    plans = [lower(captured, sample, check_capture=False, regions=r) for r in (True, False)]
     g = torch.Generator().manual_seed(0)
     requests = {
         f"r{k}": dict(
@@ -255,7 +264,7 @@ def test_other_loop_forms_match_interpreter() -> None:
         )
         for k in range(6)
     }
-    for walk_name in ("nested", "pipe"):
+    for plan, walk_name in itertools.product(plans, ("nested", "pipe")):
         result = run_local(captured, plan, requests, walks=walk_name, stream_buffer_limit=3)
         assert result.max_buffered <= 3 * 2 * len(requests)  # two bounded streams each
         for rid, r in requests.items():
@@ -272,8 +281,9 @@ def test_other_loop_forms_match_interpreter() -> None:
 # --------------------------------------------------------------------------- streaming
 
 
-def test_talker_starts_before_thinker_finishes() -> None:
-    captured, plan, sample = setup("example-speech")
+@pytest.mark.parametrize("regions", [True, False])
+def test_talker_starts_before_thinker_finishes(regions: bool) -> None:
+    captured, plan, sample = setup("example-speech", regions=regions)
     result = run_local(captured, plan, {"a": sample})
     rounds: dict[str, list[int]] = {}
     for d in result.dispatches:

@@ -22,7 +22,7 @@ import torch
 
 from walkserve import capture
 from walkserve.adapters import diffusers_dit as D
-from walkserve.api.profile import profile_for
+from walkserve.adapters.registry import profile_for
 from walkserve.capture import ir
 from walkserve.capture.sections import parallel_groups
 

@@ -61,7 +61,7 @@ def reference(lm: torch.nn.Module, ids: torch.Tensor, n: int) -> list[int]:
 def test_prefill_and_decode_walks_match_generate(arch: str) -> None:
     lm = tiny(arch)  # upstream, with transformers' own attention
     captured = capture.trace(CausalLMWalks(tiny(arch), EOS), sample_request([1, 7, 9], 4))
-    assert list(captured.walks) == ["prefill", "decode"]
+    assert list(captured.walks) == ["prefill", "decode", "prefill_ext", "decode_ext"]
     decode = captured.walk("decode")
     (loop,) = decode.body.nodes
     assert isinstance(loop, ir.LoopNode) and loop.dynamic

@@ -174,7 +174,8 @@ def test_bad_sampling_values_are_refused() -> None:
 
 
 def test_factory_profiles_come_from_the_module_hook() -> None:
-    from walkserve.api.profile import ModelProfile, profile_for
+    from walkserve.adapters.registry import profile_for
+    from walkserve.api.profile import ModelProfile
 
     profile = profile_for("walkserve.adapters.janus:tiny")
     assert profile.image is not None and profile.image.noise_input is None
@@ -183,3 +184,26 @@ def test_factory_profiles_come_from_the_module_hook() -> None:
     assert profile_for(plain) == ModelProfile(plain)
     # an unknown module: no tasks here (serving it fails later, saying why)
     assert profile_for("walkserve.adapters.no_such_module:tiny").image is None
+
+
+def test_repeated_prompts_reuse_cached_context_pages(ref) -> None:
+    """Pages of 4 tokens: a second request with the first one's prompt (another seed) reuses its
+    cached prompt pages in both guidance contexts, and a third with another prompt of the same
+    length reuses the unconditioned context's (all PAD but BOS and BOI); every request's tokens
+    are still upstream's."""
+    walks = janus.JanusImageWalks(
+        janus.tiny_janus(0), janus.TINY_IDS, pool=janus.PoolSize(num_pages=64, page_size=4)
+    )
+    prompt = tuple(range(40, 51))  # 11 ids + BOS + BOI = 13 tokens: 3 full pages
+    other = tuple(range(60, 71))
+    hits = []
+    for p, seed in ((prompt, 1), (prompt, 2), (other, 3)):
+        ids = janus.sample_inputs(p)["input_ids"]
+        with torch.no_grad():
+            out = walks.generate(ids, torch.tensor([seed]))
+        assert torch.equal(
+            out["image_tokens"], upstream_tokens(ref, ids, seed, janus.ImageSampling())
+        )
+        hits.append(walks.kv.pool.stats().prefix_hits)
+    assert hits == [0, 2 * 3, 2 * 3 + 3]  # both contexts, then the unconditioned one only
+    assert walks.kv.pool.pages_in_use == 0 and walks.kv.pool.stats().sequences == 0

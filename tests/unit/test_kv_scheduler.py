@@ -22,7 +22,7 @@ def check(plan: StepPlan, kv: KVPool, budget: int) -> None:
     assert len({c.request_id for c in plan.chunks}) == len(plan.chunks)
     for c in plan.chunks:
         assert len(c.token_ids) == c.end - c.start > 0
-        assert len(c.block_table) >= kv.pages_for(c.end)
+        assert len(kv.block_table(c.seq).pages) >= kv.pages_for(c.end)
 
 
 def drive(sched: ContinuousScheduler, kv: KVPool, budget: int) -> dict[str, list[int]]:

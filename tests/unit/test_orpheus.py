@@ -205,7 +205,7 @@ def test_load_orpheus_round_trips_local_checkpoints(tmp_path: Any, tiny: Any) ->
 
 def test_factory_profiles() -> None:
     """``profile_for("module:factory")`` asks ``factory_profile``; none means walks only."""
-    from walkserve.api.profile import profile_for
+    from walkserve.adapters.registry import profile_for
 
     profile = profile_for("walkserve.adapters.orpheus:tiny")
     assert profile.speech is not None and profile.text is None and profile.image is None

@@ -2,17 +2,19 @@
 
 Every result is checked against a dense reference written plainly below: per sequence, its full
 K/V concatenated in position order, an explicit loop over queries and heads, softmax over the
-positions the query may see. Batches mix prefill (no context), chunked prefill (context and
-several queries) and decode (one query), with random page sizes and shuffled page ids; pool slots
-no sequence owns hold NaN, so reading one shows up (the unfilled tail of a sequence's last page
-is zero, as ``KVPool`` hands pages out, and masked).
+positions the query may see (soft-capped logits, a sink logit per head, when asked). Batches mix
+prefill (no context), chunked prefill (context and several queries) and decode (one query), with
+random page sizes, shuffled page ids, value heads that may be smaller than key heads, and
+sliding-window sequences whose leading pages were freed (block tables from ``first_page``); pool
+slots no sequence owns hold NaN, so reading one shows up (the unfilled tail of a sequence's last
+page is zero, as ``KVPool`` hands pages out, and masked).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -22,12 +24,12 @@ from hypothesis import strategies as st
 from walkserve.runtime.kv.attention import (
     AttentionConfig,
     AttentionMetadata,
-    DoubleBufferedPlanner,
+    ScoreParams,
     SequenceSpec,
-    TorchPagedAttention,
-    TorchPlan,
     write_kv,
 )
+from walkserve.runtime.kv.planner import DoubleBufferedPlanner
+from walkserve.runtime.kv.torch_attention import TorchPagedAttention, TorchPlan
 
 FAST = settings(max_examples=80, deadline=None)
 ATOL = 1e-5
@@ -41,10 +43,12 @@ def dense_attention(
     context_len: int,
     q: torch.Tensor,  # [query_len, H, D]
     k: torch.Tensor,  # [seq_len, KVH, D], position order
-    v: torch.Tensor,
-) -> torch.Tensor:
+    v: torch.Tensor,  # [seq_len, KVH, Dv]
+    scores: ScoreParams | None = None,
+) -> torch.Tensor:  # [query_len, H, Dv]
     """Float64, one query and one head at a time."""
-    out = torch.empty(q.shape, dtype=torch.float64)
+    params = scores or ScoreParams.of(config)
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
     group = config.num_heads // config.num_kv_heads
     for i in range(q.shape[0]):
         p = context_len + i
@@ -52,7 +56,12 @@ def dense_attention(
         for h in range(config.num_heads):
             keys = k[lo : p + 1, h // group].double()  # [n, D]
             vals = v[lo : p + 1, h // group].double()
-            weights = torch.softmax(keys @ q[i, h].double() * config.softmax_scale, dim=0)
+            logits = keys @ q[i, h].double() * params.scale
+            if params.softcap is not None:
+                logits = torch.tanh(logits / params.softcap) * params.softcap
+            if params.sinks is not None:
+                logits = torch.cat([logits, params.sinks[h : h + 1].double()])
+            weights = torch.softmax(logits, dim=0)[: len(vals)]  # a sink's share is dropped
             out[i, h] = weights @ vals
     return out
 
@@ -65,6 +74,15 @@ class Batch:
     k: list[torch.Tensor]  # per sequence [seq_len, KVH, D]
     v: list[torch.Tensor]
     num_pages: int
+    scores: ScoreParams | None = None
+
+
+def freed_pages(config: AttentionConfig, context_len: int) -> int:
+    """Leading pages a window no longer reaches from position ``context_len`` on (what
+    ``GroupedKVPool`` frees); 0 without a window."""
+    if config.sliding_window is None:
+        return 0
+    return max(0, context_len - config.sliding_window + 1) // config.page_size
 
 
 def make_batch(
@@ -73,22 +91,27 @@ def make_batch(
     page_order: Sequence[int],
     spare_pages: int = 0,
     seed: int = 0,
+    scores: ScoreParams | None = None,
+    freed: bool = False,
 ) -> Batch:
     """Give sequence after sequence the next pages of ``page_order`` (plus ``spare_pages``
-    reserved but unused entries each) and random Q/K/V."""
+    reserved but unused entries each) and random Q/K/V; with ``freed``, the leading pages its
+    window no longer reaches are left out (``first_page``)."""
     g = torch.Generator().manual_seed(seed)
     c = config
     specs, qs, ks, vs, taken = [], [], [], [], 0
     for context_len, query_len in shapes:
-        n = -(-(context_len + query_len) // c.page_size) + spare_pages
-        specs.append(SequenceSpec(tuple(page_order[taken : taken + n]), context_len, query_len))
+        first = freed_pages(c, context_len) if freed else 0
+        n = -(-(context_len + query_len) // c.page_size) - first + spare_pages
+        table = tuple(page_order[taken : taken + n])
+        specs.append(SequenceSpec(table, context_len, query_len, first))
         taken += n
         seq_len = context_len + query_len
         qs.append(torch.randn(query_len, c.num_heads, c.head_dim, generator=g))
         ks.append(torch.randn(seq_len, c.num_kv_heads, c.head_dim, generator=g))
-        vs.append(torch.randn(seq_len, c.num_kv_heads, c.head_dim, generator=g))
+        vs.append(torch.randn(seq_len, c.num_kv_heads, c.value_dim, generator=g))
     assert taken <= len(page_order)
-    return Batch(config, specs, qs, ks, vs, len(page_order))
+    return Batch(config, specs, qs, ks, vs, len(page_order), scores)
 
 
 def new_pool(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,14 +120,16 @@ def new_pool(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     hands out), so a read of a slot outside the sequence's pages shows up as NaN."""
     c = batch.config
     shape = (batch.num_pages, c.page_size, c.num_kv_heads, c.head_dim)
-    k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full((*shape[:3], c.value_dim), float("nan"))
     for spec in batch.specs:
         held = list(spec.block_table)  # every page of its block table
         k_cache[held] = 0.0
         v_cache[held] = 0.0
     for spec, k, v in zip(batch.specs, batch.k, batch.v):
-        for p in range(spec.context_len):
-            page, offset = spec.block_table[p // c.page_size], p % c.page_size
+        for p in range(spec.first_page * c.page_size, spec.context_len):
+            page = spec.block_table[p // c.page_size - spec.first_page]
+            offset = p % c.page_size
             k_cache[page, offset] = k[p]
             v_cache[page, offset] = v[p]
     return k_cache, v_cache
@@ -121,13 +146,13 @@ def run_step(
     new_k = torch.cat([k[s.context_len :] for s, k in zip(batch.specs, batch.k)])
     new_v = torch.cat([v[s.context_len :] for s, v in zip(batch.specs, batch.v)])
     write_kv(k_cache, v_cache, metadata.slot_mapping, new_k, new_v)
-    return backend.run(torch.cat(batch.q), k_cache, v_cache, metadata)
+    return backend.run(torch.cat(batch.q), k_cache, v_cache, metadata, batch.scores)
 
 
 def check_against_dense(batch: Batch, out: torch.Tensor) -> None:
     row = 0
     for spec, q, k, v in zip(batch.specs, batch.q, batch.k, batch.v):
-        want = dense_attention(batch.config, spec.context_len, q, k, v)
+        want = dense_attention(batch.config, spec.context_len, q, k, v, batch.scores)
         got = out[row : row + spec.query_len].double()
         assert torch.allclose(got, want, atol=ATOL, rtol=0), (spec, (got - want).abs().max())
         row += spec.query_len
@@ -152,17 +177,27 @@ chunked = st.tuples(st.integers(1, 24), st.integers(2, 8))
 def batches(draw: st.DrawFn) -> Batch:
     config = AttentionConfig(
         num_kv_heads=(kv := draw(st.sampled_from([1, 2]))),
-        num_heads=kv * draw(st.sampled_from([1, 2, 4])),
+        num_heads=(heads := kv * draw(st.sampled_from([1, 2, 4]))),
         head_dim=draw(st.sampled_from([4, 8])),
         page_size=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16])),
         sliding_window=draw(st.none() | st.integers(1, 12)),
         scale=draw(st.none() | st.floats(0.05, 1.0)),
+        v_head_dim=draw(st.none() | st.sampled_from([3, 6])),
     )
+    scores = None
+    if draw(st.booleans()):  # a soft cap and/or sinks: the explicit softmax path
+        softcap = draw(st.none() | st.floats(0.5, 5.0))
+        sink_seed = draw(st.none() | st.integers(0, 99))
+        sinks = None
+        if sink_seed is not None:
+            sinks = torch.randn(heads, generator=torch.Generator().manual_seed(sink_seed))
+        scores = ScoreParams(config.softmax_scale, softcap, sinks)
     shapes = draw(st.lists(st.one_of(decode, prefill, chunked), min_size=1, max_size=5))
     spare = draw(st.integers(0, 1))
     needed = sum(-(-(c + q) // config.page_size) + spare for c, q in shapes)
     pages = draw(st.permutations(range(needed + draw(st.integers(0, 3)))))
-    return make_batch(config, shapes, pages, spare, seed=draw(st.integers(0, 2**31)))
+    seed = draw(st.integers(0, 2**31))
+    return make_batch(config, shapes, pages, spare, seed, scores, freed=draw(st.booleans()))
 
 
 @FAST
@@ -226,6 +261,53 @@ def test_chunked_prefill_equals_whole_prefill() -> None:
         )
         got.append(run_step(backend, chunk, k_cache, v_cache, backend.plan(chunk.specs)))
     assert torch.allclose(torch.cat(got), expected, atol=ATOL)
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_soft_cap_sinks_and_smaller_value_heads(decode_only: bool) -> None:
+    """Gemma 2's soft cap with a non-default scale, gpt-oss sinks and DeepSeek's value heads
+    smaller than its key heads, in one batch, against the dense reference."""
+    config = AttentionConfig(
+        num_heads=4, num_kv_heads=2, head_dim=8, page_size=4, scale=0.3, v_head_dim=5
+    )
+    shapes = [(0, 1), (7, 1), (30, 1)] if decode_only else [(0, 9), (7, 1), (12, 5)]
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    batch = make_batch(config, shapes, list(range(40))[::-1], scores=ScoreParams(0.3, 1.2, sinks))
+    check_batch(batch)
+    # the test can fail: the same batch without the soft cap is far from the reference
+    backend = TorchPagedAttention(config)
+    k_cache, v_cache = new_pool(batch)
+    plain = Batch(config, batch.specs, batch.q, batch.k, batch.v, batch.num_pages)
+    out = run_step(backend, plain, k_cache, v_cache, backend.plan(batch.specs))
+    with pytest.raises(AssertionError):
+        check_against_dense(batch, out)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_freed_leading_pages_are_never_read(window: int) -> None:
+    """Sequences whose pages before ``first_page`` are gone (their slots hold NaN in the pool):
+    decode and chunked prefill far past the window read only live pages."""
+    config = AttentionConfig(
+        num_heads=4, num_kv_heads=2, head_dim=8, page_size=4, sliding_window=window
+    )
+    shapes = [(40, 1), (23, 1), (17, 6), (0, 5)]
+    batch = make_batch(config, shapes, list(range(60)), seed=window, freed=True)
+    assert [s.first_page for s in batch.specs][:3] == [
+        freed_pages(config, c) for c, _ in shapes[:3]
+    ]
+    assert batch.specs[0].first_page > 0
+    check_batch(batch)
+
+
+def test_a_query_reading_a_freed_page_is_refused() -> None:
+    config = AttentionConfig(num_heads=2, num_kv_heads=1, head_dim=4, page_size=4, sliding_window=4)
+    backend = TorchPagedAttention(config)
+    backend.plan([SequenceSpec((5, 6), 9, 1, first_page=1)])  # query 9 sees 6..9: page 1 on
+    with pytest.raises(ValueError, match="still reads them"):
+        backend.plan([SequenceSpec((5, 6, 7), 9, 1, first_page=2)])
+    no_window = TorchPagedAttention(replace(config, sliding_window=None))
+    with pytest.raises(ValueError, match="still reads them"):
+        no_window.plan([SequenceSpec((5, 6), 9, 1, first_page=1)])
 
 
 # --- metadata, write_kv, validation ---------------------------------------------------------

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from walkserve.runtime.kv import hf  # noqa: E402
 from walkserve.runtime.kv.engine import PagedLMEngine  # noqa: E402
+from walkserve.runtime.kv.pool import SeqId  # noqa: E402
 
 EOS = 5
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -91,9 +92,9 @@ def test_packed_prefill_and_decode_match_sdpa_logits(models) -> None:
     a, b = list(range(6, 26)), list(range(40, 53))
     pool.allocate(("a", "t"), len(a))
     pool.allocate(("b", "t"), len(b))
-    pa, pb = pool.block_table(("a", "t")).pages, pool.block_table(("b", "t")).pages
-    first = runner.forward([hf.SeqChunk(tuple(a[:12]), 0, pa), hf.SeqChunk(tuple(b), 0, pb)])
-    second = runner.forward([hf.SeqChunk(tuple(a[12:]), 12, pa)])
+    sa, sb = SeqId("a", "t"), SeqId("b", "t")
+    first = runner.forward([hf.SeqChunk(tuple(a[:12]), 0, sa), hf.SeqChunk(tuple(b), 0, sb)])
+    second = runner.forward([hf.SeqChunk(tuple(a[12:]), 12, sa)])
     with torch.no_grad():
         want_a = ref(torch.tensor([a])).logits[0]
         want_b = ref(torch.tensor([b])).logits[0]
@@ -104,7 +105,7 @@ def test_packed_prefill_and_decode_match_sdpa_logits(models) -> None:
 
 def test_attention_outside_a_step_is_refused(models) -> None:
     _, paged = models
-    with pytest.raises(RuntimeError, match="paged_step"):
+    with pytest.raises(RuntimeError, match="paged step"):
         paged(torch.tensor([[7, 8]]), use_cache=False)
 
 

@@ -15,9 +15,10 @@ import torch
 from benchmarks.loadgen import Record
 from walkserve import capture
 from walkserve.adapters import omni_http, orpheus, qwen3_omni, qwen25_omni
+from walkserve.adapters.registry import profile_for
 from walkserve.api import audio
-from walkserve.api.metrics import Metrics, PlaybackClock
-from walkserve.api.profile import ModelProfile, Voice, Voices, profile_for
+from walkserve.api.metrics import Metrics, PlaybackClock, read_metric
+from walkserve.api.profile import ModelProfile, Voice, Voices
 from walkserve.api.textgen import TextAssembler, reply_tokens
 from walkserve.lowering.lower import lower
 from walkserve.runtime.conductor import ConductorStats, Output, StreamItem
@@ -201,15 +202,15 @@ def test_playback_clock_by_hand() -> None:
 def test_metrics_render_the_viability_gauge() -> None:
     metrics = Metrics()
     stats = ConductorStats(0, 0, 0, 0, 0, 0, {})
-    assert "walkserve_streaming_viability 1.000000" in metrics.render(0, None, stats)
+    assert read_metric(metrics.render(0, None, stats), "walkserve:streaming_viability") == 1.0
     for arrivals in ([(0.0, 1.0), (0.5, 1.0), (5.0, 1.0)], [(0.0, 0.1), (0.05, 0.1)]):
         clock = PlaybackClock()
         for t, s in arrivals:
             clock.arrive(t, s)
         metrics.observe_playback(clock)
     text = metrics.render(0, None, stats)
-    assert f"walkserve_streaming_viability {2 / 3:.6f}" in text
-    assert "walkserve_audio_chunks_judged_total 3" in text
+    assert read_metric(text, "walkserve:streaming_viability") == pytest.approx(2 / 3)
+    assert read_metric(text, "walkserve:audio_chunks_judged_total") == 3
 
 
 # ---------------------------------------------------------------- conductor

@@ -30,6 +30,7 @@ from walkserve.adapters.examples import cfg_image, speech
 from walkserve.adapters.examples.blocks import seeded
 from walkserve.adapters.hf_causal_lm import TextWalks, sample_request
 from walkserve.capture.api import walk
+from walkserve.runtime.kv.grammar import ByteVocabulary
 from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig
 
 NAME = "walkserve-default"
@@ -46,6 +47,8 @@ NOISE_SHAPE = (cfg_image.LATENT_CHANNELS, cfg_image.LATENT_SIZE, cfg_image.LATEN
 HOP = speech.HOP  # waveform samples per codec frame
 SAMPLE_RATE = 16000  # nominal: the waveform is random-weight noise at any rate
 MAX_NEW_TOKENS = 16
+MAX_PROMPT_TOKENS = 256  # of the speech and image prompts over HTTP
+TEXT_PROMPT_TOKENS = 512  # of a text prompt (a chat with tools is long); TEXT_CONTEXT in all
 
 
 class DefaultModel(TextWalks, nn.Module):
@@ -59,7 +62,12 @@ class DefaultModel(TextWalks, nn.Module):
         image_model: cfg_image.CFGImageModel,
     ) -> None:
         super().__init__()
-        self.lm = PagedLM(text_lm, PagedLMConfig(pool_tokens=TEXT_KV_TOKENS))
+        self.lm = PagedLM(
+            text_lm,
+            PagedLMConfig(pool_tokens=TEXT_KV_TOKENS),
+            stop_ids=(EOS_ID,),
+            vocabulary=ByteVocabulary(TEXT_VOCAB, SPECIAL_IDS, EOS_ID),
+        )
         self.eos = EOS_ID
         self.speech = speech_model
         self.image = image_model
@@ -121,3 +129,48 @@ def build(seed: int = 0) -> tuple[DefaultModel, dict[str, Any]]:
         "noise": image_inputs["noise"],
         "image": image_inputs["image"],
     }
+
+
+def api_profile(name: str = NAME) -> Any:
+    """The HTTP routes' view of the model: text, speech and image tasks over its walks, each
+    with its own byte vocabulary (``ByteTokenizer``)."""
+    from walkserve.adapters.hf_causal_lm import byte_text_task
+    from walkserve.adapters.tokenizer import ByteTokenizer
+    from walkserve.api.profile import ImageTask, ModelProfile, SpeechTask
+
+    speech_tok = ByteTokenizer(SPEECH_VOCAB)
+    image_tok = ByteTokenizer(IMAGE_VOCAB)
+    return ModelProfile(
+        name,
+        text=byte_text_task(
+            TEXT_VOCAB,
+            EOS_ID,
+            max_prompt_tokens=TEXT_PROMPT_TOKENS,
+            max_tokens_limit=TEXT_CONTEXT - TEXT_PROMPT_TOKENS,
+        ),
+        speech=SpeechTask(
+            walk="speak",
+            prompt_input="prompt_ids",
+            max_tokens_input="max_new_tokens",
+            waveform_channel="waveform",
+            sample_rate=SAMPLE_RATE,
+            vocab_size=SPEECH_VOCAB,
+            max_prompt_tokens=MAX_PROMPT_TOKENS,
+            max_tokens_limit=128,
+            default_max_tokens=32,
+            encode=speech_tok.encode,
+        ),
+        image=ImageTask(
+            walk="generate",
+            prompt_input="prompt_ids",
+            noise_input="noise",
+            noise_shape=NOISE_SHAPE,
+            size=IMAGE_SIZE,
+            vocab_size=IMAGE_VOCAB,
+            max_prompt_tokens=MAX_PROMPT_TOKENS,
+            image_output="image",
+            encode=image_tok.encode,
+            edit_walk="edit",
+            image_input="image",
+        ),
+    )

@@ -52,7 +52,8 @@ from torch import Tensor, nn
 
 from walkserve.capture import iterations, loop, register_component, walk
 from walkserve.runtime.kv import hf
-from walkserve.runtime.kv.pool import KVPool, SeqId
+from walkserve.runtime.kv.layer_groups import GroupedKVPool
+from walkserve.runtime.kv.pool import SeqId
 
 LABELS = ("cond", "uncond")  # guidance contexts, in upstream's row order
 TEXT_LABELS = ("text",)  # the one context of image understanding
@@ -109,8 +110,22 @@ class PoolSize:
     page_size: int = 16
 
 
+def guidance_ids(input_ids: Tensor, ids: PromptIds) -> Tensor:
+    """input_ids [B, T] -> [B, 2, T]: the conditioned prompt and upstream's unconditioned one
+    (only BOS and BOI kept, the rest PAD)."""
+    keep = (input_ids == ids.bos) | (input_ids == ids.boi)
+    return torch.stack([input_ids, input_ids.masked_fill(~keep, ids.pad)], dim=1)
+
+
 class GuidanceKV:
     """The paged pool of one language-model instance and the handles naming its requests.
+
+    A context opened with its prompt's token ids (the guidance contexts of ``generate``, whose
+    embeddings are those ids' text embeddings) gets its pages at its first step, reusing the
+    cached full pages of an identical prompt prefix (``allocate_with_prefix``): a second request
+    with the same prompt, or the unconditioned contexts of any two requests with prompts of one
+    length, computes only what is new. A context opened without ids (``understand``: image
+    features in its embeddings) starts empty and is never shared.
 
     The pool is allocated on first use (in the worker that runs the component), once."""
 
@@ -119,6 +134,9 @@ class GuidanceKV:
         self.size = size
         self._runner: hf.PagedCausalLMRunner | None = None
         self._next = 0
+        self._labels: dict[int, tuple[str, ...]] = {}
+        self._prompts: dict[SeqId, list[int]] = {}  # opened with ids, not allocated yet
+        self._namespace = f"janus:{id(self)}"
 
     @property
     def runner(self) -> hf.PagedCausalLMRunner:
@@ -128,19 +146,26 @@ class GuidanceKV:
         return self._runner
 
     @property
-    def pool(self) -> KVPool:
+    def pool(self) -> GroupedKVPool:
         return self.runner.pool
 
     @staticmethod
     def request_id(handle: int) -> str:
         return f"janus-{handle}"
 
-    def open(self, n: int, labels: Sequence[str]) -> list[int]:
+    def open(self, n: int, labels: Sequence[str], prompt_ids: Tensor | None = None) -> list[int]:
+        """``n`` new requests with ``labels``; ``prompt_ids`` [n, len(labels), T]: each
+        context's prompt token ids, for prefix reuse (None: contexts start empty)."""
         handles = list(range(self._next, self._next + n))
         self._next += n
-        for h in handles:
-            for label in labels:
-                self.pool.allocate(SeqId(self.request_id(h), label), 0)
+        for row, h in enumerate(handles):
+            self._labels[h] = tuple(labels)
+            for j, label in enumerate(labels):
+                seq = SeqId(self.request_id(h), label)
+                if prompt_ids is None:
+                    self.pool.allocate(seq, 0)
+                else:
+                    self._prompts[seq] = [int(t) for t in prompt_ids[row, j].tolist()]
         return handles
 
     def step(self, handles: Sequence[int], embeds: Tensor) -> Tensor:
@@ -148,32 +173,50 @@ class GuidanceKV:
         b, n_labels, t, d = embeds.shape
         chunks = []
         for row, h in enumerate(handles):
-            labels = self.pool.labels(self.request_id(h))
+            labels = self._labels.get(h, ())
             if len(labels) != n_labels:
                 raise ValueError(f"request {h} has labels {labels}, got {n_labels} embeddings")
             for j, label in enumerate(labels):
                 seq = SeqId(self.request_id(h), label)
+                prompt = self._prompts.pop(seq, None)
+                if prompt is not None:  # its first step: the prompt, past its cached prefix
+                    if len(prompt) != t:
+                        raise ValueError(f"{seq}: prompt of {len(prompt)} ids, {t} embeddings")
+                    context = self.pool.allocate_with_prefix(
+                        seq, prompt, namespace=self._namespace, max_cached_tokens=t - 1
+                    )
+                    chunks.append(hf.SeqChunk((), context, seq, embeds[row, j, context:]))
+                    continue
                 context = self.pool.num_tokens(seq)
                 self.pool.append(seq, t)
-                pages = self.pool.block_table(seq).pages
-                chunks.append(hf.SeqChunk((), context, pages, embeds[row, j]))
-        return self.runner.last_hidden_states(chunks).view(b, n_labels, d)
+                chunks.append(hf.SeqChunk((), context, seq, embeds[row, j]))
+        hidden = self.runner.last_hidden_states(chunks).view(b, n_labels, d)
+        for c in chunks:
+            self.pool.mark_computed(c.seq)  # registers the prompt's full pages for reuse
+        return hidden
 
     def close(self, handles: Sequence[int]) -> None:
         for h in handles:
             self.pool.free_request(self.request_id(h))
+            for label in self._labels.pop(h, ()):
+                self._prompts.pop(SeqId(self.request_id(h), label), None)
 
 
 class KVOpen(nn.Module):
-    """input_ids [B, T] -> handles [B] int64: B new requests, each with ``labels``, empty."""
+    """input_ids [B, T] -> handles [B] int64: B new requests, each with ``labels``; with
+    ``ids``, the guidance contexts of ``input_ids`` (``guidance_ids``), reusing cached prompt
+    prefixes; else empty."""
 
-    def __init__(self, kv: GuidanceKV, labels: Sequence[str]) -> None:
+    def __init__(self, kv: GuidanceKV, labels: Sequence[str], ids: PromptIds | None = None):
         super().__init__()
         self.kv = kv
         self.labels = tuple(labels)
+        self.ids = ids
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        return torch.tensor(self.kv.open(input_ids.shape[0], self.labels), dtype=torch.int64)
+        prompts = None if self.ids is None else guidance_ids(input_ids, self.ids)
+        handles = self.kv.open(input_ids.shape[0], self.labels, prompts)
+        return torch.tensor(handles, dtype=torch.int64)
 
 
 class PagedLM(nn.Module):
@@ -225,9 +268,7 @@ class PromptEmbedder(nn.Module):
         self.ids = ids
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        keep = (input_ids == self.ids.bos) | (input_ids == self.ids.boi)
-        uncond = input_ids.masked_fill(~keep, self.ids.pad)
-        return self.embed_tokens(torch.stack([input_ids, uncond], dim=1))
+        return self.embed_tokens(guidance_ids(input_ids, self.ids))
 
 
 class Seeder(nn.Module):
@@ -373,7 +414,7 @@ class JanusImageWalks(nn.Module):
         language_model.config._attn_implementation = hf.register()
         self.kv = GuidanceKV(language_model, pool or PoolSize())
         self.num_image_tokens = int(janus.config.vision_config.num_image_tokens)
-        self.kv_open = KVOpen(self.kv, LABELS)
+        self.kv_open = KVOpen(self.kv, LABELS, ids)
         self.prompt_embedder = PromptEmbedder(janus.get_input_embeddings(), ids)
         self.seeder = Seeder()
         self.lm = PagedLM(language_model, self.kv)

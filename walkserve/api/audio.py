@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from walkserve.api import media
+from walkserve.api.metrics import Metrics, PlaybackClock
 from walkserve.api.profile import Voice, Voices
 from walkserve.api.textgen import TextAssembler, reply_tokens
 
@@ -153,3 +154,33 @@ def audio_chunk(
         "model": model,
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
     }
+
+
+class AudioWatch:
+    """Observes one streamed audio response: time to first audio, playback viability (see
+    ``api.metrics``) and the real-time factor, chunk by chunk."""
+
+    def __init__(self, metrics: Metrics, sample_rate: int, t0: float) -> None:
+        self.metrics, self.sample_rate, self.t0 = metrics, sample_rate, t0
+        self.clock = PlaybackClock()
+        self.samples = 0
+
+    def chunk(self, waveform: torch.Tensor) -> torch.Tensor:  # [..., samples]
+        now = time.perf_counter()
+        if self.clock.start is None:
+            self.metrics.observe_first("audio", now - self.t0)
+        self.clock.arrive(now, waveform.shape[-1] / self.sample_rate)
+        self.samples += waveform.shape[-1]
+        return waveform
+
+    def rest(self, waveform: torch.Tensor | None) -> torch.Tensor | None:
+        """The part of the final waveform output not streamed yet (all of it when the walk's
+        waveform is a plain output, not a streamed channel); None if nothing is left."""
+        if waveform is None or waveform.shape[-1] <= self.samples:
+            return None
+        return waveform[..., self.samples :]
+
+    def done(self) -> None:
+        self.metrics.observe_playback(self.clock)
+        elapsed = time.perf_counter() - self.t0
+        self.metrics.observe_real_time_factor(elapsed, self.samples / self.sample_rate)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from walkserve.capture import ir
@@ -88,6 +88,8 @@ def _decode_one(name: str, value: Any, meta: ir.ValueMeta | None) -> Any:
         }[meta.kind]
         if not ok:
             raise ValueError(f"input {name!r} must be a JSON {meta.kind}, got {value!r}")
+        if meta.kind == "int" and not -(2**63) <= value < 2**63:
+            raise ValueError(f"input {name!r} is outside the 64-bit integer range")
         return value
     if isinstance(meta, ir.OpaqueMeta):
         raise ValueError(f"input {name!r} is a {meta.kind} object and cannot be sent as JSON")
@@ -110,7 +112,7 @@ def tensor_from_json(name: str, value: Any, dtype: torch.dtype | None) -> torch.
         shape = value.get("shape")
         if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise ValueError(f"input {name!r}: shape must be a list of non-negative ints")
-        numel = int(np.prod(shape)) if shape else 1
+        numel = math.prod(shape)  # exact: a product past 64 bits is refused, not wrapped
         if numel > MAX_ELEMENTS:
             raise ValueError(f"input {name!r} has {numel} elements; at most {MAX_ELEMENTS}")
         try:
@@ -129,6 +131,13 @@ def tensor_from_json(name: str, value: Any, dtype: torch.dtype | None) -> torch.
             else (torch.empty(shape, dtype=given))
         )
     elif isinstance(value, list):
+        leaves = _leaf_types(value)
+        wants_bool = dtype == torch.bool
+        if bool in leaves and (not wants_bool or leaves != {bool}):
+            kind = "booleans only" if wants_bool else "numbers, not booleans"
+            raise ValueError(f"input {name!r} must hold {kind}")
+        if wants_bool and leaves - {bool}:
+            raise ValueError(f"input {name!r} must hold booleans only")
         try:
             tensor = torch.tensor(value)
         except (TypeError, ValueError, RuntimeError):
@@ -142,10 +151,23 @@ def tensor_from_json(name: str, value: Any, dtype: torch.dtype | None) -> torch.
     else:
         raise ValueError(f"input {name!r} must be a tensor (nested list or b64 object)")
     if dtype is not None and tensor.dtype != dtype:
-        if tensor.is_floating_point() and not dtype.is_floating_point:
+        if tensor.is_floating_point() and not dtype.is_floating_point and tensor.numel():
             raise ValueError(f"input {name!r} must hold integers ({dtype}), got floats")
         tensor = tensor.to(dtype)
     return tensor
+
+
+def _leaf_types(value: list[Any]) -> set[type]:
+    """The types of a nested list's leaves."""
+    found: set[type] = set()
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        else:
+            found.add(type(item))
+    return found
 
 
 def to_json(value: Any, encoding: str) -> Any:

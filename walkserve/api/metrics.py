@@ -1,6 +1,27 @@
-"""Prometheus text exposition of the HTTP server's counters and the conductor's stats. Plain
-Python, no client library: a few gauges, counters and fixed-bucket histograms.
+"""``/metrics``: the server's figures in Prometheus text, through ``prometheus_client`` (one
+registry per app). Names and labels follow vLLM's (``vllm:prompt_tokens_total``,
+``vllm:time_to_first_token_seconds``, ... with a ``model_name`` label) under the prefix
+``walkserve:``, so a vLLM dashboard works by changing the prefix::
 
+    walkserve:num_requests_running         gauge      requests live in the conductor
+    walkserve:num_requests_waiting         gauge      admitted HTTP requests not yet submitted
+    walkserve:prompt_tokens_total          counter    prompt tokens of finished text requests
+    walkserve:generation_tokens_total      counter    tokens they generated
+    walkserve:request_success_total        counter    finished requests by finished_reason
+    walkserve:time_to_first_token_seconds  histogram  submit -> first token
+    walkserve:inter_token_latency_seconds  histogram  between a request's tokens
+    walkserve:e2e_request_latency_seconds  histogram  submit -> last output, by walk
+    walkserve:request_queue_time_seconds   histogram  HTTP arrival -> admitted by the conductor
+    walkserve:kv_cache_usage_perc          gauge      pages in use / pages, per rank and pool
+    walkserve:prefix_cache_hits_total      counter    full KV pages reused, per rank and pool
+
+and walkserve's own beside them: KV pages, evictions, speculation (speculated and wasted
+steps), speech (time to first audio, real-time factor, streaming viability), admission
+(queued, limit, 503s), cancellations, and HTTP responses by route *template* and status.
+
+Streaming viability (streamed speech and chat audio): playback starts when a request's first
+audio chunk arrives and plays without pause; a later chunk is on time when it arrives before
+the audio delivered before it has finished playing::
 Streaming viability (streamed speech and chat audio): playback starts when a request's first
 audio chunk arrives and plays without pause; a later chunk is on time when it arrives before
 the audio delivered before it has finished playing::
@@ -14,45 +35,27 @@ over the requests served so far; the same rule as ``benchmarks/loadgen.py``."""
 
 from __future__ import annotations
 
-import bisect
-import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from walkserve.runtime.conductor import ConductorStats
 from walkserve.runtime.messages import KVStats
 
+disable_created_metrics()  # no *_created series (vLLM does the same)
+P = "walkserve:"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
-
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    n: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        i = bisect.bisect_left(self.buckets, value)
-        if i < len(self.counts):
-            self.counts[i] += 1
-        self.total += value
-        self.n += 1
-
-    def lines(self, name: str, labels: str = "") -> list[str]:
-        sep = "," if labels else ""
-        out, cumulative = [], 0
-        for bound, count in zip(self.buckets, self.counts):
-            cumulative += count
-            out.append(f'{name}_bucket{{{labels}{sep}le="{bound}"}} {cumulative}')
-        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.n}')
-        suffix = f"{{{labels}}}" if labels else ""
-        out.append(f"{name}_sum{suffix} {self.total:.6f}")
-        out.append(f"{name}_count{suffix} {self.n}")
-        return out
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class PlaybackClock:
@@ -77,48 +80,135 @@ class PlaybackClock:
 
 
 class Metrics:
-    """Thread-safe; observed from the event loop and from pool threads."""
+    """Thread-safe (prometheus_client's own locks); observed from the event loop and from
+    pool threads. ``model_name``: the label every series carries."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.latency: dict[str, Histogram] = {}
-        self.first_token = Histogram()
-        self.first_audio = Histogram()
-        self.inter_token = Histogram()
-        self.real_time_factor = Histogram()
-        self.chunks_on_time = 0
-        self.chunks_judged = 0
-        self.requests: dict[tuple[str, int], int] = {}
-        self.rejected_full = 0
-        self.cancelled = 0
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, m = self.registry, ["model_name"]
+        self.prompt_tokens = Counter(
+            f"{P}prompt_tokens", "Prompt tokens of finished text requests.", m, registry=r
+        )
+        self.generation_tokens = Counter(
+            f"{P}generation_tokens", "Generated tokens.", m, registry=r
+        )
+        self.success = Counter(
+            f"{P}request_success", "Finished requests.", [*m, "finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            f"{P}time_to_first_token_seconds",
+            "Submit to first token.",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{P}inter_token_latency_seconds",
+            "Between a request's tokens.",
+            m,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{P}e2e_request_latency_seconds", "Submit to last output, by entry walk.", [*m, "walk"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue = Histogram(
+            f"{P}request_queue_time_seconds", "HTTP arrival to admission by the conductor.", m,
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.first_audio = Histogram(
+            f"{P}time_to_first_audio_seconds",
+            "Submit to first audio chunk.",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rtf = Histogram(
+            f"{P}real_time_factor", "Speech: request seconds per second of audio.", m,
+            buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0), registry=r,
+        )  # fmt: skip
+        self.chunks_on_time = Counter(
+            f"{P}audio_chunks_on_time", "Streamed audio chunks on time.", m, registry=r
+        )
+        self.chunks_judged = Counter(
+            f"{P}audio_chunks_judged",
+            "Streamed audio chunks judged (all but each first).",
+            m,
+            registry=r,
+        )
+        self.viability = Gauge(
+            f"{P}streaming_viability",
+            "Streamed audio: share of chunks (after each request's first) that arrived before the"
+            " audio sent before them had finished playing (1 when none was judged yet).",
+            m,
+            registry=r,
+        )
+        self.viability.labels(model_name).set(1.0)
+        self.cancelled = Counter(
+            f"{P}cancelled_requests",
+            "Requests ended early: the client left or a stop string matched.",
+            m,
+            registry=r,
+        )
+        self.rejected = Counter(
+            f"{P}rejected_queue_full", "Requests answered 503 at --max-queued.", m, registry=r
+        )
+        self.http = Counter(
+            f"{P}http_requests",
+            "HTTP responses by route template and status.",
+            [*m, "route", "code"],
+            registry=r,
+        )
+        self._snapshot = _Snapshot(model_name)
+        r.register(self._snapshot)
+        for counter in (self.prompt_tokens, self.generation_tokens, self.cancelled, self.rejected):
+            counter.labels(model_name)  # present (at 0) before the first observation
 
-    def observe_latency(self, walk: str, seconds: float) -> None:
-        with self._lock:
-            self.latency.setdefault(walk, Histogram()).observe(seconds)
+    # ------------------------------------------------------------ observations
+
+    def observe_latency(self, walk: str, seconds: float, finished_reason: str = "stop") -> None:
+        self.e2e.labels(self.model_name, walk).observe(seconds)
+        self.success.labels(self.model_name, finished_reason).inc()
 
     def observe_first(self, kind: str, seconds: float) -> None:
-        with self._lock:
-            (self.first_audio if kind == "audio" else self.first_token).observe(seconds)
+        (self.first_audio if kind == "audio" else self.ttft).labels(self.model_name).observe(
+            seconds
+        )
 
     def observe_inter_token(self, seconds: float) -> None:
-        with self._lock:
-            self.inter_token.observe(seconds)
+        self.itl.labels(self.model_name).observe(seconds)
+
+    def observe_queue(self, seconds: float) -> None:
+        self.queue.labels(self.model_name).observe(seconds)
+
+    def observe_tokens(self, prompt: int, generated: int) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(prompt)
+        self.generation_tokens.labels(self.model_name).inc(generated)
 
     def observe_real_time_factor(self, wall_s: float, audio_s: float) -> None:
         """Seconds of computing per second of audio (< 1: faster than real time)."""
         if audio_s > 0:
-            with self._lock:
-                self.real_time_factor.observe(wall_s / audio_s)
+            self.rtf.labels(self.model_name).observe(wall_s / audio_s)
 
     def observe_playback(self, clock: PlaybackClock) -> None:
         """A finished streamed audio response's chunks (see the module docstring)."""
-        with self._lock:
-            self.chunks_on_time += clock.on_time
-            self.chunks_judged += clock.judged
+        on_time = self.chunks_on_time.labels(self.model_name)
+        judged = self.chunks_judged.labels(self.model_name)
+        on_time.inc(clock.on_time)
+        judged.inc(clock.judged)
+        total = judged._value.get()
+        self.viability.labels(self.model_name).set(on_time._value.get() / total if total else 1.0)
 
     def count(self, route: str, status: int) -> None:
-        with self._lock:
-            self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
+        self.http.labels(self.model_name, route, str(status)).inc()
+
+    def count_cancelled(self) -> None:
+        self.cancelled.labels(self.model_name).inc()
+
+    def count_rejected(self) -> None:
+        self.rejected.labels(self.model_name).inc()
 
     def render(
         self,
@@ -127,92 +217,110 @@ class Metrics:
         stats: ConductorStats,
         kv: Mapping[int, Sequence[KVStats]] | None = None,
     ) -> str:
-        with self._lock:
-            lines = [
-                "# HELP walkserve_queued_requests Admitted HTTP requests not yet finished.",
-                "# TYPE walkserve_queued_requests gauge",
-                f"walkserve_queued_requests {queued}",
-                "# HELP walkserve_max_queued_requests The --max-queued limit (0: none).",
-                "# TYPE walkserve_max_queued_requests gauge",
-                f"walkserve_max_queued_requests {max_queued or 0}",
-                "# HELP walkserve_running_requests Requests live in the conductor.",
-                "# TYPE walkserve_running_requests gauge",
-                f"walkserve_running_requests {stats.live_requests}",
-                "# HELP walkserve_in_flight_work_items Work items dispatched, not completed.",
-                "# TYPE walkserve_in_flight_work_items gauge",
-                f"walkserve_in_flight_work_items {stats.in_flight}",
-                "# TYPE walkserve_buffered_stream_items gauge",
-                f"walkserve_buffered_stream_items {stats.buffered_stream_items}",
-                "# HELP walkserve_speculated_steps_total Loop iterations started before the"
-                " previous stop was known.",
-                "# TYPE walkserve_speculated_steps_total counter",
-                f"walkserve_speculated_steps_total {stats.speculated_steps}",
-                "# HELP walkserve_wasted_steps_total Speculative iterations discarded.",
-                "# TYPE walkserve_wasted_steps_total counter",
-                f"walkserve_wasted_steps_total {stats.wasted_steps}",
-                "# TYPE walkserve_rejected_queue_full_total counter",
-                f"walkserve_rejected_queue_full_total {self.rejected_full}",
-                "# HELP walkserve_cancelled_requests_total Requests ended early: the client"
-                " left or a stop string matched.",
-                "# TYPE walkserve_cancelled_requests_total counter",
-                f"walkserve_cancelled_requests_total {self.cancelled}",
-                "# TYPE walkserve_http_requests_total counter",
-            ]
-            lines += _kv_lines(kv or {})
-            for (route, status), n in sorted(self.requests.items()):
-                lines.append(
-                    f'walkserve_http_requests_total{{route="{route}",code="{status}"}} {n}'
-                )
-            lines.append("# HELP walkserve_request_latency_seconds Request latency by entry walk.")
-            lines.append("# TYPE walkserve_request_latency_seconds histogram")
-            for walk, hist in sorted(self.latency.items()):
-                lines += hist.lines("walkserve_request_latency_seconds", f'walk="{walk}"')
-            lines.append("# TYPE walkserve_time_to_first_token_seconds histogram")
-            lines += self.first_token.lines("walkserve_time_to_first_token_seconds")
-            lines.append("# TYPE walkserve_time_to_first_audio_seconds histogram")
-            lines += self.first_audio.lines("walkserve_time_to_first_audio_seconds")
-            lines.append("# HELP walkserve_inter_token_latency_seconds Between a request's tokens.")
-            lines.append("# TYPE walkserve_inter_token_latency_seconds histogram")
-            lines += self.inter_token.lines("walkserve_inter_token_latency_seconds")
-            lines.append(
-                "# HELP walkserve_real_time_factor Speech: request seconds per second of audio."
+        """The exposition text, with the conductor's ``stats`` and the KV pools ``kv`` (as of
+        each worker's last heartbeat) read now."""
+        self._snapshot.set(queued, max_queued, stats, kv or {})
+        return generate_latest(self.registry).decode("utf-8")
+
+
+class _Snapshot(Collector):
+    """The figures read at scrape time: the conductor's stats and the KV pools."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.value: tuple[int, int | None, ConductorStats | None, Mapping[int, Sequence[KVStats]]] = (
+            0, None, None, {},
+        )  # fmt: skip
+
+    def set(self, *value: Any) -> None:
+        self.value = value  # type: ignore[assignment]
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        queued, max_queued, stats, kv = self.value
+        m = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"{P}{name}", doc, labels=["model_name"])
+            g.add_metric(m, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"{P}{name}", doc, labels=["model_name"])
+            c.add_metric(m, value)
+            return c
+
+        yield gauge("num_requests_waiting", "Admitted HTTP requests not yet finished.", queued)
+        yield gauge("max_queued_requests", "The --max-queued limit (0: none).", max_queued or 0)
+        if stats is not None:
+            yield gauge(
+                "num_requests_running", "Requests live in the conductor.", stats.live_requests
             )
-            lines.append("# TYPE walkserve_real_time_factor histogram")
-            lines += self.real_time_factor.lines("walkserve_real_time_factor")
-            viability = self.chunks_on_time / self.chunks_judged if self.chunks_judged else 1.0
-            lines += [
-                "# HELP walkserve_streaming_viability Streamed audio: share of chunks (after"
-                " each request's first) that arrived before the audio sent before them had"
-                " finished playing (1 when none was judged yet).",
-                "# TYPE walkserve_streaming_viability gauge",
-                f"walkserve_streaming_viability {viability:.6f}",
-                "# TYPE walkserve_audio_chunks_on_time_total counter",
-                f"walkserve_audio_chunks_on_time_total {self.chunks_on_time}",
-                "# TYPE walkserve_audio_chunks_judged_total counter",
-                f"walkserve_audio_chunks_judged_total {self.chunks_judged}",
-            ]
-        return "\n".join(lines) + "\n"
-
-
-def _kv_lines(kv: Mapping[int, Sequence[KVStats]]) -> list[str]:
-    """Paged KV pools per rank and component (as of each worker's last heartbeat)."""
-    series = [
-        ("kv_pages_in_use", "gauge", "KV pages held by live requests.", "pages_in_use"),
-        ("kv_pages_cached", "gauge", "Free KV pages kept for prefix reuse.", "pages_cached"),
-        ("kv_pages", "gauge", "KV pages in the pool.", "num_pages"),
-        ("kv_evictions_total", "counter", "Sequences evicted and recomputed.", "evictions"),
-        (
-            "kv_prefix_hits_total",
-            "counter",
-            "Full pages reused from the prefix cache.",
-            "prefix_hits",
-        ),
-    ]
-    lines: list[str] = []
-    for name, kind, doc, field_name in series:
-        lines += [f"# HELP walkserve_{name} {doc}", f"# TYPE walkserve_{name} {kind}"]
+            yield gauge(
+                "in_flight_work_items", "Work items dispatched, not completed.", stats.in_flight
+            )
+            yield gauge(
+                "buffered_stream_items", "Stream items not yet taken.", stats.buffered_stream_items
+            )
+            yield counter(
+                "speculated_steps", "Loop iterations started before the previous stop was known.",
+                stats.speculated_steps,
+            )  # fmt: skip
+            yield counter("wasted_steps", "Speculative iterations discarded.", stats.wasted_steps)
+        labels = ["model_name", "rank", "component"]
+        series = [
+            (
+                "kv_pages_in_use",
+                GaugeMetricFamily,
+                "KV pages held by live requests.",
+                "pages_in_use",
+            ),
+            (
+                "kv_pages_cached",
+                GaugeMetricFamily,
+                "Free KV pages kept for prefix reuse.",
+                "pages_cached",
+            ),
+            ("kv_pages", GaugeMetricFamily, "KV pages in the pool.", "num_pages"),
+            (
+                "num_preemptions",
+                CounterMetricFamily,
+                "Sequences evicted and recomputed.",
+                "evictions",
+            ),
+            (
+                "prefix_cache_hits",
+                CounterMetricFamily,
+                "Full KV pages reused from the prefix cache.",
+                "prefix_hits",
+            ),
+        ]
+        for name, family, doc, field_name in series:
+            f = family(f"{P}{name}", doc, labels=labels)
+            for rank, pools in sorted(kv.items()):
+                for pool in pools:
+                    f.add_metric([*m, str(rank), pool.component], getattr(pool, field_name))
+            yield f
+        usage = GaugeMetricFamily(
+            f"{P}kv_cache_usage_perc", "KV pages in use / pages (0..1).", labels=labels
+        )
         for rank, pools in sorted(kv.items()):
             for pool in pools:
-                labels = f'rank="{rank}",component="{pool.component}"'
-                lines.append(f"walkserve_{name}{{{labels}}} {getattr(pool, field_name)}")
-    return lines
+                share = pool.pages_in_use / pool.num_pages if pool.num_pages else 0.0
+                usage.add_metric([*m, str(rank), pool.component], share)
+        yield usage
+
+
+def read_metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of sample ``name`` whose labels include ``labels`` in exposition ``text``
+    (parsed with prometheus_client's own parser); None if there is none. For tests and
+    load generators."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None

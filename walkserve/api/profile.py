@@ -2,13 +2,9 @@
 speech or image generation, which inputs it takes, its tokenizer and its limits. A model that
 offers none of these tasks is still served through ``/v1/walks/{walk}``.
 
-    profile_for("walkserve-default")   text + speech + image (adapters.default)
-    profile_for("tiny-llama")          text (toy byte tokenizer)
-    profile_for("/path/to/checkpoint") text (the checkpoint's own AutoTokenizer); a Qwen-Omni
-                                       checkpoint: chat, chat audio, speech (adapters.omni_http)
-    profile_for("example-speech")      no task: walks only
-    profile_for("pkg.mod:factory")     ``pkg.mod.factory_profile(name)``, else
-                                       ``pkg.mod.api_profile(name)``, if the module defines it
+The types only: this module imports nothing from the runtime or the adapters. The adapters
+build their models' profiles from these types, and ``adapters.registry.profile_for(name)``
+finds the profile of a served name (so no model is named here).
 
 Speech models may have voices (``Voices``): a voice name -> the walk inputs it sets (a speaker
 id) and the text put before the input (Orpheus's ``"tara: "``). A model that speaks in a chat
@@ -19,23 +15,41 @@ the audio of ``/v1/chat/completions`` with ``modalities: ["text", "audio"]``.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-from walkserve.adapters.tokenizer import ByteTokenizer
+from typing import Any, Literal
 
 Encode = Callable[[str], list[int]]
 Decode = Callable[[list[int]], str]
 ChatTemplate = Callable[[Sequence[tuple[str, str]]], str]
+#: OpenAI-shaped messages (dicts: role, content, and name, tool_calls, tool_call_id where
+#: given; tool call arguments as objects) and the request's tools -> the prompt
+ToolTemplate = Callable[[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]] | None], str]
+#: how a model writes a tool call (``api.tools``)
+ToolFormat = Literal["hermes", "llama3_json"]
 
 
 def plain_chat(messages: Sequence[tuple[str, str]]) -> str:
     """The toy chat template of the built-in models: ``role: content`` lines, then
     ``assistant:``."""
     return "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
+
+
+def plain_tool_chat(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> str:
+    """``plain_chat`` with tools (a ``tools:`` line of their JSON first), an assistant's calls
+    in the hermes format and tool results as ``tool:`` lines."""
+    lines = [f"tools: {json.dumps(list(tools), separators=(',', ':'))}\n"] if tools else []
+    for m in messages:
+        text = m.get("content") or ""
+        for call in m.get("tool_calls") or ():
+            body = {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+            text += f"<tool_call>\n{json.dumps(body, separators=(',', ':'))}\n</tool_call>"
+        who = m["role"] if not m.get("name") else f"{m['role']} ({m['name']})"
+        lines.append(f"{who}: {text}\n")
+    return "".join(lines) + "assistant:"
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,17 @@ class TextTask:
     lead_outputs: tuple[str, ...] = ()
     # Inputs every request of the walk gets besides the prompt and the limit.
     extra_inputs: Mapping[str, Any] = field(default_factory=dict)
+    # The entry walk for requests with logprobs, a logit bias or a grammar (the text walks'
+    # ``prefill_ext``: inputs ``constraints`` and ``logprobs``, outputs ``logprob`` /
+    # ``logprob_id`` beside the lead token and ``logprobs`` / ``logprob_ids`` beside the
+    # channel); None: such requests get a 400.
+    ext_walk: str | None = None
+    structured_output: bool = False  # the LM's worker has a vocabulary for grammars
+    tool_template: ToolTemplate | None = None  # None: requests with tools get a 400
+    tool_format: ToolFormat = "hermes"
+    token_bytes: Callable[[int], bytes] | None = None  # one id's bytes (logprobs' ``bytes``)
+    has_tokenizer: bool = True  # False: prompts as token ids only, answers as token ids
+    max_model_len: int | None = None  # prompt + max_tokens at most this (--max-model-len)
 
     @property
     def leads(self) -> tuple[str, ...]:
@@ -175,146 +200,28 @@ class ModelProfile:
             raise ValueError(f"{self.name}: chat_audio needs a text task (tokenizer, template)")
 
 
-MAX_PROMPT_TOKENS = 256
-
-
-def profile_for(name: str) -> ModelProfile:
-    """The tasks of model ``name`` (a name ``adapters.registry`` resolves)."""
-    from walkserve.adapters import default
-    from walkserve.adapters.registry import DEFAULT_MODEL, TINY_HF
-
-    if name == DEFAULT_MODEL:
-        text_tok = ByteTokenizer(default.TEXT_VOCAB)
-        speech_tok = ByteTokenizer(default.SPEECH_VOCAB)
-        image_tok = ByteTokenizer(default.IMAGE_VOCAB)
-        return ModelProfile(
-            name,
-            text=TextTask(
-                walk="prefill",
-                prompt_input="input_ids",
-                max_tokens_input="max_new_tokens",
-                tokens_channel="tokens",
-                first_token_output="token",
-                eos_id=default.EOS_ID,
-                vocab_size=default.TEXT_VOCAB,
-                max_prompt_tokens=MAX_PROMPT_TOKENS,
-                max_tokens_limit=default.TEXT_CONTEXT - MAX_PROMPT_TOKENS,
-                default_max_tokens=16,
-                encode=text_tok.encode,
-                decode=text_tok.decode,
-                chat_template=plain_chat,
-                sampling=True,
-            ),
-            speech=SpeechTask(
-                walk="speak",
-                prompt_input="prompt_ids",
-                max_tokens_input="max_new_tokens",
-                waveform_channel="waveform",
-                sample_rate=default.SAMPLE_RATE,
-                vocab_size=default.SPEECH_VOCAB,
-                max_prompt_tokens=MAX_PROMPT_TOKENS,
-                max_tokens_limit=128,
-                default_max_tokens=32,
-                encode=speech_tok.encode,
-            ),
-            image=ImageTask(
-                walk="generate",
-                prompt_input="prompt_ids",
-                noise_input="noise",
-                noise_shape=default.NOISE_SHAPE,
-                size=default.IMAGE_SIZE,
-                vocab_size=default.IMAGE_VOCAB,
-                max_prompt_tokens=MAX_PROMPT_TOKENS,
-                image_output="image",
-                encode=image_tok.encode,
-                edit_walk="edit",
-                image_input="image",
-            ),
+def with_limits(profile: ModelProfile, max_model_len: int) -> ModelProfile:
+    """``profile`` whose text requests hold at most ``max_model_len`` tokens, prompt and
+    generated together (``--max-model-len``); ``ValueError`` past what the model takes."""
+    text = profile.text
+    if text is None:
+        raise ValueError(f"--max-model-len: model {profile.name!r} has no text generation")
+    most = text.max_prompt_tokens + text.max_tokens_limit
+    if not 2 <= max_model_len <= most:
+        raise ValueError(
+            f"--max-model-len must be in [2, {most}] for {profile.name!r}, got {max_model_len}"
         )
-    if name in TINY_HF:
-        tok = ByteTokenizer(256)
-        return ModelProfile(name, text=_hf_text(256, 2, tok.encode, tok.decode, plain_chat))
-    if os.path.isdir(name):
-        from walkserve.adapters.registry import checkpoint_kind
-
-        kind = checkpoint_kind(name)
-        if kind == "qwen3-omni":
-            from walkserve.adapters import qwen3_omni
-
-            return qwen3_omni.checkpoint_profile(name, name)
-        if kind == "qwen25-omni":
-            from walkserve.adapters import qwen25_omni
-
-            return qwen25_omni.checkpoint_profile(name, name)
-        if kind != "causal-lm":
-            return ModelProfile(name)  # its walks, through /v1/walks/{walk}
-        return ModelProfile(name, text=_checkpoint_text(name))
-    from walkserve.adapters.registry import ADAPTERS
-
-    target = ADAPTERS.get(name, name)  # the module:factory behind a built-in adapter name
-    if ":" in target:
-        # A module:factory model may describe its tasks: <factory>_profile(name) beside the
-        # factory, or a module-level api_profile(name).
-        module_name, _, factory = target.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            return ModelProfile(name)
-        describe = getattr(module, f"{factory}_profile", None) or getattr(
-            module, "api_profile", None
-        )
-        if callable(describe):
-            profile = describe(target)
-            if not isinstance(profile, ModelProfile):
-                raise ValueError(f"{name}: {describe.__name__}() must return a ModelProfile")
-            return dataclasses.replace(profile, name=name)  # clients use the name served
-    return ModelProfile(name)
-
-
-def _hf_text(
-    vocab: int, eos: int | None, encode: Encode, decode: Decode, chat: ChatTemplate
-) -> TextTask:
-    return TextTask(
-        walk="prefill",
-        prompt_input="input_ids",
-        max_tokens_input="max_new_tokens",
-        tokens_channel="tokens",
-        first_token_output="token",
-        eos_id=eos,
-        vocab_size=vocab,
-        max_prompt_tokens=2048,
-        max_tokens_limit=1024,
-        default_max_tokens=16,
-        encode=encode,
-        decode=decode,
-        chat_template=chat,
-        sampling=True,
+    limited = dataclasses.replace(
+        text,
+        max_prompt_tokens=min(text.max_prompt_tokens, max_model_len - 1),
+        max_tokens_limit=min(text.max_tokens_limit, max_model_len - 1),
+        max_model_len=max_model_len,
     )
+    return dataclasses.replace(profile, text=limited)
 
 
-def _checkpoint_text(path: str) -> TextTask:
-    """A local Hugging Face checkpoint's own tokenizer and chat template."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    eos = config.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-
-    def encode(text: str) -> list[int]:
-        return list(tok.encode(text))
-
-    def decode(ids: list[int]) -> str:
-        return str(tok.decode(ids, skip_special_tokens=True))
-
-    def chat(messages: Sequence[tuple[str, str]]) -> str:
-        if getattr(tok, "chat_template", None):
-            rendered = tok.apply_chat_template(
-                [{"role": r, "content": c} for r, c in messages],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            return str(rendered)
-        return plain_chat(messages)
-
-    return _hf_text(int(config.vocab_size), eos, encode, decode, chat)
+def without_tokenizer(profile: ModelProfile) -> ModelProfile:
+    """``profile`` whose text task takes token ids only (``--skip-tokenizer-init``)."""
+    if profile.text is None:
+        return profile
+    return dataclasses.replace(profile, text=dataclasses.replace(profile.text, has_tokenizer=False))

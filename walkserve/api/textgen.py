@@ -1,15 +1,23 @@
-"""Generated tokens -> OpenAI completion and chat responses: ``TextAssembler`` applies EOS,
-stop strings and ``max_tokens`` and decides which text is safe to stream; the other functions
-build the response and SSE chunk bodies. Pure: no server, no I/O."""
+"""Generated tokens -> OpenAI completion and chat responses. Pure: no server, no I/O.
+
+- ``TextAssembler`` applies EOS, stop strings and ``max_tokens`` and decides which text is safe
+  to stream;
+- ``Step`` is one generated token with its logprob columns (the sampled token's raw
+  log-probability first, then the most likely ids'), read from a request's outputs
+  (``steps_from_outputs``) or its stream (``StepStream``);
+- ``Choice`` holds one choice's text and the logprobs of the tokens it kept;
+  ``completion_logprobs`` / ``chat_logprobs`` shape them as each API does.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from walkserve.api.profile import TextTask
-from walkserve.api.schemas import ChatCompletionRequest, CompletionRequest
+from walkserve.runtime.conductor import StreamItem
 
 
 class TextAssembler:
@@ -62,7 +70,7 @@ class TextAssembler:
         return out
 
 
-def all_tokens(task: TextTask, outputs: dict[str, Any]) -> Iterator[int]:
+def all_tokens(task: TextTask, outputs: Mapping[str, Any]) -> Iterator[int]:
     yield from reply_tokens(task.leads, task.tokens_channel, outputs)
 
 
@@ -76,46 +84,154 @@ def reply_tokens(leads: Sequence[str], channel: str, outputs: Mapping[str, Any])
         yield from (int(t) for t in outputs[channel].reshape(-1).tolist())
 
 
-def chunk(
-    rid: str, model: str, chat: bool, delta: dict[str, Any] | None, index: int = 0
+# ---------------------------------------------------------------- steps and logprobs
+
+#: The ext walks' logprob outputs: (lead value, lead ids), (channel values, channel ids).
+LEAD_LOGPROBS = ("logprob", "logprob_id")
+CHANNEL_LOGPROBS = ("logprobs", "logprob_ids")
+
+
+@dataclass(frozen=True)
+class Step:
+    token: int
+    values: tuple[float, ...] = ()  # [n]: the token's log-probability, then the top ids'
+    ids: tuple[int, ...] = ()
+
+
+def _rows(value: Any) -> list[list[Any]]:  # [1, k, n] -> k rows of n
+    return [list(r) for r in value.reshape(value.shape[-2], value.shape[-1]).tolist()]
+
+
+def steps_from_outputs(task: TextTask, outputs: Mapping[str, Any]) -> list[Step]:
+    """Every generated token of a finished request, with logprobs where the walk has them."""
+    tokens = list(all_tokens(task, outputs))
+    values: list[list[float]] = []
+    ids: list[list[int]] = []
+    lead_v, lead_i = LEAD_LOGPROBS
+    if lead_v in outputs:
+        values += _rows(outputs[lead_v])
+        ids += _rows(outputs[lead_i])
+    chan_v, chan_i = CHANNEL_LOGPROBS
+    if chan_v in outputs:
+        values += _rows(outputs[chan_v])
+        ids += _rows(outputs[chan_i])
+    if not values:
+        return [Step(t) for t in tokens]
+    return [Step(t, tuple(v), tuple(i)) for t, v, i in zip(tokens, values, ids)]
+
+
+class StepStream:
+    """A streamed request's steps in order: the lead outputs' (read once the stream begins),
+    then each iteration's token with its logprobs (their channels' items, paired by index)."""
+
+    def __init__(self, task: TextTask, with_logprobs: bool) -> None:
+        self.task, self.with_logprobs = task, with_logprobs
+        self.started = False
+        self.pending: dict[int, dict[str, Any]] = {}
+        self.next_index = 0
+
+    def lead(self, outputs: Mapping[str, Any]) -> list[Step]:
+        """The lead steps (outputs sent before the stream's first item)."""
+        self.started = True
+        tokens = [int(outputs[n].reshape(-1)[0]) for n in self.task.leads if n in outputs]
+        lead_v, lead_i = LEAD_LOGPROBS
+        if self.with_logprobs and lead_v in outputs and tokens:
+            v, i = _rows(outputs[lead_v])[0], _rows(outputs[lead_i])[0]
+            return [Step(tokens[0], tuple(v), tuple(i)), *(Step(t) for t in tokens[1:])]
+        return [Step(t) for t in tokens]
+
+    def add(self, item: StreamItem) -> list[Step]:
+        """The steps complete once ``item`` arrived (in order)."""
+        channels: tuple[str, ...] = (self.task.tokens_channel, *CHANNEL_LOGPROBS)
+        if item.channel not in channels or (
+            item.channel != self.task.tokens_channel and not self.with_logprobs
+        ):
+            return []
+        self.pending.setdefault(item.index, {})[item.channel] = item.value
+        done: list[Step] = []
+        need = channels if self.with_logprobs else channels[:1]
+        while all(c in self.pending.get(self.next_index, {}) for c in need):
+            got = self.pending.pop(self.next_index)
+            self.next_index += 1
+            tokens = [int(t) for t in got[need[0]].reshape(-1).tolist()]
+            if not self.with_logprobs:
+                done += [Step(t) for t in tokens]
+                continue
+            rows = zip(tokens, _rows(got[need[1]]), _rows(got[need[2]]))
+            done += [Step(t, tuple(v), tuple(i)) for t, v, i in rows]
+        return done
+
+    def rest(self, outputs: Mapping[str, Any], fed: int) -> list[Step]:
+        """The steps of the final outputs after the first ``fed`` (a reply that ended before
+        its stream carried them)."""
+        return steps_from_outputs(self.task, outputs)[fed:]
+
+
+@dataclass
+class Choice:
+    """One choice: its text (``TextAssembler``) and the steps of the tokens it kept."""
+
+    text: TextAssembler
+    kept: list[Step] = field(default_factory=list)
+    fed: int = 0  # steps fed so far (kept or not)
+
+    def feed(self, step: Step) -> bool:
+        """Take one step; True once generation is over."""
+        self.fed += 1
+        before = len(self.text.tokens)
+        done = self.text.feed(step.token)
+        if len(self.text.tokens) > before:
+            self.kept.append(step)
+        return done
+
+
+def token_text(task: TextTask, token: int) -> str:
+    return task.decode([token])
+
+
+def token_bytes(task: TextTask, token: int) -> list[int]:
+    data = task.token_bytes(token) if task.token_bytes is not None else None
+    return list(data if data is not None else token_text(task, token).encode("utf-8", "replace"))
+
+
+def chat_logprobs(task: TextTask, steps: Sequence[Step], top: int) -> dict[str, Any]:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    def entry(token: int, value: float) -> dict[str, Any]:
+        text = token_text(task, token)
+        return {"token": text, "logprob": value, "bytes": token_bytes(task, token)}
+
+    content = []
+    for s in steps:
+        alternatives = [entry(t, v) for t, v in zip(s.ids[1 : top + 1], s.values[1 : top + 1])]
+        content.append({**entry(s.token, s.values[0]), "top_logprobs": alternatives})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    task: TextTask, steps: Sequence[Step], top: int, offset: int = 0
 ) -> dict[str, Any]:
+    """OpenAI completions ``logprobs``: parallel lists of tokens, their log-probabilities, the
+    ``top`` most likely alternatives of each (a dict) and each token's offset in the text."""
+    tokens, values, tops, offsets = [], [], [], []
+    for s in steps:
+        text = token_text(task, s.token)
+        tokens.append(text)
+        values.append(s.values[0])
+        tops.append(
+            {token_text(task, t): v for t, v in zip(s.ids[1 : top + 1], s.values[1 : top + 1])}
+        )
+        offsets.append(offset)
+        offset += len(text)
     return {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": index, "delta": delta, "finish_reason": None}] if delta else [],
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
     }
 
 
-def delta(
-    rid: str,
-    model: str,
-    chat: bool,
-    text: str,
-    token_ids: list[int],
-    body: CompletionRequest | ChatCompletionRequest,
-    finish_reason: str | None = None,
-    index: int = 0,
-) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason}
-    if chat:
-        choice["delta"] = {"content": text}
-    else:
-        choice["text"] = text
-        choice["logprobs"] = None
-    if body.return_token_ids:
-        choice["token_ids"] = token_ids
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-    }
-
-
-def usage(prompt: list[int], texts: list[TextAssembler]) -> dict[str, int]:
+def usage(prompt: Sequence[int], texts: Sequence[TextAssembler]) -> dict[str, int]:
     """Prompt tokens counted once, completion tokens of every choice."""
     completion = sum(t.generated for t in texts)
     return {
@@ -125,34 +241,7 @@ def usage(prompt: list[int], texts: list[TextAssembler]) -> dict[str, int]:
     }
 
 
-def text_response(
-    rid: str,
-    model: str,
-    chat: bool,
-    texts: list[TextAssembler],
-    prompt: list[int],
-    return_token_ids: bool,
-    created: int,
-) -> dict[str, Any]:
-    choices = []
-    for index, text in enumerate(texts):
-        choice: dict[str, Any] = {"index": index, "finish_reason": text.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text.text}
-        else:
-            choice["text"] = text.text
-            choice["logprobs"] = None
-        if return_token_ids:
-            choice["token_ids"] = list(text.tokens)
-        choices.append(choice)
-    body: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage(prompt, texts),
-    }
-    if return_token_ids:
-        body["prompt_token_ids"] = list(prompt)
-    return body
+def envelope(rid: str, model: str, chat: bool, created: int | None = None) -> dict[str, Any]:
+    """The fields every response or chunk body starts with."""
+    kind = "chat.completion" if chat else "text_completion"
+    return {"id": rid, "object": kind, "created": created or int(time.time()), "model": model}

@@ -96,13 +96,19 @@ class BatchedComponent:
             any(isinstance(d, int) for d in self.in_dims)
             or any(isinstance(d, int) for d in self.kw_dims.values())
         )
+        self._forward_batch = getattr(fn, "forward_batch", None)
 
     def __call__(self, batch: Sequence[Call]) -> list[Any]:
-        forward_batch = getattr(self.fn, "forward_batch", None)
+        forward_batch = self._forward_batch
         if forward_batch is not None:
             if self.stats is not None:
                 self.stats.add(self.name, len(batch))
             return list(forward_batch(batch))
+        if len(batch) == 1 and not self.buckets:  # alone: the eager call
+            if self.stats is not None:
+                self.stats.add(self.name, 1)
+            args, kwargs = batch[0]
+            return [self.fn(*args, **kwargs)]
         results: list[Any] = [None] * len(batch)
         for group in self._groups(batch):
             calls = [batch[i] for i in group]

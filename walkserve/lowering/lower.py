@@ -4,6 +4,7 @@
     split        IR blocks -> plan blocks of dispatch units, glue grouped by policy (split)
     annotate     per component node: argument/result batch dims, batch buckets, compile plan
     place        ranks per node and memory per rank from the placement (placement)
+    regions      the runs of items each rank executes by itself (regions)
 
 Each pass takes its policy as a parameter; the result is an ``ExecutablePlan``.
 """
@@ -20,7 +21,9 @@ from walkserve.lowering.compile import check_capturable, compile_plan
 from walkserve.lowering.memory import MemoryLimits, estimate_memory
 from walkserve.lowering.placement import Placement, resolve
 from walkserve.lowering.plan import BlockPlan, ExecutablePlan, MemoryLine, NodePlan, RankPlan
+from walkserve.lowering.regions import conductor_values, find_regions
 from walkserve.lowering.split import POLICIES, GluePolicy, split_block
+from walkserve.lowering.valueflow import node_io, value_readers
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -45,7 +48,10 @@ def lower(
     max_batch: int = 32,
     check_capture: bool = True,
     limits: MemoryLimits | None = None,
+    regions: bool = True,
 ) -> ExecutablePlan:
+    """``regions=False``: no region is handed to a rank (the conductor drives every node:
+    the plan of the previous execution model, kept for tests of the conductor itself)."""
     policy: GluePolicy = POLICIES[glue] if isinstance(glue, str) else glue
     analysis = analyze(captured, sample_inputs)
     walks: dict[str, BlockPlan] = {}
@@ -55,6 +61,9 @@ def lower(
         _annotate(
             block, ops, analysis, name, captured, device, batch_buckets(max_batch), check_capture
         )
+        readers = value_readers(walk)
+        for node in _nodes(block):
+            node.inputs, node.outputs = node_io(ops, node.ops, readers)
         walks[name] = block
     plan = ExecutablePlan(
         model=captured.graph.model,
@@ -65,6 +74,16 @@ def lower(
         max_batch=max_batch,
     )
     _place(plan, captured, placement, limits)
+    if regions:
+        plan.regions = {
+            name: found
+            for name, walk in captured.graph.walks.items()
+            if (found := find_regions(walk, plan.walks[name]))
+        }
+    plan.conductor_values = {
+        name: conductor_values(walk, plan.regions.get(name, []))
+        for name, walk in captured.graph.walks.items()
+    }
     return plan
 
 
@@ -103,6 +122,14 @@ def _annotate(
                 captured.model.get_submodule(op.target), args, kwargs
             )
         node.compile = compile_plan(device, capturable, reason)
+
+
+def _nodes(block: BlockPlan) -> list[NodePlan]:
+    return [
+        n
+        for item in block.nodes
+        for n in ([item] if isinstance(item, NodePlan) else _nodes(item.body))
+    ]
 
 
 def _jsonable(dim: Any) -> Any:

@@ -9,6 +9,7 @@ captured model (``build.callables``) and this plan.
         BlockPlan.nodes: NodePlan | LoopPlan         (in execution order)
           NodePlan   one dispatch: a component op (batched) + fused glue, or a glue group
           LoopPlan   a loop of the IR; its body is a BlockPlan
+      regions: {walk: [RegionPlan]}  runs of items one rank executes by itself
       ranks: {rank: RankPlan}  node names and the memory estimate per rank
 """
 
@@ -18,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 class CompilePlan(msgspec.Struct, frozen=True):
@@ -37,7 +38,10 @@ class NodePlan(msgspec.Struct, tag="node"):
     """One dispatch unit. ``ops`` are the IR op names it runs in order: for a component node
     the component op first, then the glue fused into it; for a glue node its glue ops.
     ``in_dims``/``kw_dims``/``out_dim``: batch dimension of each argument and of the result of
-    the component op (an int, None, or a nested list for tuples)."""
+    the component op (an int, None, or a nested list for tuples). ``inputs``: the values its
+    ops read that it does not make; ``outputs``: the values it makes that something outside it
+    reads (later ops, loop plumbing, the walk's outputs, a stream): computed once, by lowering,
+    for everyone who moves a node's values."""
 
     name: str
     kind: Literal["component", "glue"]
@@ -49,6 +53,8 @@ class NodePlan(msgspec.Struct, tag="node"):
     out_dim: Any = None
     batch_buckets: list[int] = []
     compile: CompilePlan = CompilePlan()
+    inputs: list[str] = []
+    outputs: list[str] = []
 
 
 class LoopPlan(msgspec.Struct, tag="loop"):
@@ -58,6 +64,32 @@ class LoopPlan(msgspec.Struct, tag="loop"):
 
 class BlockPlan(msgspec.Struct):
     nodes: list[NodePlan | LoopPlan]
+
+
+class RegionPlan(msgspec.Struct, frozen=True):
+    """Consecutive items of one block that rank ``rank`` runs by itself for a request
+    (``lowering.regions``): it is handed the region once and reports at its exit.
+
+    ``path``: the loops enclosing the block, outer to inner (``[]``: the walk body); ``items``:
+    the block's plan items (node and loop names) it covers, in order; ``inputs``: values it
+    reads from outside; ``trip_inputs``: walk inputs its loops' trip counts and ``max_iters``
+    name; ``outputs``: values it makes that are read after it (by the block, the enclosing
+    loop's plumbing or the walk's outputs); ``streamed``: accumulated channels of its loops
+    that are client outputs of the walk, reported as each iteration commits; ``forwards``:
+    accumulated channels of its loops that stream into another region (each committed item
+    is sent on as it commits, as far as the consumer's credit allows); ``fed``: the streams
+    (edge names) its loops consume whose items come from another region."""
+
+    name: str
+    rank: int
+    path: list[str]
+    items: list[str]
+    inputs: list[str]
+    outputs: list[str]
+    trip_inputs: list[str] = []
+    streamed: list[str] = []
+    forwards: list[str] = []
+    fed: list[str] = []
 
 
 class MemoryLine(msgspec.Struct, frozen=True):
@@ -81,6 +113,10 @@ class ExecutablePlan(msgspec.Struct):
     device: str
     walks: dict[str, BlockPlan]
     ranks: dict[int, RankPlan]
+    regions: dict[str, list[RegionPlan]] = {}
+    # per walk: values whose bytes the conductor's process needs (``regions.conductor_values``);
+    # every other value stays on the rank that made it
+    conductor_values: dict[str, list[str]] = {}
     glue_policy: str = "fuse"
     max_batch: int = 32
     version: int = PLAN_VERSION
@@ -138,6 +174,12 @@ class ExecutablePlan(msgspec.Struct):
                     if comp.cuda_graph:
                         flags.append("cuda graphs")
                 lines.append(f"  {node.kind:9} {node.name:32} {'; '.join(flags)}")
+            for region in self.regions.get(walk, []):
+                where = f" in loop {'/'.join(region.path)}" if region.path else ""
+                lines.append(
+                    f"  region    {region.name:32} rank {region.rank}{where}: "
+                    f"{', '.join(region.items)} (runs there by itself)"
+                )
         lines.append("ranks:")
         for rank, rp in sorted(self.ranks.items()):
             m = rp.memory

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from walkserve.capture import ir
 
-__all__ = ["ValueFlow"]
+__all__ = ["ValueFlow", "node_io", "value_readers"]
 
 
 class ValueFlow:
@@ -111,3 +111,44 @@ def _search(start: list[str], step: Callable[[str], tuple[list[str], list[str]]]
                 seen.add(value)
                 todo.append(value)
     return hits
+
+
+def value_readers(walk: ir.Walk) -> dict[str, set[str]]:
+    """Who reads each value of ``walk``: op names, or ``<loop NAME>``, ``<walk outputs>``,
+    ``<stream>`` for the loop plumbing, the walk's results and streaming edges."""
+    readers: dict[str, set[str]] = {}
+
+    def add(names: list[str], reader: str) -> None:
+        for name in names:
+            readers.setdefault(name, set()).add(reader)
+
+    def visit(block: ir.Block) -> None:
+        for n in block.nodes:
+            if isinstance(n, ir.Op):
+                add(ir.node_inputs(n), n.name)
+            else:
+                add(
+                    [*ir.node_inputs(n), *n.outputs, *([n.stop] if n.stop else [])],
+                    f"<loop {n.name}>",
+                )
+                visit(n.body)
+
+    visit(walk.body)
+    add([r for a in walk.outputs.values() for r in ir.arg_refs(a)], "<walk outputs>")
+    add([e.source for e in walk.streams], "<stream>")
+    return readers
+
+
+def node_io(
+    ops: dict[str, ir.Op], names: list[str], readers: dict[str, set[str]]
+) -> tuple[list[str], list[str]]:
+    """(inputs, outputs) of the dispatch unit running ops ``names`` (in order): the values
+    they read that they do not make, and those they make that something else reads."""
+    inside = set(names)
+    inputs: dict[str, None] = {}
+    for name in names:
+        for ref in ir.node_inputs(ops[name]):
+            if ref not in inside:
+                inputs[ref] = None
+    outputs = [name for name in names if readers.get(name, set()) - inside]
+    return list(inputs), outputs

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -83,11 +83,29 @@ from walkserve.capture.loopsem import (
     truth,
 )
 from walkserve.capture.model import CapturedModel
-from walkserve.lowering.plan import BlockPlan, ExecutablePlan, NodePlan
+from walkserve.lowering.plan import BlockPlan, ExecutablePlan, NodePlan, RegionPlan
 
-NodeKind = Literal["component", "glue"]
+NodeKind = Literal["component", "glue", "region", "loop"]
+UNLIMITED = 1 << 62  # a credit that never holds a producer back
 
 # ------------------------------------------------------------------------------ public types
+
+
+@dataclass(frozen=True)
+class LoopStart:
+    """A loop item's start (``kind="loop"``): its runner runs the loop ``loop`` by itself for
+    at most ``bound`` iterations and completes the item with ``channels``; the accumulated
+    channels in ``streams`` it reports as each iteration commits (``streamed``). ``carried``,
+    ``fixed``: the parameters' initial and invariant values; ``sources``: a per-step slice's
+    source value, or a table's values (a list), by parameter."""
+
+    loop: str
+    bound: int
+    carried: dict[str, Any]
+    fixed: dict[str, Any]
+    sources: dict[str, Any]
+    channels: tuple[str, ...]
+    streams: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,9 @@ class WorkItem:
 
     ``ops`` are the IR op names to run, in order; for ``kind="component"`` the first is the
     component op, called with ``call`` = (args, kwargs), and the rest is glue fused into it.
+    ``kind="region"``: ``node`` names a ``RegionPlan`` of the walk, which its rank runs by
+    itself; ``env`` holds its inputs, ``outputs`` the values it reports at its exit
+    (``complete``), and its streamed channels' items come before that (``streamed``).
     ``env`` holds every value the item's glue ops read from outside the item (by name; model
     attributes and constants are resolved by the runner). ``frame`` is the loop iteration path,
     outer to inner (``()`` outside loops). ``speculative``: dispatched before the stop of the
@@ -116,6 +137,7 @@ class WorkItem:
     call: tuple[list[Any], dict[str, Any]] | None = field(default=None, repr=False)
     env: Mapping[str, Any] = field(default_factory=dict, repr=False)
     outputs: tuple[str, ...] = ()
+    loop: LoopStart | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -155,6 +177,29 @@ Event = Output | StreamItem | Finished | Failed
 
 
 @dataclass(frozen=True)
+class Feed:
+    """Items of stream ``stream`` for region item ``item`` (its consumer), from another
+    region: ``pieces`` in order; ``finished``: the producer is done (no piece follows)."""
+
+    item: int
+    request: str
+    stream: str
+    pieces: tuple[Any, ...]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class Credit:
+    """Region item ``item`` may commit items of channel ``channel`` up to ``items`` (its
+    consumers' buffers are that full then): backpressure from region to region."""
+
+    item: int
+    request: str
+    channel: str
+    items: int
+
+
+@dataclass(frozen=True)
 class ConductorStats:
     """Counters since construction (steps) and a snapshot of what is held now."""
 
@@ -184,6 +229,19 @@ class _NodeSpec:
 
 
 @dataclass(frozen=True)
+class _RegionSpec:
+    """A region its rank runs by itself (``RegionPlan``): a node with many outputs."""
+
+    name: str
+    reads: tuple[str, ...]  # values of the block it needs to start
+    trip_inputs: tuple[str, ...]  # walk inputs its loops' bounds name
+    outputs: tuple[str, ...]
+    emit: dict[str, tuple[str, ...]]  # streamed channel -> client outputs (walk level)
+    forwards: dict[str, tuple[str, ...]]  # channel -> the streams it feeds (other regions)
+    fed: tuple[str, ...]  # streams it consumes from other regions
+
+
+@dataclass(frozen=True)
 class _StreamSpec:
     edge: ir.StreamEdge
     policy: ChunkPolicy
@@ -202,6 +260,7 @@ class _LoopSpec:
     visible: ir.LoopNode  # the loop as its block reads it: unread accumulations left out
     feeds: tuple[tuple[str, str], ...]  # (stream, channel) pairs this loop produces into
     emit: dict[str, tuple[str, ...]]  # accumulated channel -> client outputs (walk level)
+    fast: bool = False  # handed to the runner whole (``fast_loops``): a simple loop
 
 
 @dataclass(eq=False)
@@ -209,6 +268,7 @@ class _BlockSpec:
     params: tuple[str, ...]
     nodes: tuple[_NodeSpec, ...]
     loops: tuple[_LoopSpec, ...]
+    regions: tuple[_RegionSpec, ...]
     streams: dict[str, _StreamSpec]  # streams between loops of this block, by name
     uses: dict[str, int]  # readers of each value: ops, loop starts, loop ends
     pinned: frozenset[str]  # values kept until the frame ends (block outputs, stop)
@@ -248,19 +308,49 @@ def _min_buffer(policy: ChunkPolicy) -> int:
 class _SpecBuilder:
     """Builds the ``_BlockSpec`` tree of one walk from its IR and its plan."""
 
-    def __init__(self, captured: CapturedModel, walk: ir.Walk) -> None:
+    def __init__(
+        self,
+        captured: CapturedModel,
+        walk: ir.Walk,
+        plan: ExecutablePlan,
+        fast_loops: bool = False,
+    ) -> None:
+        self.fast_loops = fast_loops
         self.graph = captured.graph
         self.walk = walk
+        self.region_at: dict[tuple[str, ...], dict[str, RegionPlan]] = {}
+        for r in plan.regions.get(walk.name, []):
+            self.region_at.setdefault(tuple(r.path), {})[r.items[0]] = r
         nodes = ir.iter_nodes(walk.body)
         self.ops = {n.name: n for n in nodes if isinstance(n, ir.Op)}
         self.loops = {n.name: n for n in nodes if isinstance(n, ir.LoopNode)}
         self.edges = {s.name: s for s in walk.streams}
 
-    def block(self, block: ir.Block, plan: BlockPlan, pinned: set[str], top: bool) -> _BlockSpec:
+    def block(
+        self,
+        block: ir.Block,
+        plan: BlockPlan,
+        pinned: set[str],
+        top: bool,
+        path: tuple[str, ...] = (),
+    ) -> _BlockSpec:
         nodes: list[_NodeSpec] = []
         loops: list[_LoopSpec] = []
+        regions: list[_RegionSpec] = []
         planned: set[str] = set()
+        starts = self.region_at.get(path, {})
+        skip: set[str] = set()
         for pn in plan.nodes:
+            if pn.name in skip:
+                continue
+            if pn.name in starts:
+                region = starts[pn.name]
+                skip |= set(region.items)
+                regions.append(self._region(region, plan, top))
+                for item in plan.nodes:
+                    if item.name in region.items:
+                        planned |= set(item.ops) if isinstance(item, NodePlan) else {item.name}
+                continue
             if isinstance(pn, NodePlan):
                 ops = []
                 for name in pn.ops:
@@ -271,7 +361,7 @@ class _SpecBuilder:
             else:
                 node = self.loops[pn.name]
                 body_pinned = {*node.outputs, *([node.stop] if node.stop else [])}
-                body = self.block(node.body, pn.body, body_pinned, top=False)
+                body = self.block(node.body, pn.body, body_pinned, False, (*path, node.name))
                 need, step = _loop_reads(node)
                 loops.append(
                     _LoopSpec(node, body, need, step, self._speculative(node), node, (), {})
@@ -292,6 +382,9 @@ class _SpecBuilder:
         for ls in loops:
             for r in ls.need:  # step reads are among them
                 uses[r] = uses.get(r, 0) + 1
+        for rs in regions:
+            for r in rs.reads:
+                uses[r] = uses.get(r, 0) + 1
         for s in streams.values():
             if s.producer is None:  # a whole value: read by the consumer until it ends
                 uses[s.edge.source] = uses.get(s.edge.source, 0) + 1
@@ -307,6 +400,7 @@ class _SpecBuilder:
             ls.feeds = tuple(
                 (name, s.edge.source) for name, s in streams.items() if s.producer == ls.node.name
             )
+            ls.fast = self.fast_loops and _simple(ls)
             if top:
                 ls.emit = {
                     ch: tuple(
@@ -317,7 +411,41 @@ class _SpecBuilder:
                     for ch in ls.node.accumulated
                 }
         return _BlockSpec(
-            tuple(block.params), tuple(nodes), tuple(loops), streams, uses, frozenset(pinned)
+            tuple(block.params),
+            tuple(nodes),
+            tuple(loops),
+            tuple(regions),
+            streams,
+            uses,
+            frozenset(pinned),
+        )
+
+    def _region(self, region: RegionPlan, plan: BlockPlan, top: bool) -> _RegionSpec:
+        emit: dict[str, tuple[str, ...]] = {}
+        if top:
+            for ch in region.streamed:
+                emit[ch] = tuple(
+                    out
+                    for out, arg in self.walk.outputs.items()
+                    if arg == ir.Ref(ch) and out not in self.walk.state
+                )
+        forwards = {
+            ch: tuple(
+                e.name
+                for e in self.walk.streams
+                if e.source == ch
+                and any(e.name in r.fed for rs in self.region_at.values() for r in rs.values())
+            )
+            for ch in region.forwards
+        }
+        return _RegionSpec(
+            region.name,
+            tuple(region.inputs),
+            tuple(region.trip_inputs),
+            tuple(region.outputs),
+            emit,
+            forwards,
+            tuple(region.fed),
         )
 
     def _speculative(self, node: ir.LoopNode) -> bool:
@@ -453,6 +581,24 @@ class _Stream:
 
 
 @dataclass(eq=False)
+class _Forward:
+    """A stream between two regions of one frame: the producer's committed pieces wait
+    here until the consumer region is dispatched, then go to it as ``Feed``; those sent stay
+    referenced until the consumer says it received them (they live on the producer's rank)."""
+
+    stream: str
+    channel: str
+    pending: list[Any] = field(default_factory=list)
+    sent: deque[Any] = field(default_factory=deque)
+    received: int = 0  # pieces the consumer has (in ``sent`` order)
+    producer: int | None = None  # region items
+    consumer: int | None = None
+    finished: bool = False
+    finish_sent: bool = False
+    credit: int | None = None  # the consumer's base + the limit, when it said
+
+
+@dataclass(eq=False)
 class _Frame:
     """One instance of a block: a walk body, or one iteration of a loop body."""
 
@@ -462,9 +608,11 @@ class _Frame:
     env: dict[str, Any] = field(default_factory=dict)
     uses: dict[str, int] = field(default_factory=dict)
     todo: dict[str, list[int]] = field(default_factory=dict)  # node -> undispatched op indices
+    regions: list[_RegionSpec] = field(default_factory=list)  # regions not dispatched
     waiting: list[_LoopSpec] = field(default_factory=list)  # loops not started
     runs: list[_LoopRun] = field(default_factory=list)  # loops started, not finished
     streams: dict[str, _Stream] = field(default_factory=dict)
+    forwards: dict[str, _Forward] = field(default_factory=dict)  # streams between regions
     inflight: set[int] = field(default_factory=set)
     speculative: bool = False
     alive: bool = True
@@ -473,7 +621,12 @@ class _Frame:
 
     def done(self) -> bool:
         return not (
-            self.inflight or self.waiting or self.runs or self.error or any(self.todo.values())
+            self.inflight
+            or self.waiting
+            or self.runs
+            or self.regions
+            or self.error
+            or any(self.todo.values())
         )
 
     def in_speculation(self) -> bool:
@@ -524,6 +677,8 @@ class _Pending:
     ops: tuple[str, ...]
     internal: dict[str, int]  # reads of values produced inside the item
     item: WorkItem  # as issued: ``defer`` issues it again
+    region: _RegionSpec | None = None
+    delivered: set[str] = field(default_factory=set)  # outputs bound (``partial``)
 
 
 class _RequestFailed(Exception):
@@ -539,6 +694,12 @@ class Conductor:
     ``speculate=False`` never starts an iteration of a DynamicLoop before the previous stop is
     known (zero wasted steps). ``stream_buffer_limit``: items a stream buffer may hold before
     its producer waits; it must cover the largest chunk (with context) of every stream.
+    ``eager_outputs``: every walk output is an ``Output`` event as soon as its value exists
+    (a region walk's, so that what its rank made reaches the conductor before the exit).
+    ``fed``: per walk, streams whose items come from outside (``feed``), not from a value or
+    a loop of the walk (a region walk's streams from another region). ``fast_loops``: a simple
+    loop (a straight body of nodes, no stream in or out) is one ``kind="loop"`` item its
+    runner steps by itself (``loopstep``), not a frame per iteration (a rank's conductor).
     """
 
     def __init__(
@@ -548,18 +709,23 @@ class Conductor:
         *,
         speculate: bool = True,
         stream_buffer_limit: int = 64,
+        eager_outputs: bool = False,
+        fed: Mapping[str, Collection[str]] | None = None,
+        fast_loops: bool = False,
     ) -> None:
         if stream_buffer_limit < 1:
             raise ValueError(f"stream_buffer_limit must be >= 1, got {stream_buffer_limit}")
         self.captured = captured
         self.speculate = speculate
         self.stream_buffer_limit = stream_buffer_limit
+        self.eager_outputs = eager_outputs
         self._walks: dict[str, _BlockSpec] = {}
         for name, walk in captured.graph.walks.items():
             if name not in plan.walks:
                 raise ValueError(f"the plan has no walk {name!r}; was it lowered from this model?")
             pinned = {r for a in walk.outputs.values() for r in ir.arg_refs(a)}
-            spec = _SpecBuilder(captured, walk).block(walk.body, plan.walks[name], pinned, True)
+            builder = _SpecBuilder(captured, walk, plan, fast_loops)
+            spec = builder.block(walk.body, plan.walks[name], pinned, True)
             self._walks[name] = spec
             self._check_streams(name, spec)
         self._interp = Interpreter(captured)
@@ -572,6 +738,12 @@ class Conductor:
         self._next_id = 0
         self._speculated = 0
         self._wasted = 0
+        self._dropped: list[int] = []  # region items released while their rank ran them
+        self._feeds: list[Feed] = []
+        self._credits: list[Credit] = []
+        self._credit: dict[str, dict[str, int]] = {}  # region walks: request -> channel -> items
+        self._produced: dict[str, dict[str, int]] = {}
+        self._fed = {w: frozenset(streams) for w, streams in (fed or {}).items()}
 
     def _check_streams(self, walk: str, spec: _BlockSpec) -> None:
         for s in spec.streams.values():
@@ -617,18 +789,130 @@ class Conductor:
         p = self._take(item_id)
         if p is None:
             return
-        need = p.item.outputs
+        need = [op for op in p.item.outputs if op not in p.delivered]
         missing = [op for op in need if op not in value] if isinstance(value, Mapping) else need
         if missing:
             self._node_failed(p, f"result has no value for ops {list(missing)}")
             return
+        self._bind_results(p, value)
+        if p.region is not None:
+            for streams in p.region.forwards.values():
+                for stream in streams:
+                    fwd = p.frame.forwards[stream]
+                    fwd.finished = True
+                    self._flush(p.request, fwd)
+        self._advance(p.request)
+
+    def partial(self, item_id: int, values: Mapping[str, Any]) -> None:
+        """Some outputs of a region item, before its exit: bound at once (``complete`` then
+        brings the others). Items no longer wanted: ignored."""
+        p = self._items.get(item_id)
+        if p is None or p.region is None:
+            return
+        self._bind_results(p, {k: v for k, v in values.items() if k in p.ops})
+        self._advance(p.request)
+
+    def _bind_results(self, p: _Pending, value: Mapping[str, Any]) -> None:
         frame = p.frame
         for op in p.ops:
+            if op in p.delivered or (p.region is not None and op not in value):
+                continue
+            p.delivered.add(op)
             left = frame.uses.get(op, 0) - p.internal.get(op, 0)
             frame.uses[op] = left
             if left > 0 or op in frame.spec.pinned:
                 frame.env[op] = value[op]
-        self._advance(p.request)
+
+    def streamed(self, item_id: int, channel: str, index: int, value: Any) -> None:
+        """Iteration ``index`` of a region item's streamed channel ``channel`` committed (its
+        walk-level client outputs stream it). Items no longer wanted: ignored."""
+        p = self._items.get(item_id)
+        if p is None or p.region is None:
+            return
+        outs = p.region.emit.get(channel)
+        streams = p.region.forwards.get(channel)
+        if outs is None and streams is None:
+            self._node_failed(p, f"region {p.node} streamed {channel!r}, which it does not stream")
+            return
+        req = p.request
+        for out in outs or ():
+            self._send_ready_outputs(req)
+            self._events.append(StreamItem(req.id, out, index, value))
+        for stream in streams or ():
+            fwd = p.frame.forwards[stream]
+            fwd.pending.append(value)
+            self._flush(req, fwd)
+
+    def consumed(self, item_id: int, stream: str, base: int, received: int, closed: bool) -> None:
+        """Consumer region item ``item_id`` has ``received`` pieces of ``stream`` and has
+        released its items before ``base`` (``closed``: it takes no more): its producer may
+        commit up to ``base + stream_buffer_limit`` items (``Credit``)."""
+        p = self._items.get(item_id)
+        if p is None or p.region is None or stream not in p.region.fed:
+            return
+        fwd = p.frame.forwards[stream]
+        while fwd.received < received and fwd.sent:
+            fwd.sent.popleft()
+            fwd.received += 1
+        credit = UNLIMITED if closed else base + self.stream_buffer_limit
+        if fwd.producer is not None and credit != fwd.credit:
+            fwd.credit = credit
+            others = [
+                g.credit if g.credit is not None else self.stream_buffer_limit
+                for g in p.frame.forwards.values()
+                if g.channel == fwd.channel
+            ]
+            self._credits.append(Credit(fwd.producer, p.request.id, fwd.channel, min(others)))
+
+    def feed(self, request_id: str, stream: str, pieces: Sequence[Any], finished: bool) -> None:
+        """Items of fed stream ``stream`` of a request's walk (its root frame), in order."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        s = req.root.streams.get(stream)
+        if s is None or stream not in self._fed.get(req.walk, frozenset()):
+            self._fail_request(req, f"walk {req.walk!r} is fed no stream {stream!r}")
+            return
+        try:
+            for piece in pieces:
+                s.append(piece)
+        except LoopError as e:
+            self._fail_request(req, str(e))
+            return
+        s.finished = s.finished or finished
+        self._advance(req)
+
+    def fed_progress(self, request_id: str) -> dict[str, tuple[int, bool]]:
+        """(items released, consumer done) of every fed stream of the request."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return {}
+        fed = self._fed.get(req.walk, frozenset())
+        return {n: (s.base, s.closed) for n, s in req.root.streams.items() if n in fed}
+
+    def credit(self, request_id: str, channel: str, items: int) -> None:
+        """The request's walk-level loops may commit items of client channel ``channel`` up to
+        ``items`` (counting iterations in flight as one item each), then wait for more."""
+        if request_id not in self._requests:
+            return
+        self._credit.setdefault(request_id, {})[channel] = items
+        self._advance(self._requests[request_id])
+
+    def feeds(self) -> list[Feed]:
+        """Stream items for consumer regions (drained)."""
+        out, self._feeds = self._feeds, []
+        return out
+
+    def credits(self) -> list[Credit]:
+        """Credit for producer regions (drained)."""
+        out, self._credits = self._credits, []
+        return out
+
+    def dropped(self) -> list[int]:
+        """Region items released (cancel, failure, a discarded speculative iteration) before
+        their rank reported their exit: the runner may stop them. Drained."""
+        out, self._dropped = self._dropped, []
+        return out
 
     def wanted(self, item_id: int) -> bool:
         """Whether a dispatched item's result is still awaited (not cancelled, failed or
@@ -743,6 +1027,8 @@ class Conductor:
             while req.id in self._requests:
                 while self._pump(req, req.root):
                     pass
+                if self.eager_outputs:
+                    self._send_ready_outputs(req)
                 if not req.root.done():
                     break
                 self._finish_walk(req)
@@ -757,6 +1043,8 @@ class Conductor:
             self._release(req)
 
     def _release(self, req: _Request) -> None:
+        self._credit.pop(req.id, None)
+        self._produced.pop(req.id, None)
         self._kill(req.root)
         req.state.clear()
         req.walk_inputs.clear()
@@ -772,7 +1060,10 @@ class Conductor:
         return p
 
     def _node_failed(self, p: _Pending, error: str) -> None:
-        message = f"node {p.node} of walk {p.request.walk!r} failed: {error}"
+        walk = p.request.walk.partition("@")[0]  # a region walk names its walk first
+        message = (
+            error if p.region is not None else f"node {p.node} of walk {walk!r} failed: {error}"
+        )
         if p.frame.in_speculation():
             p.frame.error = p.frame.error or message  # decided when the iteration is
         else:
@@ -785,6 +1076,11 @@ class Conductor:
     ) -> _Frame:
         f = _Frame(spec, path, parent, uses=dict(spec.uses))
         f.todo = {n.name: list(range(len(n.ops))) for n in spec.nodes}
+        f.regions = list(spec.regions)
+        for rs in spec.regions:
+            for ch, streams in rs.forwards.items():
+                for stream in streams:
+                    f.forwards[stream] = _Forward(stream, ch)
         f.waiting = list(spec.loops)
         f.streams = {name: _Stream(s) for name, s in spec.streams.items()}
         for name, value in values.items():
@@ -807,7 +1103,10 @@ class Conductor:
         """One pass over a frame: fill whole-value streams, start loops, dispatch ops,
         advance its loops. True if anything changed."""
         changed = False
+        fed = self._fed.get(req.walk, frozenset())
         for s in f.streams.values():
+            if s.spec.edge.name in fed:
+                continue
             if s.spec.producer is None and not s.finished and s.spec.edge.source in f.env:
                 s.append(f.env[s.spec.edge.source])
                 s.finished = changed = True
@@ -818,6 +1117,10 @@ class Conductor:
         for node in f.spec.nodes:
             if f.todo[node.name]:
                 changed |= self._dispatch(req, f, node)
+        for rs in list(f.regions):
+            if all(r in f.env for r in rs.reads):
+                self._dispatch_region(req, f, rs)
+                changed = True
         for run in list(f.runs):
             changed |= self._pump_loop(req, run)
         return changed
@@ -883,11 +1186,55 @@ class Conductor:
         self._queue.append(item)
         return True
 
+    def _dispatch_region(self, req: _Request, f: _Frame, rs: _RegionSpec) -> None:
+        """Hand region ``rs`` to its rank: one item, its inputs in ``env``."""
+        f.regions.remove(rs)
+        env = {r: f.env[r] for r in rs.reads}
+        for t in rs.trip_inputs:
+            env[t] = req.walk_inputs[t]
+        for r in rs.reads:
+            self._consume(f, r)
+        item = WorkItem(
+            id=next(self._ids),
+            request=req.id,
+            walk=req.walk,
+            node=rs.name,
+            kind="region",
+            ops=(),
+            frame=f.path,
+            speculative=f.in_speculation(),
+            env=env,
+            outputs=rs.outputs,
+        )
+        self._next_id = item.id + 1
+        self._items[item.id] = _Pending(req, f, rs.name, rs.outputs, {}, item, rs)
+        f.inflight.add(item.id)
+        f.dispatched += 1
+        self._queue.append(item)
+        for stream in rs.fed:
+            fwd = f.forwards[stream]
+            fwd.consumer = item.id
+            self._flush(req, fwd)
+        for streams in rs.forwards.values():
+            for stream in streams:
+                f.forwards[stream].producer = item.id
+
+    def _flush(self, req: _Request, fwd: _Forward) -> None:
+        if fwd.consumer is None or not (fwd.pending or (fwd.finished and not fwd.finish_sent)):
+            return
+        pieces = tuple(fwd.pending)
+        fwd.sent.extend(pieces)
+        fwd.pending = []
+        fwd.finish_sent = fwd.finished
+        self._feeds.append(Feed(fwd.consumer, req.id, fwd.stream, pieces, fwd.finished))
+
     def _kill(self, f: _Frame) -> int:
         """Release a frame and everything under it; returns how many items it dispatched."""
         f.alive = False
         for item_id in f.inflight:
-            self._items.pop(item_id, None)
+            p = self._items.pop(item_id, None)
+            if p is not None and p.region is not None:
+                self._dropped.append(item_id)
         f.inflight.clear()
         n = f.dispatched
         for run in f.runs:
@@ -902,6 +1249,9 @@ class Conductor:
     # ------------------------------------------------------------------ loops
 
     def _start_loop(self, req: _Request, f: _Frame, ls: _LoopSpec) -> None:
+        if ls.fast:
+            self._dispatch_loop(req, f, ls)
+            return
         node = ls.node
         carried = {
             p.name: self._interp.value(p.role.init, f.env)
@@ -929,6 +1279,53 @@ class Conductor:
             if r not in ls.step_reads:
                 self._consume(f, r)
 
+    def _dispatch_loop(self, req: _Request, f: _Frame, ls: _LoopSpec) -> None:
+        """Hand simple loop ``ls`` to the runner: one item, its start values in ``loop``."""
+        node = ls.node
+        value = self._interp.value
+        carried, fixed, sources = {}, {}, {}
+        for p in node.params:
+            role = p.role
+            if isinstance(role, ir.Carried):
+                carried[p.name] = value(role.init, f.env)
+            elif isinstance(role, ir.Invariant):
+                fixed[p.name] = value(role.value, f.env)
+            elif isinstance(role.source, ir.SelectStep):
+                sources[p.name] = value(role.source.source, f.env)
+            elif isinstance(role.source, ir.TableStep):
+                sources[p.name] = [value(v, f.env) for v in role.source.values]
+        channels = tuple(ch for ch in ls.visible.channels())
+        start = LoopStart(
+            node.name,
+            loop_bound(node, req.walk_inputs, None),
+            carried,
+            fixed,
+            sources,
+            channels,
+            tuple(ls.emit),
+        )
+        f.waiting.remove(ls)
+        for r in ls.need:
+            self._consume(f, r)
+        item = WorkItem(
+            id=next(self._ids),
+            request=req.id,
+            walk=req.walk,
+            node=node.name,
+            kind="loop",
+            ops=(),
+            frame=f.path,
+            speculative=f.in_speculation(),
+            outputs=channels,
+            loop=start,
+        )
+        self._next_id = item.id + 1
+        spec = _RegionSpec(node.name, (), (), channels, ls.emit, {}, ())
+        self._items[item.id] = _Pending(req, f, node.name, channels, {}, item, spec)
+        f.inflight.add(item.id)
+        f.dispatched += 1
+        self._queue.append(item)
+
     def _pump_loop(self, req: _Request, run: _LoopRun) -> bool:
         changed = self._settle(req, run)
         if run not in run.parent.runs:
@@ -936,12 +1333,12 @@ class Conductor:
         for sub in list(run.frames.values()):
             if sub.alive:
                 changed |= self._pump(req, sub)
-        if self._can_start(run):
+        if self._can_start(req, run):
             self._start_iteration(run)
             changed = True
         return self._settle(req, run) or changed
 
-    def _can_start(self, run: _LoopRun) -> bool:
+    def _can_start(self, req: _Request, run: _LoopRun) -> bool:
         ls, i = run.spec, run.started
         if run.stop_at is not None or len(run.frames) >= 2:
             return False
@@ -965,6 +1362,12 @@ class Conductor:
             full = s.buffered + len(run.frames) >= self.stream_buffer_limit
             if s.spec.backpressure and not s.closed and full:
                 return False
+        credit = self._credit.get(req.id)
+        if credit and ls.emit:
+            produced = self._produced.get(req.id, {})
+            for ch in ls.emit:
+                if ch in credit and produced.get(ch, 0) + len(run.frames) >= credit[ch]:
+                    return False
         return True
 
     def _start_iteration(self, run: _LoopRun) -> None:
@@ -1047,10 +1450,14 @@ class Conductor:
         ls, i = run.spec, run.committed
         node = ls.node
         outs = [f.env[o] for o in node.outputs]
+        credit = self._credit.get(req.id)
         for ch, acc in node.accumulated.items():
             piece = outs[acc.output]
             if ch in run.collected:
                 run.collected[ch].append(piece)
+            if credit and ch in credit:
+                produced = self._produced.setdefault(req.id, {})
+                produced[ch] = produced.get(ch, 0) + piece_items(piece, acc)
             for out in ls.emit.get(ch, ()):
                 self._send_ready_outputs(req)
                 self._events.append(StreamItem(req.id, out, i, piece))
@@ -1086,6 +1493,30 @@ class Conductor:
 
 
 # ------------------------------------------------------------------------------ helpers
+
+
+def _simple(ls: _LoopSpec) -> bool:
+    """A loop the runner may step by itself: a straight body of nodes, no stream in or out."""
+    body = ls.body
+    return (
+        not body.loops
+        and not body.regions
+        and not body.streams
+        and not ls.feeds
+        and not isinstance(ls.node.trips, ir.StreamTrips)
+        and not any(
+            isinstance(p.role, ir.PerStep) and isinstance(p.role.source, ir.ChunkStep)
+            for p in ls.node.params
+        )
+    )
+
+
+def piece_items(piece: Any, acc: ir.Accumulated) -> int:
+    """Stream items one committed piece adds (cat: its length along the dim; stack: one)."""
+    if acc.mode == "stack" or not isinstance(piece, torch.Tensor):
+        return 1
+    shape = piece.shape
+    return int(shape[acc.dim if acc.dim >= 0 else acc.dim + len(shape)])
 
 
 def _first_error(f: _Frame) -> str | None:

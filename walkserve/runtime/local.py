@@ -1,19 +1,22 @@
-"""An in-process executor for the conductor: every work item runs here, on this thread.
+"""The in-process executor: the conductor, one rank scheduler and the node runner, all here.
 
-For tests and single-process runs. It owns nothing the conductor owns: it runs what
-``Conductor.ready()`` returns and reports results back, one round at a time::
+For tests and single-process runs. It owns nothing the conductor or the rank scheduler owns: it
+runs what ``Conductor.ready()`` returns and reports back, one round at a time, exactly as the
+server and its workers do across processes::
 
     while requests remain:
         items = conductor.ready()                   # schedule
-        results = executor.run(items)               # run
-        executor.report(conductor, results)         # postprocess
+        results = executor.run(items)               # run: node items now; region items are
+                                                    #   started in the rank scheduler, which
+                                                    #   steps every live region run once
+        executor.report(conductor, results)         # postprocess (node results, region exits)
 
-``run`` groups a round's items by ``(walk, node, kind)``: a component group is one call of the
-node's lowered ``BatchedComponent`` (``lowering.batched.build_callables``) over up to
-``max_batch`` requests, which splits it into compatible calls; fused glue and glue items run
-per request through ``Interpreter.op``. A group that raises is retried item by item, so one
-bad request fails alone. Requests may arrive at later rounds (``arrivals``), which is how
-requests join a running batch at iteration boundaries (continuous batching).
+Node items of a round are grouped by ``(walk, node, kind)``: a component group is one call of
+the node's lowered ``BatchedComponent`` over up to ``max_batch`` requests (``runner``'s failure
+rule: a bad request fails alone). Region items go to one ``RankScheduler`` for every rank (in
+one process ranks do not matter), whose steps run through the same runner. Requests may arrive
+at later rounds (``arrivals``): that is how requests join a running batch at iteration
+boundaries (continuous batching).
 """
 
 from __future__ import annotations
@@ -23,12 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from walkserve.capture import ir
-from walkserve.capture.interpret import Interpreter
 from walkserve.capture.model import CapturedModel
-from walkserve.lowering.batched import DEFER, BatchStats, build_callables
+from walkserve.lowering.batched import BatchStats
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.runtime.conductor import (
     Conductor,
@@ -38,22 +37,26 @@ from walkserve.runtime.conductor import (
     Output,
     WorkItem,
 )
-
-
-@dataclass(frozen=True)
-class ItemResult:
-    """What one item produced (``{op: value}``), or the error it raised."""
-
-    item: int
-    values: dict[str, Any] | None = None
-    error: str | None = None
-    deferred: bool = False  # the component could not run it now: issue it again
+from walkserve.runtime.rankscheduler import (
+    NodeBatchDone,
+    RankScheduler,
+    RegionConsumed,
+    RegionDone,
+    RegionFailed,
+    RegionOutput,
+    RegionStreamed,
+    Report,
+    Step,
+)
+from walkserve.runtime.regionwalk import region_walks
+from walkserve.runtime.runner import ItemResult, NodeRunner, Runnable
 
 
 @dataclass(frozen=True)
 class Dispatch:
     """One group run in round ``round``: its members as ``(request, frame, speculative)``
-    and, for a component, the sizes of the calls the batched component made."""
+    and, for a component, the sizes of the calls the batched component made. ``region``:
+    run by the rank scheduler for region runs (frames are then the region walk's)."""
 
     round: int
     walk: str
@@ -61,6 +64,7 @@ class Dispatch:
     kind: str
     members: tuple[tuple[str, tuple[int, ...], bool], ...]
     calls: tuple[int, ...] = ()
+    region: bool = False
 
 
 @dataclass
@@ -72,6 +76,7 @@ class LocalResult:
     dispatches: list[Dispatch]
     stats: ConductorStats  # at the end
     max_buffered: int  # most stream items buffered after any round
+    rank_values: int = 0  # values the rank scheduler holds at the end
 
 
 class LocalExecutor:
@@ -79,36 +84,60 @@ class LocalExecutor:
     group it ran, ``round`` counts ``run`` calls."""
 
     def __init__(
-        self, captured: CapturedModel, plan: ExecutablePlan, max_batch: int | None = None
+        self,
+        captured: CapturedModel,
+        plan: ExecutablePlan,
+        max_batch: int | None = None,
+        *,
+        speculate: bool = True,
+        stream_buffer_limit: int = 64,
     ) -> None:
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
         self.stats = BatchStats()
-        self.callables = build_callables(captured, plan, stats=self.stats)
-        self.interp = Interpreter(captured)
-        self.ops = {
-            name: {n.name: n for n in ir.iter_nodes(w.body) if isinstance(n, ir.Op)}
-            for name, w in captured.graph.walks.items()
-        }
+        self.runner = NodeRunner(captured, plan, None, self.stats)
+        self.ranks = RankScheduler(
+            region_walks(captured, plan, None),
+            speculate=speculate,
+            stream_buffer_limit=stream_buffer_limit,
+            max_batch=max_batch,
+        )
         self.dispatches: list[Dispatch] = []
         self.round = 0
+        self._reports: list[Report] = []
+        self._requests: dict[int, str] = {}  # region item -> request
 
     def run(self, items: Sequence[WorkItem]) -> list[ItemResult]:
+        """Run the node items of one round and start its region items; then step every live
+        region run once. Region exits are reported by the next ``report``."""
         groups: dict[tuple[str, str, str], list[WorkItem]] = {}
         for item in items:
-            groups.setdefault((item.walk, item.node, item.kind), []).append(item)
+            if item.kind == "region":
+                self._requests[item.id] = item.request
+                self.ranks.start(item.id, item.request, item.walk, item.node, item.env)
+            else:
+                groups.setdefault((item.walk, item.node, item.kind), []).append(item)
         size = self.max_batch or max(len(items), 1)
         results: list[ItemResult] = []
-        with torch.no_grad():
-            for group in groups.values():
-                for start in range(0, len(group), size):
-                    results += self._group(group[start : start + size])
+        for (walk, node, kind), group in groups.items():
+            for start in range(0, len(group), size):
+                part = group[start : start + size]
+                members = tuple((it.request, it.frame, it.speculative) for it in part)
+                results += self._run(walk, node, kind, part, members, False)
+        for step in self.ranks.schedule():
+            members = tuple(self._member(it) for it in step.items)
+            kind = "component" if self._is_component(step) else "glue"
+            self.ranks.update(
+                step, self._run(step.walk, step.node, kind, step.items, members, True)
+            )
+        self._reports += self.ranks.reports()
         self.round += 1
         return results
 
-    @staticmethod
-    def report(conductor: Conductor, results: Sequence[ItemResult]) -> None:
+    def report(self, conductor: Conductor, results: Sequence[ItemResult]) -> int:
+        """Hand ``results`` and the region reports to ``conductor``; returns how many region
+        reports there were."""
         for r in results:
             if r.error is not None:
                 conductor.fail(r.item, r.error)
@@ -116,44 +145,62 @@ class LocalExecutor:
                 conductor.defer(r.item)
             else:
                 conductor.complete(r.item, r.values)
+        reports, self._reports = self._reports, []
+        for rep in reports:
+            if isinstance(rep, RegionStreamed):
+                conductor.streamed(rep.item, rep.channel, rep.index, rep.value)
+            elif isinstance(rep, RegionOutput):
+                conductor.partial(rep.item, rep.outputs)
+            elif isinstance(rep, RegionDone):
+                conductor.complete(rep.item, rep.outputs)
+            elif isinstance(rep, RegionFailed):
+                conductor.fail(rep.item, rep.error)
+            elif isinstance(rep, RegionConsumed):
+                conductor.consumed(rep.item, rep.stream, rep.base, rep.received, rep.closed)
+            else:
+                assert not isinstance(rep, NodeBatchDone)  # node batches run above
+        self.ranks.drop(conductor.dropped())
+        for feed in conductor.feeds():
+            self.ranks.feed(feed.item, feed.stream, feed.pieces, feed.finished)
+        for credit in conductor.credits():
+            self.ranks.credit(credit.item, credit.channel, credit.items)
+        self._reports += self.ranks.reports()
+        return len(reports)
 
-    def _group(self, group: list[WorkItem]) -> list[ItemResult]:
-        first = group[0]
-        members = tuple((it.request, it.frame, it.speculative) for it in group)
-        if first.kind == "glue":
-            self.dispatches.append(Dispatch(self.round, first.walk, first.node, "glue", members))
-            return [self._finish(it, None) for it in group]
-        fn = self.callables[f"{first.walk}:{first.node}"]
-        before = len(self.stats.calls.get(fn.name, []))
-        try:
-            outs = fn([it.call for it in group if it.call is not None])
-        except Exception as e:
-            if len(group) > 1:
-                return [r for it in group for r in self._group([it])]
-            return [ItemResult(first.id, error=f"{type(e).__name__}: {e}")]
-        calls = tuple(self.stats.calls.get(fn.name, [])[before:])
-        self.dispatches.append(
-            Dispatch(self.round, first.walk, first.node, "component", members, calls)
-        )
-        return [self._finish(it, out) for it, out in zip(group, outs)]
+    def idle(self) -> bool:
+        return self.ranks.idle() and not self._reports
 
-    def _finish(self, item: WorkItem, out: Any) -> ItemResult:
-        """Run the item's glue (fused after the component, or the whole glue item)."""
-        if out is DEFER:
-            return ItemResult(item.id, deferred=True)
-        env = dict(item.env)
-        values: dict[str, Any] = {}
-        names = item.ops
-        if item.kind == "component":
-            env[names[0]] = values[names[0]] = out
-            names = names[1:]
-        ops = self.ops[item.walk]
-        try:
-            for name in names:
-                env[name] = values[name] = self.interp.op(ops[name], env)
-        except Exception as e:
-            return ItemResult(item.id, error=str(e))
-        return ItemResult(item.id, values)
+    def _run(
+        self,
+        walk: str,
+        node: str,
+        kind: str,
+        items: Sequence[Runnable],
+        members: tuple[tuple[str, tuple[int, ...], bool], ...],
+        region: bool,
+    ) -> list[ItemResult]:
+        name = node
+        before = len(self.stats.calls.get(name, []))
+        results = self.runner.run(walk, node, items)
+        calls = tuple(self.stats.calls.get(name, [])[before:]) if kind == "component" else ()
+        self.dispatches.append(Dispatch(self.round, walk, node, kind, members, calls, region))
+        return results
+
+    def _member(self, item: Any) -> tuple[str, tuple[int, ...], bool]:
+        if not hasattr(item, "request"):  # a loop stepper's item: (run, iteration)
+            found = self.ranks.loops.describe(item.id)
+            assert found is not None
+            run_id, i = found
+            run = self.ranks._runs.get(run_id)
+            request = self._requests.get(run.item, run_id) if run is not None else run_id
+            return (request, (i,), False)
+        run = self.ranks._runs.get(item.request)
+        request = self._requests.get(run.item, item.request) if run is not None else item.request
+        return (request, item.frame, item.speculative)
+
+    @staticmethod
+    def _is_component(step: Step) -> bool:
+        return any(getattr(it, "kind", "") == "component" for it in step.items)
 
 
 def run_local(
@@ -173,7 +220,13 @@ def run_local(
     conductor = Conductor(
         captured, plan, speculate=speculate, stream_buffer_limit=stream_buffer_limit
     )
-    executor = LocalExecutor(captured, plan, max_batch)
+    executor = LocalExecutor(
+        captured,
+        plan,
+        max_batch,
+        speculate=speculate,
+        stream_buffer_limit=stream_buffer_limit,
+    )
     arrive = dict.fromkeys(requests, 0) | dict(arrivals or {})
     queue = sorted(requests, key=lambda rid: arrive[rid])
     events: list[Event] = []
@@ -184,11 +237,17 @@ def run_local(
             start = walks if isinstance(walks, str) or walks is None else walks.get(rid)
             conductor.submit(rid, requests[rid], start)
         items = conductor.ready()  # schedule
+        ran = len(executor.dispatches)
         results = executor.run(items)  # run
-        executor.report(conductor, results)  # postprocess
+        reported = executor.report(conductor, results)  # postprocess
         events += conductor.events()
-        max_buffered = max(max_buffered, conductor.stats().buffered_stream_items)
-        if not items and not queue and not conductor.idle():
+        max_buffered = max(
+            max_buffered,
+            conductor.stats().buffered_stream_items
+            + executor.ranks.conductor.stats().buffered_stream_items,
+        )
+        stalled = not items and len(executor.dispatches) == ran and not reported
+        if stalled and not queue and not conductor.idle():
             raise RuntimeError(f"the conductor stalled with work left: {conductor.stats()}")
     outputs: dict[str, dict[str, Any]] = {rid: {} for rid in requests}
     failed: dict[str, str] = {}
@@ -201,5 +260,12 @@ def run_local(
     for d in executor.dispatches:
         histogram.setdefault(f"{d.walk}:{d.node}", Counter()).update(d.calls)
     return LocalResult(
-        outputs, failed, events, histogram, executor.dispatches, conductor.stats(), max_buffered
+        outputs,
+        failed,
+        events,
+        histogram,
+        executor.dispatches,
+        conductor.stats(),
+        max_buffered,
+        executor.ranks.stats().live_values,
     )

@@ -19,8 +19,9 @@ Objects never cross a process; only that worker resolves the handle.
 
 Direction (C: conductor, W: worker):
 
-    W->C  Join, Hello, Heartbeat, Fatal, NodeDone, NodeFailed, BatchDone, BatchFailed
-    C->W  WorkerSetup, RunNode, RunBatch, Cancel, Shutdown
+    W->C  Join, Hello, Heartbeat, Fatal, NodeDone, NodeFailed, BatchDone, BatchFailed,
+          RegionEvents, RankStatsReply
+    C->W  WorkerSetup, RunNode, RunBatch, StartRegions, DropRuns, Cancel, StatsQuery, Shutdown
     both  AttachPools (the sender's own pools), Ack (to the owner of the handles' pool)
 
 Worker start-up: ``Join`` (connected) -> ``WorkerSetup`` -> ``AttachPools`` (the worker's output
@@ -70,14 +71,18 @@ TensorRef: TypeAlias = Inline | ShmHandle
 # ------------------------------------------------------------------------------ values
 
 
-class ObjectRef(msgspec.Struct, frozen=True, tag="object", tag_field="type"):
-    """A Python object that cannot be encoded (a Hugging Face cache object): it stays in the
-    per-request object store of worker ``rank`` under ``key``. Only that worker resolves it,
-    and only for the request that made it; the object itself never leaves that process, so a
-    plan must place its producer and all its consumers on one rank."""
+class ObjectRef(msgspec.Struct, frozen=True, tag="object", tag_field="type", weakref=True):
+    """A value that stays where it was made: in the per-request store of worker ``rank``
+    under ``key``. Objects that cannot be encoded (a Hugging Face cache) are always held;
+    tensors are held unless a client or the conductor itself needs their bytes (``shape``
+    then says what the tensor is). Only that worker resolves a key, and only for the request
+    that made it; a consumer on another rank of the same host pulls a held tensor from it
+    directly (``Fetch``), never through the server process; an object never leaves it. The
+    conductor's process releases a key (``Release``) when its last reader is done."""
 
     rank: NonNegInt
     key: ObjectKey
+    shape: list[NonNegInt] | None = None
 
 
 class Seq(msgspec.Struct, frozen=True, tag="seq", tag_field="type"):
@@ -222,6 +227,10 @@ class WorkerSetup(_Msg, frozen=True):
     rank: NonNegInt
     pool: ShmPoolSpec
     data: Literal["shm", "inline", "mooncake"] = "shm"
+    speculate: bool = True  # the rank scheduler's (see ``rankscheduler``)
+    stream_buffer_limit: PosInt = 64
+    peers: dict[int, str] = {}  # rank -> its peer socket (``Fetch``); empty: hold nothing
+    hold: bool = False  # keep values no one needs the bytes of (the server's conductor asks)
 
 
 class Fatal(_Msg, frozen=True):
@@ -248,12 +257,14 @@ class RunBatch(_Msg, frozen=True):
 
 class BatchDone(_Msg, frozen=True):
     """Batch ``batch`` ran on ``rank``; one ``ItemOutput`` per item that ran, in the batch's
-    order; ``deferred``: the items its component could not run now (send them again later)."""
+    order; ``deferred``: the items its component could not run now (send them again later);
+    ``errors``: the items that failed (alone: the others of the batch are in ``outputs``)."""
 
     batch: NonNegInt
     rank: NonNegInt
     outputs: list[ItemOutput]
     deferred: list[NonNegInt] = []
+    errors: list[ItemError] = []
 
 
 class BatchFailed(_Msg, frozen=True):
@@ -263,6 +274,143 @@ class BatchFailed(_Msg, frozen=True):
     batch: NonNegInt
     rank: NonNegInt
     errors: list[ItemError]
+
+
+class RegionStart(msgspec.Struct, frozen=True):
+    """Run region ``region`` of ``walk`` for ``request_id`` (the conductor's item ``item``)."""
+
+    item: NonNegInt
+    request_id: RequestId
+    walk: Name
+    region: Name
+    inputs: dict[Name, Value]
+
+
+class StartRegions(_Msg, frozen=True):
+    """Region runs for the receiving rank to start; it reports them in ``RegionEvents``."""
+
+    starts: list[RegionStart]
+
+
+class RegionStreamed(msgspec.Struct, frozen=True, tag="streamed", tag_field="type"):
+    """Iteration ``index`` of region item ``item``'s streamed channel committed."""
+
+    item: NonNegInt
+    channel: Name
+    index: NonNegInt
+    value: Value
+
+
+class RegionOutput(msgspec.Struct, frozen=True, tag="output", tag_field="type"):
+    """Outputs of region item ``item`` that exist before its exit."""
+
+    item: NonNegInt
+    outputs: dict[Name, Value]
+
+
+class RegionDone(msgspec.Struct, frozen=True, tag="done", tag_field="type"):
+    """Region item ``item`` finished; ``outputs``: those no ``RegionOutput`` brought."""
+
+    item: NonNegInt
+    outputs: dict[Name, Value]
+
+
+class RegionFailed(msgspec.Struct, frozen=True, tag="failed", tag_field="type"):
+    item: NonNegInt
+    error: str
+
+
+class RegionConsumed(msgspec.Struct, frozen=True, tag="consumed", tag_field="type"):
+    """Region item ``item`` has ``received`` pieces of fed stream ``stream`` and released its
+    items before ``base`` (``closed``: it takes no more)."""
+
+    item: NonNegInt
+    stream: Name
+    base: NonNegInt
+    received: NonNegInt
+    closed: bool
+
+
+RegionEvent: TypeAlias = RegionStreamed | RegionOutput | RegionDone | RegionFailed | RegionConsumed
+
+
+class FeedStream(_Msg, frozen=True):
+    """Items of fed stream ``stream`` for region item ``item`` (of ``request_id``), from
+    another region: ``pieces`` in order (held values the receiver pulls from their rank);
+    ``finished``: no piece follows."""
+
+    item: NonNegInt
+    request_id: RequestId
+    stream: Name
+    pieces: list[Value]
+    finished: bool
+
+
+class GrantCredit(_Msg, frozen=True):
+    """Region item ``item`` may commit items of ``channel`` up to ``items``."""
+
+    item: NonNegInt
+    channel: Name
+    items: NonNegInt
+
+
+class RegionEvents(_Msg, frozen=True):
+    """What the region runs of ``rank`` did in one engine step, in order."""
+
+    rank: NonNegInt
+    events: list[RegionEvent]
+
+
+class DropRuns(_Msg, frozen=True):
+    """The conductor no longer wants these region items (their iteration was discarded):
+    drop their runs, report nothing more of them."""
+
+    items: list[NonNegInt]
+
+
+class StatsQuery(_Msg, frozen=True):
+    """Ask for ``RankStatsReply``; answered after every command sent before it."""
+
+    seq: NonNegInt
+
+
+class RankStatsReply(_Msg, frozen=True):
+    """A rank's scheduler and stores, as of the moment it answered ``StatsQuery`` ``seq``."""
+
+    seq: NonNegInt
+    rank: NonNegInt
+    runs: NonNegInt  # region runs live
+    live_values: NonNegInt  # values its region runs hold
+    objects: NonNegInt  # objects its per-request store holds
+    speculated_steps: NonNegInt
+    wasted_steps: NonNegInt
+    batch_sizes: dict[int, int]  # items per step -> steps (region runs and node batches)
+
+
+class Release(_Msg, frozen=True):
+    """The conductor holds these keys of ``request_id``'s store no more: drop them."""
+
+    request_id: RequestId
+    keys: list[ObjectKey]
+
+
+class Fetch(_Msg, frozen=True):
+    """Worker to worker (its peer socket): the values of ``refs`` (this rank's keys of
+    ``request_id``), answered by ``Fetched`` with the same ``seq``."""
+
+    seq: NonNegInt
+    request_id: RequestId
+    keys: list[ObjectKey]
+
+
+class Fetched(_Msg, frozen=True):
+    """The values asked for (in order), or why not; ``pool``: the sender's output pool, which
+    the handles among them are in (the reader attaches it once)."""
+
+    seq: NonNegInt
+    values: list[Value] = []
+    error: str | None = None
+    pool: ShmPoolSpec | None = None
 
 
 class Probe(_Msg, frozen=True):
@@ -296,6 +444,16 @@ Message: TypeAlias = (
     | BatchFailed
     | Probe
     | ProbeReply
+    | StartRegions
+    | RegionEvents
+    | DropRuns
+    | StatsQuery
+    | RankStatsReply
+    | Release
+    | Fetch
+    | Fetched
+    | FeedStream
+    | GrantCredit
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -44,7 +44,8 @@ from walkserve.capture import ir
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.batched import merges_calls
 from walkserve.lowering.placement import LOCAL_HOST, Placement
-from walkserve.lowering.plan import ExecutablePlan, NodePlan
+from walkserve.lowering.plan import ExecutablePlan
+from walkserve.runtime.batcher import Batch, Batcher
 from walkserve.runtime.conductor import (
     Conductor,
     ConductorStats,
@@ -56,12 +57,29 @@ from walkserve.runtime.conductor import (
     WorkItem,
 )
 from walkserve.runtime.kv.paged_lm import PagedLM
-from walkserve.runtime.messages import KVStats
+from walkserve.runtime.messages import (
+    KVStats,
+    RankStatsReply,
+    RegionConsumed,
+    RegionDone,
+    RegionOutput,
+    RegionStreamed,
+)
 from walkserve.runtime.workers import BatchResult, PoolConfig, RankHealth, WorkerPool
 
 log = logging.getLogger("walkserve.server")
 
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class RuntimeStats(ConductorStats):
+    """``ConductorStats`` of the whole runtime: the counters add the ranks' (speculation
+    inside region runs, values their runs and object stores hold); ``conductor`` and
+    ``ranks`` are the parts."""
+
+    conductor: ConductorStats | None = None
+    ranks: Mapping[int, RankStatsReply] = field(default_factory=dict)
 
 
 class RequestFailed(RuntimeError):
@@ -122,6 +140,10 @@ class RequestHandle:
                 if item is _STOP:
                     return
                 yield item
+
+    def outputs(self) -> dict[str, Any]:
+        """The outputs received so far (a copy): those a walk sends before its stream ends."""
+        return dict(self._outputs)
 
     def cancel(self) -> None:
         self._server.cancel(self.request_id)
@@ -188,9 +210,7 @@ class Server:
         self.conductor = Conductor(
             captured, plan, speculate=speculate, stream_buffer_limit=stream_buffer_limit
         )
-        self._nodes: dict[tuple[str, str], NodePlan] = {
-            (w, n.name): n for w in plan.walks for n in plan.nodes(w)
-        }
+        nodes = {(w, n.name): n for w in plan.walks for n in plan.nodes(w)}
         self._ops: dict[str, dict[str, ir.Op]] = {
             w.name: {n.name: n for n in ir.iter_nodes(w.body) if isinstance(n, ir.Op)}
             for w in captured.graph.walks.values()
@@ -198,27 +218,23 @@ class Server:
         self._inbox: queue.Queue[Any] = queue.Queue()  # callables run on the loop thread
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
-        self._round_robin = itertools.count()
-        # Continuous batching: for a KV-cache engine that runs a batch as one forward
-        # (PagedLM: merges_calls), at most max_inflight batches of a node are out on a rank;
-        # its items that become ready meanwhile are held and leave together when the batch
-        # returns, so requests that fell out of step share a forward again. Other nodes'
-        # items go at once: a stateless component costs about the same per request batched
-        # or not, a Hugging Face cache object per request is a call per request, and a
-        # pipeline's stages stay busy.
-        self.max_inflight = max_inflight
+        # Continuous batching across the nodes the conductor drives (``batcher``): a node
+        # whose component runs a batch as one forward (PagedLM: merges_calls) waits while
+        # max_inflight of its batches are out on a rank. Regions batch on their rank.
         components = captured.graph.components
-        self._merging = {
+        merging = {
             key
-            for key, node in self._nodes.items()
+            for key, node in nodes.items()
             if merges_calls(node)
             and node.target in components
             and components[node.target].engine == "kv_cache"
         }
-        self._inflight: dict[tuple[int, str, str], int] = {}
-        self._held: list[WorkItem] = []
+        regions = {(w, r.name): r for w, found in plan.regions.items() for r in found}
+        self.batcher = Batcher(nodes, regions, merging, max_inflight)
+        self.max_inflight = max_inflight
+        self._region_rank: dict[int, int] = {}  # region items out -> their rank
+        pool.on_regions = self._region_events
         self._closed = False
-        self.batch_sizes: dict[int, int] = {}
         self.cross_host_edges: list[Any] = []  # runtime.net.link.CrossHostEdge
         self.closers: list[Callable[[], None]] = []  # run after the pool closed (a launcher)
         self._thread = threading.Thread(target=self._loop, name="walkserve-conductor", daemon=True)
@@ -281,10 +297,36 @@ class Server:
         """Paged KV pools per rank, as of each worker's last heartbeat."""
         return self.pool.kv_stats()
 
-    def stats(self) -> ConductorStats:
+    def stats(self, timeout: float = 30.0) -> RuntimeStats:
+        """The conductor's counters and state, with every rank's added in (``ranks``: each
+        rank's own). Live values count what the conductor holds and what the ranks' region
+        runs and object stores hold."""
         result: Future[ConductorStats] = Future()
         self._inbox.put(lambda: result.set_result(self.conductor.stats()))
-        return result.result()
+        outer = result.result(timeout)
+        ranks = self.pool.rank_stats(timeout)
+        return RuntimeStats(
+            speculated_steps=outer.speculated_steps
+            + sum(r.speculated_steps for r in ranks.values()),
+            wasted_steps=outer.wasted_steps + sum(r.wasted_steps for r in ranks.values()),
+            live_requests=outer.live_requests,
+            in_flight=outer.in_flight,
+            buffered_stream_items=outer.buffered_stream_items,
+            live_values=outer.live_values + sum(r.live_values + r.objects for r in ranks.values()),
+            live_values_by_request=outer.live_values_by_request,
+            deferred_items=outer.deferred_items,
+            conductor=outer,
+            ranks=ranks,
+        )
+
+    @property
+    def batch_sizes(self) -> dict[int, int]:
+        """Items per batch -> batches: the conductor's node batches and every rank's steps."""
+        sizes = dict(self.batcher.sizes)
+        for reply in self.pool.rank_stats().values():
+            for k, v in reply.batch_sizes.items():
+                sizes[k] = sizes.get(k, 0) + v
+        return sizes
 
     def close(self) -> None:
         if self._closed:
@@ -324,51 +366,84 @@ class Server:
             self._route(self.conductor.events())
 
     def _dispatch(self, items: list[WorkItem]) -> None:
-        """Send ready ``items`` (and those held before) as one batch per node and rank, unless
-        ``max_inflight`` batches of that node are out on that rank; hold those."""
-        held = [it for it in self._held if self.conductor.wanted(it.id)]
-        items, self._held = held + items, []
-        groups: dict[tuple[str, str, tuple[str, ...], tuple[str, ...], int], list[WorkItem]] = {}
-        for item in items:
-            ranks = self._nodes[(item.walk, item.node)].ranks
-            if len(ranks) == 1:
-                rank = ranks[0]
-            else:  # replicas: the least busy, ties in turn
-                turn = next(self._round_robin)
-                rank = min(
-                    (ranks[(turn + k) % len(ranks)] for k in range(len(ranks))),
-                    key=lambda r: self._inflight.get((r, item.walk, item.node), 0),
+        """Send ready ``items`` as the batcher groups them (one ``RunBatch`` per node batch,
+        one ``StartRegions`` per rank), and tell ranks about region runs no one waits for."""
+        for batch in self.batcher.batches(items, self.conductor.wanted):
+            if batch.kind == "regions":
+                for it in batch.items:
+                    self._region_rank[it.id] = batch.rank
+                self.pool.start_regions(
+                    batch.rank,
+                    [(it.id, it.request, it.walk, it.node, it.env) for it in batch.items],
                 )
-            key = (item.walk, item.node, item.ops, item.outputs, rank)
-            groups.setdefault(key, []).append(item)
-        for (walk, node_name, ops, outputs, rank), group in groups.items():
-            out = (rank, walk, node_name)
-            if (walk, node_name) in self._merging and self._inflight.get(
-                out, 0
-            ) >= self.max_inflight:
-                self._held += group
                 continue
-            self._inflight[out] = self._inflight.get(out, 0) + 1
-            self.batch_sizes[len(group)] = self.batch_sizes.get(len(group), 0) + 1
-            payload = [(it.id, it.request, self._inputs(it)) for it in group]
+            payload = [(it.id, it.request, self._inputs(it)) for it in batch.items]
             try:
                 future = self.pool.submit_batch(
-                    rank, walk, node_name, payload, ops=list(ops), outputs=list(outputs)
+                    batch.rank,
+                    batch.walk,
+                    batch.node,
+                    payload,
+                    ops=list(batch.ops),
+                    outputs=list(batch.outputs),
                 )
             except BaseException:
-                self._inflight[out] -= 1
+                self.batcher.returned(batch)
                 raise
-            future.add_done_callback(self._reply_callback(group, out))
+            future.add_done_callback(self._reply_callback(batch))
+        by_rank: dict[int, list[int]] = {}
+        for item_id in self.conductor.dropped():
+            rank = self._region_rank.pop(item_id, None)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(item_id)
+        for rank, group in by_rank.items():
+            self.pool.drop_runs(rank, group)
+        self._route_streams()
 
-    def _reply_callback(self, group: list[WorkItem], out: tuple[int, str, str]) -> Any:
+    def _route_streams(self) -> None:
+        """Streams between regions: items to consumer regions, credit to producer ones."""
+        for feed in self.conductor.feeds():
+            rank = self._region_rank.get(feed.item)
+            if rank is not None:
+                self.pool.feed(
+                    rank, feed.item, feed.request, feed.stream, feed.pieces, feed.finished
+                )
+        for credit in self.conductor.credits():
+            rank = self._region_rank.get(credit.item)
+            if rank is not None:
+                self.pool.grant(rank, credit.item, credit.channel, credit.items)
+
+    def _reply_callback(self, batch: Batch) -> Any:
         def on_reply(future: Future[BatchResult]) -> None:
             def finished() -> None:
-                self._inflight[out] -= 1
-                self._finished(future, group)
+                self.batcher.returned(batch)
+                self._finished(future, list(batch.items))
 
             self._inbox.put(finished)
 
         return on_reply
+
+    def _region_events(self, rank: int, events: list[Any]) -> None:
+        """From the pool's io thread: hand a rank's region events to the loop thread."""
+
+        def apply() -> None:
+            for event in events:
+                if isinstance(event, RegionStreamed):
+                    self.conductor.streamed(event.item, event.channel, event.index, event.value)
+                elif isinstance(event, RegionOutput):
+                    self.conductor.partial(event.item, event.outputs)
+                elif isinstance(event, RegionConsumed):
+                    self.conductor.consumed(
+                        event.item, event.stream, event.base, event.received, event.closed
+                    )
+                elif isinstance(event, RegionDone):
+                    self._region_rank.pop(event.item, None)
+                    self.conductor.complete(event.item, event.outputs)
+                else:
+                    self._region_rank.pop(event.item, None)
+                    self.conductor.fail(event.item, event.error)
+
+        self._inbox.put(apply)
 
     def _inputs(self, item: WorkItem) -> dict[str, Any]:
         """The item's inputs by value name: the component op's argument values (from the
@@ -395,6 +470,8 @@ class Server:
             for item in group:
                 if item.id in result.deferred:
                     self.conductor.defer(item.id)
+                elif item.id in result.errors:
+                    self.conductor.fail(item.id, result.errors[item.id])
                 else:
                     self.conductor.complete(item.id, result.outputs[item.id])
 
@@ -530,6 +607,9 @@ def serve(
             threads=threads,
             config=pool_config,
             on_listening=None if launcher is None else launcher.launch,
+            speculate=speculate,
+            stream_buffer_limit=stream_buffer_limit,
+            hold=True,
         )
     except BaseException:
         if launcher is not None:

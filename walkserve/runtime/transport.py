@@ -99,46 +99,53 @@ class LocalTransport(Transport):
 
 
 class ObjectStore:
-    """A worker's per-request store of objects that cannot leave its process.
+    """A worker's per-request store of the values it keeps where they were made: objects
+    that cannot leave its process, and tensors no one needs the bytes of elsewhere.
 
-    ``put`` keeps an object for a request and returns its ``ObjectRef``; ``get`` resolves a
-    reference only for the request that made it and only on this rank; ``drop`` forgets all
-    objects of a request (on ``Cancel``: the request finished, failed or was aborted).
+    ``put`` keeps a value for a request and returns its ``ObjectRef`` (a fresh key for every
+    put: each reference the conductor holds is released on its own); ``get`` resolves a
+    reference only for the request that made it and only on this rank; ``release`` drops keys
+    whose last reader is done; ``drop`` forgets all values of a request (on ``Cancel``: the
+    request finished, failed or was aborted).
 
-    The same object put again for a request (a KV cache a decode loop returns at every step)
-    keeps its reference. A dropped request stays dropped: an object a late step makes for it
-    (a speculative step still running when the request ended) is not kept, so nothing
-    outlives its request. Thread-safe: the receive thread resolves while the run thread
-    stores."""
+    A dropped request stays dropped: a value a late step makes for it (a speculative step still
+    running when the request ended) is not kept, so nothing outlives its request. Thread-safe:
+    the receive and peer threads resolve while the run thread stores."""
 
     def __init__(self, rank: int, max_per_request: int = 4096, remember_dropped: int = 65536):
         self.rank = rank
         self.max_per_request = max_per_request
         self._objects: dict[str, dict[str, Any]] = {}
-        self._keys_of: dict[str, dict[int, str]] = {}  # request -> id(object) -> key
         self._dropped: dict[str, None] = {}  # insertion-ordered, bounded
         self._remember_dropped = remember_dropped
         self._keys = itertools.count()
         self._lock = threading.Lock()
 
     def put(self, request_id: str, obj: Any) -> ObjectRef:
+        shape = list(obj.shape) if isinstance(obj, torch.Tensor) else None
         with self._lock:
+            key = f"o{next(self._keys)}"
             if request_id in self._dropped:
-                return ObjectRef(self.rank, f"o{next(self._keys)}")  # resolves to nothing
+                return ObjectRef(self.rank, key, shape)  # resolves to nothing
             objects = self._objects.setdefault(request_id, {})
-            keys = self._keys_of.setdefault(request_id, {})
-            key = keys.get(id(obj))
-            if key is not None:
-                return ObjectRef(self.rank, key)
             if len(objects) >= self.max_per_request:
                 raise TransportError(
-                    f"request {request_id} holds {len(objects)} objects on rank {self.rank}; "
+                    f"request {request_id} holds {len(objects)} values on rank {self.rank}; "
                     "is it never cancelled?"
                 )
-            key = f"o{next(self._keys)}"
             objects[key] = obj
-            keys[id(obj)] = key
-        return ObjectRef(self.rank, key)
+        return ObjectRef(self.rank, key, shape)
+
+    def release(self, request_id: str, keys: Sequence[str]) -> None:
+        """Forget ``keys`` of ``request_id`` (unknown keys: nothing)."""
+        with self._lock:
+            objects = self._objects.get(request_id)
+            if objects is None:
+                return
+            for key in keys:
+                objects.pop(key, None)
+            if not objects:
+                del self._objects[request_id]
 
     def get(self, request_id: str, ref: ObjectRef) -> Any:
         if ref.rank != self.rank:
@@ -160,7 +167,6 @@ class ObjectStore:
             self._dropped[request_id] = None
             if len(self._dropped) > self._remember_dropped:
                 del self._dropped[next(iter(self._dropped))]
-            self._keys_of.pop(request_id, None)
             return len(self._objects.pop(request_id, {}))
 
     def __len__(self) -> int:
@@ -193,6 +199,11 @@ class ShmTransport(Transport):
         self.reader = reader
         self.inline_max_bytes = inline_max_bytes
         self.objects = objects
+        # (rank, key) -> a value another rank holds, fetched before the payload is read
+        # (``peers.PeerClient``): only a worker resolves another rank's references.
+        self.fetched: dict[tuple[int, str], Any] = {}
+        self.bytes_in = 0  # tensor bytes read (inline or shared memory)
+        self.bytes_out = 0  # tensor bytes written
 
     def send(self, value: Any, request_id: str) -> Value:
         written: list[ShmHandle] = []
@@ -218,6 +229,7 @@ class ShmTransport(Transport):
         if isinstance(value, int) and _INT_RANGE[0] <= value <= _INT_RANGE[1]:
             return value
         if isinstance(value, torch.Tensor) and _encodable(value):
+            self.bytes_out += value.numel() * value.element_size()
             if value.numel() * value.element_size() < self.inline_max_bytes:
                 return inline(value)
             handle = self.pool.write(value)
@@ -237,13 +249,19 @@ class ShmTransport(Transport):
 
     def _unpack(self, payload: Any, request_id: str, tokens: list[ShmHandle]) -> Any:
         if isinstance(payload, Inline):
+            self.bytes_in += payload.header.nbytes
             return from_inline(payload)
         if isinstance(payload, ShmHandle):
             tensor = self.reader.read(payload)
+            self.bytes_in += payload.header.nbytes
             tokens.append(payload)
             return tensor
         if isinstance(payload, ObjectRef):
-            return payload if self.objects is None else self.objects.get(request_id, payload)
+            if self.objects is None:
+                return payload
+            if payload.rank != self.objects.rank and (payload.rank, payload.key) in self.fetched:
+                return self.fetched[(payload.rank, payload.key)]
+            return self.objects.get(request_id, payload)
         if isinstance(payload, Seq):
             items = [self._unpack(v, request_id, tokens) for v in payload.items]
             if payload.kind == "list":

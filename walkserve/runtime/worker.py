@@ -57,13 +57,11 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -71,20 +69,16 @@ import msgspec
 if TYPE_CHECKING:
     import zmq
 
-    from walkserve.capture import ir
-    from walkserve.capture.interpret import Interpreter
-    from walkserve.capture.model import CapturedModel
-    from walkserve.lowering.batched import BatchedComponent
-    from walkserve.lowering.plan import ExecutablePlan, NodePlan
+    from walkserve.runtime.engine import EngineLoop
     from walkserve.runtime.kv.paged_lm import PagedLM
     from walkserve.runtime.messages import (
-        BatchDone,
-        BatchFailed,
         KVStats,
         Message,
         RunBatch,
+        StartRegions,
         WorkerSetup,
     )
+    from walkserve.runtime.peers import PeerClient, PeerServer
     from walkserve.runtime.shm import ShmPool, ShmReader
     from walkserve.runtime.transport import ObjectStore, ShmTransport
 
@@ -151,223 +145,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return msgspec.json.decode(text, type=WorkerConfig)
 
 
-# ------------------------------------------------------------------------- node runs
-
-
-@dataclass(frozen=True)
-class NodeIO:
-    """What a plan node exchanges with the rest of its walk. ``inputs``: values its ops read
-    that it does not make (the names of a ``BatchItem``'s inputs). ``outputs``: values it makes
-    that something outside it reads (the names of an ``ItemOutput``'s values)."""
-
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-
-
-def value_readers(walk: ir.Walk) -> dict[str, set[str]]:
-    """Who reads each value of ``walk``: op names, or ``<loop NAME>``, ``<walk outputs>``,
-    ``<stream>`` for the loop plumbing, the walk's results and streaming edges."""
-    from walkserve.capture import ir
-
-    readers: dict[str, set[str]] = {}
-
-    def add(names: Sequence[str], reader: str) -> None:
-        for name in names:
-            readers.setdefault(name, set()).add(reader)
-
-    def visit(block: ir.Block) -> None:
-        for n in block.nodes:
-            if isinstance(n, ir.Op):
-                add(ir.node_inputs(n), n.name)
-            else:
-                add(
-                    [*ir.node_inputs(n), *n.outputs, *([n.stop] if n.stop else [])],
-                    f"<loop {n.name}>",
-                )
-                visit(n.body)
-
-    visit(walk.body)
-    add([r for a in walk.outputs.values() for r in ir.arg_refs(a)], "<walk outputs>")
-    add([e.source for e in walk.streams], "<stream>")
-    return readers
-
-
-def node_io(walk: ir.Walk, node: NodePlan, readers: dict[str, set[str]] | None = None) -> NodeIO:
-    """The ``NodeIO`` of plan node ``node`` of ``walk`` (pass ``value_readers(walk)`` when
-    asking for many nodes of one walk)."""
-    from walkserve.capture import ir
-
-    if readers is None:
-        readers = value_readers(walk)
-    ops = {n.name: n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.Op)}
-    inside = set(node.ops)
-    inputs: dict[str, None] = {}
-    for name in node.ops:
-        for ref in ir.node_inputs(ops[name]):
-            if ref not in inside:
-                inputs[ref] = None
-    outputs = [name for name in node.ops if readers.get(name, set()) - inside]
-    return NodeIO(tuple(inputs), tuple(outputs))
-
-
-_DEFERRED = "\0deferred"  # env key: the component deferred this item (no IR name has a NUL)
-
-
-class NodeRunError(RuntimeError):
-    """A node raised. ``item``: the index of the item it raised for, or None when the
-    batched call itself raised (it failed for every item)."""
-
-    def __init__(self, message: str, item: int | None) -> None:
-        super().__init__(message)
-        self.item = item
-
-
-@dataclass(frozen=True)
-class _Node:
-    plan: NodePlan
-    ops: list[ir.Op]
-    io: NodeIO
-    call: BatchedComponent | None  # component nodes
-
-
-class NodeExecutor:
-    """Runs the plan nodes placed on ``rank`` (all nodes for None) for batches of items, one
-    environment (value name -> value) per item. No process, socket or transport here: values
-    in, values out; the worker wraps it, a test or an in-process conductor calls it directly.
-
-        outs = executor.run("generate", "euler_step/denoiser", [env0, env1, env2])
-        outs[i]    # {name: value} for every name in executor.io(walk, node).outputs
-
-    ``ops`` runs part of a node (a conductor splits a node whose ops become ready at different
-    times): a subsequence of the node's ops, in plan order; it is a batched component call only
-    if it starts with the node's component op. ``outputs`` names the values to return
-    (default: the whole node's ``NodeIO.outputs``; with ``ops``, every one of ``ops``).
-    """
-
-    def __init__(self, captured: CapturedModel, plan: ExecutablePlan, rank: int | None) -> None:
-        from walkserve.capture import ir
-        from walkserve.capture.interpret import Interpreter
-        from walkserve.lowering.batched import build_callables
-
-        self.rank = rank
-        self.interp: Interpreter = Interpreter(captured)
-        callables = build_callables(captured, plan, rank)
-        self._nodes: dict[tuple[str, str], _Node] = {}
-        self._ops: dict[str, dict[str, ir.Op]] = {}
-        for walk_name in plan.walks:
-            walk = captured.graph.walks[walk_name]
-            ops = {n.name: n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.Op)}
-            readers = value_readers(walk)
-            self._ops[walk_name] = ops
-            for node in plan.nodes(walk_name):
-                if rank is not None and rank not in node.ranks:
-                    continue
-                self._nodes[(walk_name, node.name)] = _Node(
-                    node,
-                    [ops[name] for name in node.ops],
-                    node_io(walk, node, readers),
-                    callables.get(f"{walk_name}:{node.name}"),
-                )
-
-    def nodes(self) -> list[tuple[str, str]]:
-        """(walk, node) of every node this executor runs."""
-        return list(self._nodes)
-
-    def io(self, walk: str, node: str) -> NodeIO:
-        return self._node(walk, node).io
-
-    def is_glue(self, walk: str, node: str, ops: Sequence[str] | None = None) -> bool:
-        """Whether running ``node`` (or its ``ops``) is glue only, no component call."""
-        entry = self._nodes.get((walk, node))
-        if entry is None:
-            return False
-        if entry.call is None:
-            return True
-        return ops is not None and len(ops) > 0 and ops[0] != entry.ops[0].name
-
-    def run(
-        self,
-        walk: str,
-        node: str,
-        envs: Sequence[dict[str, Any]],
-        ops: Sequence[str] | None = None,
-        outputs: Sequence[str] | None = None,
-    ) -> list[dict[str, Any] | None]:
-        """Run ``node`` (or its ``ops``) for every item; ``envs`` (each holding at least the
-        inputs) receive the values of the ops. None for an item the component deferred (it
-        could not run it now: send it again later). Raises ``NodeRunError``."""
-        import torch
-
-        entry = self._node(walk, node)
-        run = entry.ops if ops is None else self._subset(walk, entry, ops)
-        if outputs is None:
-            outputs = entry.io.outputs if ops is None else ops
-        with torch.no_grad():
-            if entry.call is not None and run[0] is entry.ops[0]:
-                self._component(entry.call, run, envs)
-            else:
-                for i, env in enumerate(envs):
-                    self._glue(run, env, i)
-        try:
-            return [
-                None if env.get(_DEFERRED) else {name: env[name] for name in outputs}
-                for env in envs
-            ]
-        except KeyError as e:
-            raise NodeRunError(f"{walk}:{node} makes no value {e}", None) from None
-
-    def _subset(self, walk: str, entry: _Node, ops: Sequence[str]) -> list[ir.Op]:
-        order = {op.name: k for k, op in enumerate(entry.ops)}
-        positions = [order.get(name, -1) for name in ops]
-        if not ops or -1 in positions or positions != sorted(set(positions)):
-            raise NodeRunError(
-                f"ops {list(ops)} are not a subsequence of node {walk}:{entry.plan.name}'s "
-                f"ops {list(order)}",
-                None,
-            )
-        return [entry.ops[k] for k in positions]
-
-    def _node(self, walk: str, node: str) -> _Node:
-        entry = self._nodes.get((walk, node))
-        if entry is None:
-            where = "this executor" if self.rank is None else f"rank {self.rank}"
-            raise NodeRunError(f"node {walk}:{node} is not placed on {where}", None)
-        return entry
-
-    def _component(
-        self, call: BatchedComponent, ops: list[ir.Op], envs: Sequence[dict[str, Any]]
-    ) -> None:
-        op, value = ops[0], self.interp.value
-        batch = []
-        for i, env in enumerate(envs):
-            try:
-                args = [value(a, env) for a in op.args]
-                kwargs = {k: value(a, env) for k, a in op.kwargs.items()}
-            except Exception as e:
-                raise NodeRunError(str(e), i) from e
-            batch.append((args, kwargs))
-        try:
-            outs = call(batch)
-        except Exception as e:
-            where = f" ({op.source})" if op.source else ""
-            raise NodeRunError(f"node {op.name} ({op.target}){where} failed: {e}", None) from e
-        from walkserve.lowering.batched import DEFER
-
-        for i, (env, out) in enumerate(zip(envs, outs)):
-            if out is DEFER:
-                env[_DEFERRED] = True
-                continue
-            env[op.name] = out
-            self._glue(ops[1:], env, i)
-
-    def _glue(self, ops: list[ir.Op], env: dict[str, Any], index: int) -> None:
-        for op in ops:
-            try:
-                env[op.name] = self.interp.op(op, env)
-            except Exception as e:
-                raise NodeRunError(str(e), index) from e
-
-
 def configure_kv(
     model: Any, pool_tokens: int | None, page_size: int | None
 ) -> list[tuple[str, PagedLM]]:
@@ -412,22 +189,6 @@ def worker_main(rank: int, conductor_addr: str, config: str | WorkerConfig) -> N
     os._exit(code)
 
 
-@dataclass
-class _Job:
-    """A batch whose inputs are decoded, waiting for the main thread."""
-
-    batch: int
-    walk: str
-    node: str
-    items: list[tuple[int, str]]  # (item, request id)
-    envs: list[dict[str, Any]]
-    ops: list[str] | None
-    outputs: list[str] | None
-
-
-_STOP = None  # the job that ends the main loop
-
-
 class Worker:
     """One rank's process side (see the module docstring). ``run()`` returns the exit code."""
 
@@ -435,27 +196,26 @@ class Worker:
         self.rank = rank
         self.address = address
         self.config = config
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._backlog = 0  # batches queued or running
-        self._backlog_lock = threading.Lock()
         self._stopping = threading.Event()
         self._ppid = os.getppid()
         self._tx_lock = threading.Lock()
         self._tx: zmq.Socket[bytes]
-        self.executor: NodeExecutor
+        self.engine: EngineLoop
         self.pool: ShmPool
         self.reader: ShmReader
         self.objects: ObjectStore
         self.transport: ShmTransport
         self._kv: list[tuple[str, PagedLM]] = []
         self._kv_last: dict[str, KVStats] = {}
+        self.peer_server: PeerServer | None = None
+        self.peers: PeerClient | None = None
 
     def run(self) -> int:
         import zmq
 
         from walkserve.runtime.messages import AttachPools, Fatal, Hello, Join
 
-        ctx = zmq.Context()
+        ctx = self._ctx = zmq.Context()
         rx = ctx.socket(zmq.DEALER)  # commands; the io thread's alone once it runs
         rx.setsockopt(zmq.LINGER, 0)
         rx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
@@ -492,6 +252,10 @@ class Worker:
             return 0
         finally:
             if built:
+                if self.peer_server is not None:
+                    self.peer_server.close()
+                if self.peers is not None:
+                    self.peers.close()
                 self.pool.close()
                 self.reader.close()
             rx.close()
@@ -547,6 +311,10 @@ class Worker:
         from walkserve.capture.model import CapturedModel
         from walkserve.capture.serialize import from_json
         from walkserve.lowering.plan import ExecutablePlan
+        from walkserve.runtime.engine import EngineLoop
+        from walkserve.runtime.rankscheduler import RankScheduler
+        from walkserve.runtime.regionwalk import region_walks
+        from walkserve.runtime.runner import NodeRunner
         from walkserve.runtime.shm import ShmPool, ShmPoolConfig, ShmReader
         from walkserve.runtime.transport import ObjectStore, ShmTransport
 
@@ -555,7 +323,7 @@ class Worker:
         model, _ = load_model(setup.model, setup.seed)
         self._kv = configure_kv(model, self.config.kv_pool_tokens, self.config.kv_page_size)
         captured = CapturedModel(from_json(setup.ir), model)
-        self.executor = NodeExecutor(captured, ExecutablePlan.from_json(setup.plan), self.rank)
+        plan = ExecutablePlan.from_json(setup.plan)
         min_slot = 64 * KiB
         self.pool = ShmPool(
             ShmPoolConfig(
@@ -578,6 +346,34 @@ class Worker:
             self.transport = remote_transport(
                 setup.data, self.address, self.objects, self.config.inline_max_bytes
             )
+        if setup.peers and self.rank in setup.peers and setup.data == "shm":
+            from walkserve.runtime.peers import PeerClient, PeerServer
+
+            self.peer_server = PeerServer(
+                self._ctx,
+                setup.peers[self.rank],
+                self.objects,
+                self.pool,
+                self.reader,
+                self.config.inline_max_bytes,
+            )
+            self.peers = PeerClient(self._ctx, self.rank, dict(setup.peers), self.reader)
+        scheduler = RankScheduler(
+            region_walks(captured, plan, self.rank),
+            speculate=setup.speculate,
+            stream_buffer_limit=setup.stream_buffer_limit,
+            max_batch=plan.max_batch,
+        )
+        self.engine = EngineLoop(
+            self.rank,
+            plan,
+            NodeRunner(captured, plan, self.rank),
+            scheduler,
+            self.transport,
+            self.objects,
+            self._send,
+            hold=setup.hold and self.peers is not None,
+        )
 
     # ------------------------------------------------------------------ main thread
 
@@ -587,89 +383,42 @@ class Worker:
         )
         io.start()
         try:
-            while True:
-                job = self._jobs.get()
-                if job is _STOP or self._stopping.is_set():
-                    break
-                try:
-                    self._send(self._run(job))
-                finally:
-                    self._finished()
-                    # Idle, the loop must not keep the batch's values (a request's KV cache
-                    # is freed when the request's last reference goes).
-                    del job
+            self.engine.run(self._stopping)
         finally:
             self._stopping.set()
             io.join()
 
-    def _run(self, job: _Job) -> BatchDone | BatchFailed:
-        from walkserve.runtime.messages import BatchDone, ItemOutput
-        from walkserve.runtime.transport import shm_handles
-
-        try:
-            results = self.executor.run(job.walk, job.node, job.envs, job.ops, job.outputs)
-        except NodeRunError as e:
-            return self._failed(job, e.item, str(e))
-        except Exception as e:  # a bug of ours, not the model's: still only this batch
-            log.exception("rank %d: batch %d", self.rank, job.batch)
-            return self._failed(job, None, f"{type(e).__name__}: {e}")
-        outputs, written, deferred = [], [], []
-        try:
-            for (item, request_id), values in zip(job.items, results):
-                if values is None:
-                    deferred.append(item)
-                    continue
-                encoded = {}
-                for name, value in values.items():
-                    encoded[name] = payload = self.transport.send(value, request_id)
-                    written += shm_handles(payload)
-                outputs.append(ItemOutput(item, encoded))
-        except Exception as e:
-            self.transport.release(written)
-            return self._failed(job, None, f"outputs could not be sent: {type(e).__name__}: {e}")
-        return BatchDone(job.batch, self.rank, outputs, deferred)
-
-    def _failed(self, job: _Job, index: int | None, error: str) -> BatchFailed:
-        from walkserve.runtime.messages import BatchFailed, ItemError
-
-        where = f"{job.walk}:{job.node} on rank {self.rank}"
-        if index is None:
-            return BatchFailed(
-                job.batch, self.rank, [ItemError(i, f"{where}: {error}") for i, _ in job.items]
-            )
-        culprit = job.items[index][1]
-        return BatchFailed(
-            job.batch,
-            self.rank,
-            [
-                ItemError(
-                    item,
-                    f"{where}: {error}"
-                    if k == index
-                    else f"{where}: failed for request {culprit} of the same batch: {error}",
-                )
-                for k, (item, _) in enumerate(job.items)
-            ],
-        )
-
     # ------------------------------------------------------------------ io thread
 
     def _io_loop(self, rx: zmq.Socket[bytes]) -> None:
+        from walkserve.runtime.engine import CancelRequest, CreditItems, DropItems, StatsAsk
         from walkserve.runtime.messages import (
             Ack,
             Cancel,
+            DropRuns,
+            FeedStream,
+            GrantCredit,
             Heartbeat,
             MessageError,
             Probe,
+            Release,
             RunBatch,
             Shutdown,
+            StartRegions,
+            StatsQuery,
             decode,
         )
 
         handlers: dict[type, Callable[[Any], object]] = {
             RunBatch: self._prepare,
+            StartRegions: self._start_regions,
             Ack: self._on_ack,
-            Cancel: lambda m: self.objects.drop(m.request_id),
+            Cancel: lambda m: self.engine.put(CancelRequest(m.request_id)),
+            DropRuns: lambda m: self.engine.put(DropItems(list(m.items))),
+            StatsQuery: lambda m: self.engine.put(StatsAsk(m.seq)),
+            Release: lambda m: self.objects.release(m.request_id, m.keys),
+            FeedStream: self._feed,
+            GrantCredit: lambda m: self.engine.put(CreditItems(m.item, m.channel, m.items)),
             Shutdown: lambda m: self._stop(),
             Probe: self._on_probe,
         }
@@ -719,23 +468,52 @@ class Worker:
 
     def _stop(self) -> None:
         self._stopping.set()
-        self._jobs.put(_STOP)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.stop()
+
+    def _receive(self, inputs: Any, request_id: str, handles: list[Any]) -> dict[str, Any]:
+        """The values of ``inputs`` (payloads by name): held ones of other ranks pulled from
+        them first (``peers``), in one round trip per rank."""
+        from walkserve.runtime.messages import ObjectRef, Seq
+
+        remote: list[ObjectRef] = []
+        todo = list(inputs.values())
+        while todo:
+            p = todo.pop()
+            if isinstance(p, ObjectRef) and p.rank != self.rank:
+                remote.append(p)
+            elif isinstance(p, Seq):
+                todo += p.items
+        if remote:
+            if self.peers is None:
+                raise ValueError(
+                    f"values held by ranks {sorted({r.rank for r in remote})} "
+                    "cannot reach this rank (no peer sockets)"
+                )
+            self.transport.fetched = self.peers.fetch(request_id, remote)
+        try:
+            env = {}
+            for name, payload in inputs.items():
+                env[name], tokens = self.transport.receive(payload, request_id)
+                handles += tokens
+            return env
+        finally:
+            self.transport.fetched = {}
 
     def _prepare(self, msg: RunBatch) -> None:
-        """Decode a batch's inputs (the overlap with the main thread's current batch), ack the
-        shared-memory inputs at once (they were copied out), queue the batch."""
+        """Decode a batch's inputs (while the main thread runs), ack the shared-memory inputs
+        at once (they were copied out), hand the batch to the engine loop."""
+        from walkserve.runtime.engine import NodeBatch
         from walkserve.runtime.messages import Ack, BatchFailed, ItemError
 
-        envs: list[dict[str, Any]] = []
+        items: list[tuple[int, str, dict[str, Any]]] = []
         handles: list[Any] = []
         error = None
         try:
             for item in msg.items:
-                env = {}
-                for name, payload in item.inputs.items():
-                    env[name], tokens = self.transport.receive(payload, item.request_id)
-                    handles += tokens
-                envs.append(env)
+                env = self._receive(item.inputs, item.request_id, handles)
+                items.append((item.item, item.request_id, env))
         except Exception as e:
             error = f"inputs of {msg.walk}:{msg.node} could not be read on rank {self.rank}: {e}"
         if handles:
@@ -744,29 +522,46 @@ class Worker:
             errors = [ItemError(item.item, error) for item in msg.items]
             self._send(BatchFailed(msg.batch, self.rank, errors))
             return
-        items = [(item.item, item.request_id) for item in msg.items]
-        self._schedule(_Job(msg.batch, msg.walk, msg.node, items, envs, msg.ops, msg.outputs))
+        self.engine.put(NodeBatch(msg.batch, msg.walk, msg.node, items, msg.ops, msg.outputs))
 
-    def _schedule(self, job: _Job) -> None:
-        """Queue ``job`` for the main thread, or run it here and now when it is a glue node
-        and nothing is queued or running: glue is cheap, and the hand-over to the main thread
-        (a thread wake-up) would cost more than the node. Batches still run one at a time, in
-        arrival order."""
-        with self._backlog_lock:
-            glue = self.executor.is_glue(job.walk, job.node, job.ops)
-            inline = self._backlog == 0 and glue
-            self._backlog += 1
-        if not inline:
-            self._jobs.put(job)
-            return
+    def _start_regions(self, msg: StartRegions) -> None:
+        from walkserve.runtime.engine import StartRun
+        from walkserve.runtime.messages import Ack, RegionEvent, RegionEvents, RegionFailed
+
+        handles: list[Any] = []
+        failed: list[RegionEvent] = []
+        for start in msg.starts:
+            try:
+                env = self._receive(start.inputs, start.request_id, handles)
+            except Exception as e:
+                error = f"inputs of region {start.region} could not be read on rank {self.rank}"
+                failed.append(RegionFailed(start.item, f"{error}: {e}"))
+                continue
+            self.engine.put(StartRun(start.item, start.request_id, start.walk, start.region, env))
+        if handles:
+            self._send(Ack(handles))
+        if failed:
+            self._send(RegionEvents(self.rank, failed))
+
+    def _feed(self, msg: Any) -> None:
+        """Pull a fed stream's pieces from the rank that made them, then hand them on."""
+        from walkserve.runtime.engine import FeedItems
+        from walkserve.runtime.messages import Ack, RegionEvents, RegionFailed
+
+        handles: list[Any] = []
         try:
-            self._send(self._run(job))
+            env = self._receive(
+                {str(k): v for k, v in enumerate(msg.pieces)}, msg.request_id, handles
+            )
+        except Exception as e:
+            error = f"stream {msg.stream} could not be read on rank {self.rank}: {e}"
+            self._send(RegionEvents(self.rank, [RegionFailed(msg.item, error)]))
+            return
         finally:
-            self._finished()
-
-    def _finished(self) -> None:
-        with self._backlog_lock:
-            self._backlog -= 1
+            if handles:
+                self._send(Ack(handles))
+        pieces = [env[str(k)] for k in range(len(msg.pieces))]
+        self.engine.put(FeedItems(msg.item, msg.stream, pieces, msg.finished))
 
     def _on_probe(self, msg: Any) -> None:
         """A link measurement (``runtime.net.link``): read the value, then say so."""

@@ -41,6 +41,7 @@ link to each is measured at start-up (``links``, ``measure_link``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -57,6 +58,7 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
+import msgspec
 import zmq
 
 from walkserve.capture.model import CapturedModel
@@ -69,17 +71,32 @@ from walkserve.runtime.messages import (
     BatchFailed,
     BatchItem,
     Cancel,
+    DropRuns,
     Fatal,
+    FeedStream,
+    GrantCredit,
     Heartbeat,
     Hello,
     Join,
     KVStats,
     Message,
     MessageError,
+    ObjectRef,
     Probe,
     ProbeReply,
+    RankStatsReply,
+    RegionDone,
+    RegionEvent,
+    RegionEvents,
+    RegionFailed,
+    RegionOutput,
+    RegionStart,
+    RegionStreamed,
+    Release,
     RunBatch,
     Shutdown,
+    StartRegions,
+    StatsQuery,
     Value,
     WorkerSetup,
     decode,
@@ -224,6 +241,7 @@ class BatchResult:
     node: str
     outputs: dict[int, dict[str, Any]]
     deferred: frozenset[int] = frozenset()  # items to send again later (no memory for them)
+    errors: Mapping[int, str] = field(default_factory=dict)  # items that failed, alone
 
 
 @dataclass(frozen=True)
@@ -246,6 +264,7 @@ class _Pending:
     items: list[int]
     future: Future[BatchResult]
     handles: set[Token]  # input slots the worker has not acked yet
+    requests: dict[int, str] = field(default_factory=dict)  # item -> request
 
 
 @dataclass(eq=False)
@@ -280,9 +299,17 @@ class WorkerPool:
         threads: int | None = None,
         config: PoolConfig | None = None,
         on_listening: Callable[[WorkerPool], None] | None = None,
+        *,
+        speculate: bool = True,
+        stream_buffer_limit: int = 64,
+        hold: bool = False,
     ) -> None:
         """``on_listening(pool)``: called once the control sockets are bound (``pool.address``)
-        and before waiting for the workers; a launcher of remote ranks starts them there."""
+        and before waiting for the workers; a launcher of remote ranks starts them there.
+        ``speculate``, ``stream_buffer_limit``: the rank schedulers' (``rankscheduler``).
+        ``hold``: workers keep the values whose bytes the plan's conductor does not need
+        (``ExecutablePlan.conductor_values``) and report handles; without it every output
+        comes back whole (a caller of ``submit_batch`` that reads the values itself)."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         for walk in plan.walks:
@@ -298,6 +325,14 @@ class WorkerPool:
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self._model = (model_name, seed, ir_to_json(captured.graph), plan.to_json())
+        self._scheduling = (speculate, stream_buffer_limit)
+        self.hold = hold
+        self.on_regions: Callable[[int, list[RegionEvent]], None] = lambda rank, events: None
+        self._regions: dict[int, dict[int, str]] = {}  # rank -> region item -> request
+        self._region_handles: dict[Token, int] = {}  # input slots of region starts -> rank
+        self._stats_replies: dict[int, tuple[threading.Event, dict[int, RankStatsReply]]] = {}
+        self._releases: collections.deque[tuple[int, str, str]] = collections.deque()
+        self._stats_seq = itertools.count()
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._handle_batch: dict[Token, int] = {}
@@ -408,6 +443,8 @@ class WorkerPool:
             Ack: self._on_ack,
             Fatal: self._on_fatal,
             ProbeReply: self._on_probe_reply,
+            RegionEvents: self._on_region_events,
+            RankStatsReply: self._on_rank_stats,
         }
         self._probes: dict[int, threading.Event] = {}
         self._probe_ids = itertools.count()
@@ -596,7 +633,13 @@ class WorkerPool:
                         f"worker rank {rank} is dead ({_describe_exit(state.exitcode)})", rank
                     )
                 self._pending[batch] = _Pending(
-                    rank, walk, node, [i.item for i in batch_items], future, set(handles)
+                    rank,
+                    walk,
+                    node,
+                    [i.item for i in batch_items],
+                    future,
+                    set(handles),
+                    {i.item: i.request_id for i in batch_items},
                 )
                 for h in handles:
                     self._handle_batch[h] = batch
@@ -615,6 +658,113 @@ class WorkerPool:
                 error = WorkerDied(f"worker rank {rank} is unreachable: {e}", rank)
                 _fail(pending.future, error)
         return future
+
+    def start_regions(
+        self, rank: int, starts: Iterable[tuple[int, str, str, str, Mapping[str, Any]]]
+    ) -> None:
+        """Start region runs on ``rank``: (item id, request id, walk, region, inputs by
+        name). What they do arrives at ``on_regions(rank, events)`` (on the io thread),
+        their exits included; a rank that dies fails its runs there too."""
+        self.flush_releases()
+        state = self._rank(rank)
+        transport = self._transport_for(rank)
+        wire: list[RegionStart] = []
+        handles: list[Token] = []
+        try:
+            for item, request_id, walk, region, inputs in starts:
+                values: dict[str, Value] = {}
+                for name, value in inputs.items():
+                    values[name] = payload = transport.send(value, request_id)
+                    handles += shm_handles(payload)
+                wire.append(RegionStart(item, request_id, walk, region, values))
+            data = encode(StartRegions(wire))
+        except BaseException:
+            transport.release(handles)
+            raise
+        with self._lock:
+            dead = self._closed or state.status in ("dead", "closed")
+            if not dead:
+                self._regions.setdefault(rank, {}).update({s.item: s.request_id for s in wire})
+                for h in handles:
+                    self._region_handles[h] = rank
+        if dead:
+            transport.release(handles)
+            error = f"worker rank {rank} is dead ({_describe_exit(state.exitcode)})"
+            self.on_regions(rank, [RegionFailed(s.item, error) for s in wire])
+            return
+        try:
+            self._send(state, data)
+        except zmq.ZMQError as e:
+            self._fail_regions(rank, f"worker rank {rank} is unreachable: {e}")
+
+    def feed(
+        self,
+        rank: int,
+        item: int,
+        request_id: str,
+        stream: str,
+        pieces: Sequence[Any],
+        finished: bool,
+    ) -> None:
+        """Items of a stream from one region to region item ``item`` on ``rank``: held values
+        (``ObjectRef``) that rank pulls from their producer itself."""
+        state = self._rank(rank)
+        transport = self._transport_for(rank)
+        values: list[Value] = []
+        handles: list[Token] = []
+        try:
+            for piece in pieces:
+                values.append(payload := transport.send(piece, request_id))
+                handles += shm_handles(payload)
+            data = encode(FeedStream(item, request_id, stream, values, finished))
+        except BaseException:
+            transport.release(handles)
+            raise
+        with self._lock:
+            for h in handles:
+                self._region_handles[h] = rank
+        if state.status not in ("dead", "closed"):
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(state, data)
+
+    def grant(self, rank: int, item: int, channel: str, items: int) -> None:
+        """Producer region item ``item`` on ``rank`` may commit ``channel`` up to ``items``."""
+        state = self._rank(rank)
+        if state.status not in ("dead", "closed"):
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(state, encode(GrantCredit(item, channel, items)))
+
+    def drop_runs(self, rank: int, items: Sequence[int]) -> None:
+        """Region runs on ``rank`` nobody waits for any more: the rank may stop them."""
+        state = self._rank(rank)
+        with self._lock:
+            live = self._regions.get(rank, {})
+            items = [i for i in items if live.pop(i, None) is not None]
+        if items and state.status not in ("dead", "closed"):
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(state, encode(DropRuns(list(items))))
+
+    def rank_stats(self, timeout: float = 10.0) -> dict[int, RankStatsReply]:
+        """Every live rank's scheduler and stores, as each answered a ``StatsQuery`` sent after
+        every command before this call (ranks that do not answer in ``timeout`` are left out)."""
+        seq = next(self._stats_seq)
+        done = threading.Event()
+        replies: dict[int, RankStatsReply] = {}
+        with self._lock:
+            live = [s for s in self._ranks.values() if s.status == "ready"]
+            self._stats_replies[seq] = (done, replies)
+        try:
+            for state in live:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(state, encode(StatsQuery(seq)))
+            deadline = time.monotonic() + timeout
+            while len(replies) < len(live) and time.monotonic() < deadline:
+                done.wait(max(0.0, deadline - time.monotonic()))
+                done.clear()
+            return dict(replies)
+        finally:
+            with self._lock:
+                self._stats_replies.pop(seq, None)
 
     def release_request(self, request_id: str) -> None:
         """Tell every live worker that ``request_id`` is over (finished, failed or cancelled):
@@ -734,6 +884,7 @@ class WorkerPool:
                     self._on_exit(sentinels.pop(sock), closing=self._closed)
             for rank, setup in list(self._setups_due.items()):
                 self._send_setup(self._ranks[rank], setup)
+            self.flush_releases()
 
     def _drain_reports(self, wait_ms: int = 20) -> None:
         """Dispatch what the workers sent so far, waiting up to ``wait_ms`` for stragglers."""
@@ -786,8 +937,30 @@ class WorkerPool:
         model, seed, ir, plan = self._model
         remote = state.rank in self.config.remote_ranks
         data = self.remote_data(state.rank) if remote else "shm"
-        setup = WorkerSetup(model, seed, ir, plan, state.rank, self._shm.spec, data)
+        speculate, limit = self._scheduling
+        setup = WorkerSetup(
+            model,
+            seed,
+            ir,
+            plan,
+            state.rank,
+            self._shm.spec,
+            data,
+            speculate,
+            limit,
+            self._peers(),
+            self.hold,
+        )
         self._send_setup(state, encode(setup))
+
+    def _peers(self) -> dict[int, str]:
+        """Every rank's peer socket, when all ranks share this host and its private
+        directory (else none: values then travel through this process)."""
+        from walkserve.runtime.peers import peer_address
+
+        if self._tmpdir is None or self.config.remote_ranks:
+            return {}
+        return {r: peer_address(self._tmpdir, r) for r in self._ranks}
 
     def _on_heartbeat(self, state: _Rank, msg: Heartbeat) -> None:
         state.kv = list(msg.kv)
@@ -819,6 +992,9 @@ class WorkerPool:
     def _on_ack(self, state: _Rank, msg: Ack) -> None:
         with self._lock:
             for h in msg.handles:
+                if self._region_handles.pop(h, None) is not None:
+                    self._release(h)
+                    continue
                 batch = self._handle_batch.pop(h, None)
                 pending = self._pending.get(batch) if batch is not None else None
                 if pending is None or pending.rank != state.rank or h not in pending.handles:
@@ -839,6 +1015,7 @@ class WorkerPool:
                     name: self._transport_for(state.rank).receive(payload, "")[0]
                     for name, payload in out.values.items()
                 }
+                self._track(outputs[out.item], pending.requests.get(out.item, ""))
         except Exception as e:
             assert pending is not None
             error = f"outputs of batch {msg.batch} from rank {state.rank} are unreadable: {e}"
@@ -848,14 +1025,101 @@ class WorkerPool:
             if handles:  # copied out (or unreadable): the worker may reuse the slots
                 with contextlib.suppress(zmq.ZMQError):
                     self._send(state, encode(Ack(handles)))
-        answered = sorted([*outputs, *msg.deferred])
+        answered = sorted([*outputs, *msg.deferred, *(e.item for e in msg.errors)])
         if answered != sorted(pending.items):
             error = f"rank {state.rank} answered items {answered}, sent {sorted(pending.items)}"
             _fail(pending.future, WorkerError(error, state.rank))
             return
+        errors = {e.item: e.error for e in msg.errors}
         pending.future.set_result(
-            BatchResult(pending.rank, pending.walk, pending.node, outputs, frozenset(msg.deferred))
+            BatchResult(
+                pending.rank,
+                pending.walk,
+                pending.node,
+                outputs,
+                frozenset(msg.deferred),
+                errors,
+            )
         )
+
+    def _on_region_events(self, state: _Rank, msg: RegionEvents) -> None:
+        """Copy the values out (acking their slots at once) and hand the events on."""
+        transport = self._transport_for(state.rank)
+        handles: list[Token] = []
+        events: list[RegionEvent] = []
+        with self._lock:
+            live = self._regions.setdefault(state.rank, {})
+        for event in msg.events:
+            request = live.get(event.item, "")
+            try:
+                if isinstance(event, RegionStreamed):
+                    value, tokens = transport.receive(event.value, "")
+                    handles += tokens
+                    events.append(msgspec.structs.replace(event, value=value))
+                elif isinstance(event, (RegionOutput, RegionDone)):
+                    outputs = {}
+                    for name, payload in event.outputs.items():
+                        outputs[name], tokens = transport.receive(payload, "")
+                        handles += tokens
+                    self._track(outputs, request)
+                    events.append(msgspec.structs.replace(event, outputs=outputs))
+                else:
+                    events.append(event)
+            except Exception as e:
+                error = (
+                    f"region item {event.item}'s values from rank {state.rank} are unreadable: {e}"
+                )
+                events.append(RegionFailed(event.item, error))
+            if isinstance(events[-1], (RegionDone, RegionFailed)):
+                with self._lock:
+                    live.pop(event.item, None)
+        if handles:
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(state, encode(Ack(handles)))
+        self.on_regions(state.rank, events)
+
+    def _track(self, values: Mapping[str, Any], request: str) -> None:
+        """Release each held value of ``values`` (an ``ObjectRef``) on its rank once this
+        process drops its last reference to it: its last reader is done."""
+        todo = list(values.values())
+        while todo:
+            v = todo.pop()
+            if isinstance(v, ObjectRef):
+                weakref.finalize(v, self._releases.append, (v.rank, request, v.key))
+            elif isinstance(v, (list, tuple)):
+                todo += v
+
+    def flush_releases(self) -> None:
+        """Send the ``Release`` of every held value dropped since the last flush (the
+        finalizers only queue them: they may run in any thread, holding any lock)."""
+        by: dict[tuple[int, str], list[str]] = {}
+        while self._releases:
+            rank, request, key = self._releases.popleft()
+            by.setdefault((rank, request), []).append(key)
+        for (rank, request), keys in by.items():
+            state = self._ranks.get(rank)
+            if request and state is not None and state.status == "ready":
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(state, encode(Release(request, keys)))
+
+    def _on_rank_stats(self, state: _Rank, msg: RankStatsReply) -> None:
+        with self._lock:
+            waiting = self._stats_replies.get(msg.seq)
+        if waiting is not None:
+            waiting[1][state.rank] = msg
+            waiting[0].set()
+
+    def _fail_regions(self, rank: int, error: str) -> None:
+        """Every region run of ``rank`` fails with ``error`` (its worker died)."""
+        with self._lock:
+            items = self._regions.pop(rank, {})
+            mine = [h for h, r in self._region_handles.items() if r == rank]
+            for h in mine:
+                del self._region_handles[h]
+        for h in mine:
+            self._release(h)
+        if items:
+            self.on_regions(rank, [RegionFailed(item, error) for item in items])
 
     def _on_failed(self, state: _Rank, msg: BatchFailed) -> None:
         pending = self._take(msg.batch, state.rank)
@@ -914,6 +1178,13 @@ class WorkerPool:
                     state.rank,
                 )
             _fail(pending.future, error)
+        if clean:
+            self._fail_regions(state.rank, f"the pool closed with region runs on rank {state.rank}")
+        else:
+            self._fail_regions(
+                state.rank,
+                f"worker rank {state.rank} (pid {state.pid}) died ({_describe_exit(state.exitcode)})",
+            )
         state.settled.set()
 
     def _release(self, handle: Token) -> None:

@@ -104,7 +104,7 @@ class PagedLMEngine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return {}
-        chunks = [SeqChunk(c.token_ids, c.start, c.block_table) for c in plan.chunks]
+        chunks = [SeqChunk(c.token_ids, c.start, c.seq) for c in plan.chunks]
         logits = self.runner.forward(chunks)  # [chunks, vocab]
         rows = [i for i, c in enumerate(plan.chunks) if c.samples]
         states = [self._sampling[plan.chunks[i].request_id] for i in rows]

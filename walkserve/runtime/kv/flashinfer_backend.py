@@ -1,5 +1,5 @@
 """FlashInfer paged attention on CUDA, behind the ``AttentionBackend`` interface of
-``attention.py``, whose ``TorchPagedAttention`` is its CPU twin and test oracle.
+``attention.py``, whose ``torch_attention.TorchPagedAttention`` is its CPU twin and test oracle.
 
 Owns the translation from a batch's ``HostLayout`` to FlashInfer's CSR page table and the two
 sets of planned wrappers. ``flashinfer`` is imported lazily, only when a backend is built on a
@@ -13,13 +13,28 @@ exactly the pool's), page_size = 4::
 
     paged_kv_indices        [3, 1, 2, 4, 0]      pages of all sequences, back to back
     paged_kv_indptr         [0,    2,    4, 5]   sequence i's pages: indices[indptr[i]:indptr[i+1]]
-    paged_kv_last_page_len  [3, 1, 1]            seq_len - (num_pages - 1) * page_size, in 1..4
+    paged_kv_last_page_len  [3, 1, 1]            kv_len - (num_pages - 1) * page_size, in 1..4
     qo_indptr               = query_start        queries of sequence i: q[qo_indptr[i]:...[i+1]]
+
+A sequence whose leading pages a sliding window freed lists only its live pages: its ``kv_len``
+is ``seq_len - first_page * page_size``. FlashInfer sees positions relative to the first live
+key, which changes nothing: RoPE is already in K, and the window and causal mask are relative.
 
 ``causal=True`` aligns the diagonal bottom-right (query i of a sequence with ``kv_len`` tokens
 sees keys ``j <= i + kv_len - query_len``), which is the module contract of ``attention.py``.
 FlashInfer's ``window_left`` counts keys left of the query itself, so a window ``W`` (query at p
 sees ``(p - W, p]``) is ``window_left = W - 1``; no window is ``-1``.
+
+Scores: FlashInfer fixes the softmax scale and the logit soft cap when it plans, so one backend
+serves the layers of one ``AttentionConfig`` (``scale``, ``softcap``); a call whose
+``ScoreParams`` differ is refused (build a backend per kind). Sinks are per call
+(``run(..., sinks=)``, float32). Key and value head sizes may differ only in the prefill wrapper
+(``head_dim_vo``), so such configs plan decode batches with it too.
+
+UNVERIFIED: the soft cap, sinks, ``head_dim_vo`` and freed leading pages were written against
+FlashInfer 0.7.2's signatures without a GPU (``tests/gpu/test_flashinfer_backend.py`` checks them
+against the Torch twin where one is present); the window, GQA and plan/run pipeline were measured
+on an H200 with FlashInfer 0.7.4.
 
 Plan/run split and double buffering: ``plan(batch, slot)`` plans slot ``slot``'s wrapper (a
 ``BatchDecodeWithPagedKVCacheWrapper`` when every sequence has one query, else a
@@ -34,6 +49,7 @@ workspace. Metadata whose slot was planned again is stale: ``run`` refuses it.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -46,6 +62,7 @@ from walkserve.runtime.kv.attention import (
     AttentionConfig,
     AttentionMetadata,
     HostLayout,
+    ScoreParams,
     SequenceSpec,
     check_run_inputs,
     host_layout,
@@ -141,8 +158,9 @@ class FlashInferPagedAttention:
         s = self._slots[slot]
         if s.ever_run:
             s.released.synchronize()  # the last step that read this slot is done on the GPU
+        decode_ok = self.config.value_dim == self.config.head_dim  # no head_dim_vo in decode
         kind: Literal["decode", "prefill"] = (
-            "decode" if all(spec.query_len == 1 for spec in batch) else "prefill"
+            "decode" if decode_ok and all(spec.query_len == 1 for spec in batch) else "prefill"
         )
         with torch.cuda.device(self.device), torch.cuda.stream(self._plan_stream):
             self._plan_wrapper(s, kind, layout)
@@ -158,11 +176,12 @@ class FlashInferPagedAttention:
         indices = torch.cat(
             [row[:count] for row, count in zip(layout.block_tables, n.tolist())]
         )  # [indptr[-1]] int32
-        seq_len = layout.context_len + layout.query_len
-        last_page_len = (seq_len - (n - 1) * c.page_size).to(torch.int32)  # in 1..page_size
+        kv_len = layout.context_len + layout.query_len - layout.first_page * c.page_size
+        last_page_len = (kv_len - (n - 1) * c.page_size).to(torch.int32)  # in 1..page_size
         common: dict[str, Any] = {
             "window_left": self.window_left,
             "sm_scale": c.softmax_scale,
+            "logits_soft_cap": c.softcap,
             "q_data_type": self.dtype,
             "kv_data_type": self.dtype,
         }
@@ -187,6 +206,7 @@ class FlashInferPagedAttention:
                 c.num_kv_heads,
                 c.head_dim,
                 c.page_size,
+                head_dim_vo=c.value_dim,
                 causal=True,
                 **common,
             )
@@ -195,10 +215,12 @@ class FlashInferPagedAttention:
         self,
         q: torch.Tensor,  # [total_query_tokens, num_heads, head_dim]
         k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
+        v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, v_head_dim]
         metadata: AttentionMetadata[FlashInferPlan],
-    ) -> torch.Tensor:  # [total_query_tokens, num_heads, head_dim]
-        check_run_inputs(q, k_cache, v_cache, metadata)
+        scores: ScoreParams | None = None,
+    ) -> torch.Tensor:  # [total_query_tokens, num_heads, v_head_dim]
+        check_run_inputs(q, k_cache, v_cache, metadata, scores)
+        sinks = self._check_scores(scores)
         if q.dtype != self.dtype or q.device != self.device:
             raise ValueError(
                 f"this backend was planned for {self.dtype} on {self.device}, "
@@ -214,7 +236,32 @@ class FlashInferPagedAttention:
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(s.planned)
         wrapper = s.decode if plan.kind == "decode" else s.prefill
-        out: torch.Tensor = wrapper.run(q, (k_cache, v_cache))
+        extra = {} if sinks is None else {"sinks": sinks}
+        out: torch.Tensor = wrapper.run(q, (k_cache, v_cache), **extra)
         s.released.record(stream)
         s.ever_run = True
         return out
+
+    def _check_scores(self, scores: ScoreParams | None) -> torch.Tensor | None:
+        """The call's sinks (float32 on the device); raises if its scale or soft cap is not the
+        one this backend planned with."""
+        if scores is None:
+            return None
+        c = self.config
+        if not math.isclose(scores.scale, c.softmax_scale, rel_tol=1e-6):
+            raise ValueError(
+                f"this FlashInfer backend plans sm_scale {c.softmax_scale}; a call with scale "
+                f"{scores.scale} needs a backend of its own"
+            )
+        if (scores.softcap is None) != (c.softcap is None) or (
+            scores.softcap is not None
+            and c.softcap is not None
+            and not math.isclose(scores.softcap, c.softcap, rel_tol=1e-6)
+        ):
+            raise ValueError(
+                f"this FlashInfer backend plans logits_soft_cap {c.softcap}; a call with "
+                f"{scores.softcap} needs a backend of its own"
+            )
+        if scores.sinks is None:
+            return None
+        return scores.sinks.to(self.device, torch.float32)

@@ -1,37 +1,36 @@
-"""Unmodified Hugging Face causal LMs over the paged KV pool.
-
-Owns the bridge between transformers' attention-function registry and the pool: an attention
-function registered under ``ATTN_IMPLEMENTATION`` ("walkserve_paged"), the scoped context that
-gives it one step's pool and ``AttentionMetadata``, and ``PagedCausalLMRunner``, which runs one
+"""Unmodified Hugging Face causal LMs over the paged KV pool: ``PagedCausalLMRunner`` runs one
 packed forward of many sequences and returns each sequence's last-token logits.
+
+Owns the packing of a step (one row of tokens, explicit positions), the pool's shape for a model
+(``pool_for``: one ``GroupedKVPool`` group per kind of attention layer, found by
+``hf_attention.probe_attention``), and the step context that the registered attention function
+(``hf_attention.py``) answers from: per layer group its backend and plan.
 
 What crosses the boundary:
 
 - in: ``SeqChunk`` per sequence (its new token ids, or its new input embeddings, how many
-  tokens are already in the pool, its block table), and a model loaded with
-  ``attn_implementation=ATTN_IMPLEMENTATION``;
+  tokens are already in the pool, and its ``SeqId``: the runner reads its block tables from the
+  pool), and a model loaded with ``attn_implementation=ATTN_IMPLEMENTATION``;
 - out: logits ``[num_seqs, vocab]``, one row per chunk (the logits after its last token), or,
   from ``last_hidden_states`` on a base model fed embeddings (image-token generation, whose
   head is not the LM head), the last token's hidden state ``[num_seqs, hidden]``.
 
-The model is not modified. transformers computes q/k/v, RoPE and any q/k norm itself (Qwen3's
-``q_norm``/``k_norm``) and then calls the registered function, which writes the step's K/V into
-the pool at ``metadata.slot_mapping`` for ``module.layer_idx`` and attends over the pages. The
-pool is the cache: the model runs with ``use_cache=False``. Packed input, one row::
+The model is not modified. transformers computes q/k/v, positions (RoPE, learned absolute
+positions) and any q/k norm itself and then calls the registered function, which writes the
+step's K/V into the pool at the slots of ``module.layer_idx`` and attends over its group's pages
+with the layer's own scale, soft cap, sinks and window. The pool is the cache: the model runs
+with ``use_cache=False``. Packed input, one row::
 
-    input_ids     [ a0 a1 a2 | b7 | c3 c4 ]          [1, total_tokens]
-    position_ids  [ 0  1  2  | 7  | 3  4  ]          explicit per token (b, c: cached context)
-    last rows                2    3       5          logits kept for these rows only
-
-transformers builds no attention mask for an implementation it does not know, so no
-``[T, T]`` mask is made; the masks live in the attention plan.
+    input_ids       [ a0 a1 a2 | b7 | c3 c4 ]          [1, total_tokens]
+    position_ids    [ 0  1  2  | 7  | 3  4  ]          explicit per token (b, c: cached context)
+    attention_mask  [ 1  1  1  | 1  | 1  1  ]          all ones: no padding, no packing remap
+    last rows                2    3       5           logits kept for these rows only
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,110 +40,62 @@ from torch import nn
 from walkserve.runtime.kv.attention import (
     AttentionConfig,
     AttentionMetadata,
+    ScoreParams,
     SequenceSpec,
-    TorchPagedAttention,
-    TorchPlan,
     write_kv,
 )
-from walkserve.runtime.kv.pool import KVPool
+from walkserve.runtime.kv.hf_attention import (
+    ATTN_IMPLEMENTATION,
+    ModelAttention,
+    UnsupportedAttention,
+    attention_context,
+    probe_attention,
+    register,
+    text_config,
+)
+from walkserve.runtime.kv.layer_groups import GroupedKVPool, LayerGroup
+from walkserve.runtime.kv.pool import SeqId
+from walkserve.runtime.kv.torch_attention import TorchPagedAttention, TorchPlan
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "PagedCausalLMRunner",
     "PagedStep",
     "SeqChunk",
-    "paged_attention_forward",
-    "paged_step",
+    "UnsupportedAttention",
+    "layer_groups",
     "pool_for",
     "register",
 ]
 
-ATTN_IMPLEMENTATION = "walkserve_paged"
 
-
-@dataclass(frozen=True)
-class PagedStep:
-    """What the attention function needs during one forward: the pool, the backend, the plan."""
-
-    pool: KVPool
-    backend: TorchPagedAttention
-    metadata: AttentionMetadata[TorchPlan]
-
-
-_STEP: ContextVar[PagedStep | None] = ContextVar("walkserve_paged_step", default=None)
-
-
-@contextmanager
-def paged_step(step: PagedStep) -> Iterator[PagedStep]:
-    """Make ``step`` visible to the registered attention function for the enclosed forward."""
-    token = _STEP.set(step)
-    try:
-        yield step
-    finally:
-        _STEP.reset(token)
-
-
-def paged_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,  # [1, H, T, D], RoPE (and q norm) applied
-    key: torch.Tensor,  # [1, KVH, T, D]
-    value: torch.Tensor,  # [1, KVH, T, D]
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:  # ([1, T, H, D], no weights)
-    """The function registered in transformers' ``AttentionInterface``."""
-    step = _STEP.get()
-    if step is None:
-        raise RuntimeError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} runs only inside "
-            "walkserve.runtime.kv.hf.paged_step(...): use PagedCausalLMRunner"
-        )
-    if query.shape[0] != 1:
-        raise ValueError(f"paged attention takes one packed row, got batch {query.shape[0]}")
-    layer = int(getattr(module, "layer_idx"))  # noqa: B009 - set by every HF attention module
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1)  # [T, KVH, D]
-    v = value[0].transpose(0, 1)
-    k_cache, v_cache = step.pool.k[layer], step.pool.v[layer]  # [P, S, KVH, D]
-    write_kv(k_cache, v_cache, step.metadata.slot_mapping, k, v)
-    out = step.backend.run(q.contiguous(), k_cache, v_cache, step.metadata)  # [T, H, D]
-    return out.unsqueeze(0), None
-
-
-def register() -> str:
-    """Register ``paged_attention_forward`` with transformers (idempotent); returns its name,
-    for ``from_pretrained(..., attn_implementation=...)``."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-    return ATTN_IMPLEMENTATION
-
-
-def _text_config(model: nn.Module) -> Any:
-    config: Any = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def head_dim(config: Any) -> int:
-    return int(
-        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    )
+def layer_groups(attention: ModelAttention) -> list[LayerGroup]:
+    """One group per distinct (heads, KV heads, K/V sizes, window), layers ascending."""
+    kinds: dict[tuple[int, int, int, int, int | None], list[int]] = {}
+    for a in attention.layers:
+        key = (a.num_heads, a.kv_heads, a.head_dim, a.v_head_dim, a.window)
+        kinds.setdefault(key, []).append(a.layer)
+    return [
+        LayerGroup(tuple(layers), heads, kv_heads, dk, dv, window)
+        for (heads, kv_heads, dk, dv, window), layers in kinds.items()
+    ]
 
 
 def pool_for(
-    model: nn.Module, num_pages: int, page_size: int, device: torch.device | str | None = None
-) -> KVPool:
-    """A pool shaped for ``model``'s layers, KV heads and head size, in its dtype."""
-    config = _text_config(model)
+    model: nn.Module,
+    num_pages: int,
+    page_size: int,
+    device: torch.device | str | None = None,
+    attention: ModelAttention | None = None,
+) -> GroupedKVPool:
+    """A pool shaped for ``model``'s attention layers (probed when ``attention`` is not given),
+    in its dtype: ``num_pages`` pages of ``page_size`` tokens per layer group."""
+    attention = attention if attention is not None else probe_attention(model)
     param = next(model.parameters())
-    return KVPool(
-        num_pages=num_pages,
-        page_size=page_size,
-        num_layers=int(config.num_hidden_layers),
-        kv_heads=int(config.num_key_value_heads or config.num_attention_heads),
-        head_dim=head_dim(config),
+    return GroupedKVPool(
+        layer_groups(attention),
+        num_pages,
+        page_size,
         dtype=param.dtype,
         device=param.device if device is None else device,
     )
@@ -153,7 +104,7 @@ def pool_for(
 @dataclass(frozen=True)
 class SeqChunk:
     """One sequence's part of a step: ``token_ids`` go at positions ``context_len ..``; the
-    pool already holds positions ``[0, context_len)`` and has room for the new ones.
+    pool already holds positions ``[0, context_len)`` of ``seq`` and has room for the new ones.
 
     ``inputs_embeds`` (``[n, hidden]``), when given, are fed instead of token ids (then
     ``token_ids`` is empty): models that feed embeddings of another table, as Janus feeds its
@@ -161,7 +112,7 @@ class SeqChunk:
 
     token_ids: tuple[int, ...]
     context_len: int
-    block_table: tuple[int, ...]
+    seq: SeqId
     inputs_embeds: torch.Tensor | None = field(default=None, compare=False)  # [n, hidden]
 
     def __post_init__(self) -> None:
@@ -179,33 +130,82 @@ class SeqChunk:
         return len(self.token_ids)
 
 
-class PagedCausalLMRunner:
-    """Runs packed forwards of a transformers causal LM over ``pool`` (one model, one pool)."""
+@dataclass(frozen=True)
+class PagedStep:
+    """One forward's attention work: the pool, and per layer group its backend and plan."""
 
-    def __init__(self, model: nn.Module, pool: KVPool) -> None:
-        config = _text_config(model)
+    pool: GroupedKVPool
+    backends: tuple[TorchPagedAttention, ...]
+    plans: tuple[AttentionMetadata[TorchPlan], ...]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, Dv]
+        window: int | None,
+        scores: ScoreParams,
+    ) -> torch.Tensor:  # [T, H, Dv]
+        where = self.pool.where.get(layer)
+        if where is None:
+            raise UnsupportedAttention(f"layer {layer} has no K/V in the pool (not probed)")
+        group = where[0]
+        backend = self.backends[group]
+        if backend.config.sliding_window != window:
+            raise UnsupportedAttention(
+                f"layer {layer} attends with window {window}, but was probed with "
+                f"{backend.config.sliding_window}"
+            )
+        k_cache, v_cache = self.pool.kv(layer)  # [P, S, KVH, D], [P, S, KVH, Dv]
+        metadata = self.plans[group]
+        write_kv(k_cache, v_cache, metadata.slot_mapping, k, v)
+        return backend.run(q, k_cache, v_cache, metadata, scores)
+
+
+class PagedCausalLMRunner:
+    """Runs packed forwards of a transformers causal LM over ``pool`` (one model, one pool,
+    shaped by ``pool_for``)."""
+
+    def __init__(self, model: nn.Module, pool: GroupedKVPool) -> None:
+        config = text_config(model)
         impl = getattr(config, "_attn_implementation", None)
         if impl != ATTN_IMPLEMENTATION:
             raise ValueError(
                 f"the model uses attn_implementation={impl!r}; load it with "
                 f"attn_implementation={register()!r} (after walkserve.runtime.kv.hf.register())"
             )
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("sliding-window layers are not supported by this runner yet")
         self.model = model
         self.pool = pool
-        dim = head_dim(config)
-        self.backend = TorchPagedAttention(
-            AttentionConfig(
-                num_heads=int(config.num_attention_heads),
-                num_kv_heads=int(config.num_key_value_heads or config.num_attention_heads),
-                head_dim=dim,
-                page_size=pool.page_size,
-                scale=dim**-0.5,
-            ),
-            device=pool.k.device,
+        self.device = pool.pools[0].k.device
+        self.backends = tuple(
+            TorchPagedAttention(
+                AttentionConfig(
+                    num_heads=g.num_heads,
+                    num_kv_heads=g.kv_heads,
+                    head_dim=g.head_dim,
+                    page_size=pool.page_size,
+                    sliding_window=g.window,
+                    v_head_dim=g.v_head_dim,
+                ),
+                device=self.device,
+            )
+            for g in pool.groups
         )
-        self.device = pool.k.device
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def plan(self, chunks: Sequence[SeqChunk]) -> PagedStep:
+        """Every group's attention plan for ``chunks``, from the pool's block tables."""
+        plans = []
+        for group, backend in enumerate(self.backends):
+            specs = []
+            for c in chunks:
+                table = self.pool.block_table(c.seq, group)
+                specs.append(
+                    SequenceSpec(table.pages, c.context_len, c.query_len, table.first_page)
+                )
+            plans.append(backend.plan(specs))
+        return PagedStep(self.pool, self.backends, tuple(plans))
 
     @torch.no_grad()
     def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:  # [num_chunks, vocab]
@@ -217,17 +217,20 @@ class PagedCausalLMRunner:
             ids.extend(c.token_ids)
             positions.extend(range(c.context_len, c.context_len + len(c.token_ids)))
             last.append(len(ids) - 1)
-        specs = [SequenceSpec(c.block_table, c.context_len, len(c.token_ids)) for c in chunks]
-        step = PagedStep(self.pool, self.backend, self.backend.plan(specs))
         dev = self.device
-        with paged_step(step):
+        kwargs: dict[str, Any] = {}
+        if self._keeps_logits:
+            kwargs["logits_to_keep"] = torch.tensor(last, device=dev)
+        with attention_context(self.plan(chunks)):
             out = self.model(
                 input_ids=torch.tensor([ids], device=dev),  # [1, T]
                 position_ids=torch.tensor([positions], device=dev),  # [1, T]
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev),
                 use_cache=False,
-                logits_to_keep=torch.tensor(last, device=dev),
+                **kwargs,
             )
-        return out.logits[0]  # [num_chunks, vocab]
+        logits = out.logits[0]
+        return logits if self._keeps_logits else logits[last]  # [num_chunks, vocab]
 
     @torch.no_grad()
     def last_hidden_states(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:  # [n, hidden]
@@ -242,13 +245,12 @@ class PagedCausalLMRunner:
         for c in chunks:
             positions.extend(range(c.context_len, c.context_len + c.query_len))
             last.append(len(positions) - 1)
-        specs = [SequenceSpec(c.block_table, c.context_len, c.query_len) for c in chunks]
-        step = PagedStep(self.pool, self.backend, self.backend.plan(specs))
         dev = self.device
-        with paged_step(step):
+        with attention_context(self.plan(chunks)):
             out = self.model(
                 inputs_embeds=torch.cat(embeds).to(dev).unsqueeze(0),  # [1, T, hidden]
                 position_ids=torch.tensor([positions], device=dev),  # [1, T]
+                attention_mask=torch.ones(1, len(positions), dtype=torch.long, device=dev),
                 use_cache=False,
             )
         return out.last_hidden_state[0, last]  # [num_chunks, hidden]

@@ -6,10 +6,15 @@ Owns, per component instance (that is, per worker process that hosts it): one ``
 packed forwards over it (``hf.PagedCausalLMRunner``), the sequences of every live cache value,
 and recompute-preemption when the pool is full. What crosses its boundary:
 
-- in: a call ``lm(input_ids [B, T], cache, step, temperature, top_p, top_k, seed)`` per request,
-  ``cache`` None for a new request (prefill) or the ``PagedKV`` an earlier call returned;
+- in: a call ``lm(input_ids [B, T], cache, step, temperature, top_p, top_k, seed, ...)`` per
+  request, ``cache`` None for a new request (prefill) or the ``PagedKV`` an earlier call
+  returned; the further sampling inputs (penalties, ``min_tokens``, ``constraints``,
+  ``logprobs``) are ``forward``'s keyword arguments;
 - out: ``(token [B, 1] int64, cache)``: the token sampled after each row's last input token,
-  and the same ``PagedKV`` (it is updated in place, as transformers' ``DynamicCache`` is).
+  and the same ``PagedKV`` (it is updated in place, as transformers' ``DynamicCache`` is); with
+  ``with_logprobs=True`` (a constant of the call site) also ``logprobs [B, 1, n]`` float32 and
+  ``logprob_ids [B, 1, n]`` int64: the sampled token's raw log-probability and the ``n - 1``
+  most likely ids' (``n`` is the call's ``logprobs``, 0: empty).
 
 The walks carry the ``PagedKV`` as request state (an object: it never leaves the worker; the
 runtime's ``ObjectRef``). It holds no tensors, only sequence ids; its pages are freed when the
@@ -34,12 +39,18 @@ caching: a new sequence reuses the cached full pages of an identical token prefi
 Sampling: temperature 0 is greedy (argmax; ``generate(do_sample=False)``). Otherwise the draw of
 row ``r`` at step ``step`` uses a generator seeded from ``(seed, r, step)``, so a request's
 tokens depend on its inputs only, not on its batch, its timing, or an eviction. A
-``repetition_penalty`` (transformers' rule) applies to the row's tokens so far, prompt included.
+``repetition_penalty`` (transformers' rule) applies to the row's tokens so far, prompt included;
+the presence and frequency penalties (OpenAI's) to the tokens generated after the prompt.
+
+Per-request state beyond the KV (set by the call that makes the cache, kept by its rows): the
+prompt length (which tokens are generated), the ``constraints`` (``grammar.Constraints``: a
+logit bias, and a grammar whose ``Guide`` masks each draw and advances with each sampled
+token). ``min_tokens`` keeps the component's ``stop_ids`` (the model's EOS) from being drawn
+until that many tokens were generated.
 """
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import itertools
 import threading
@@ -53,14 +64,18 @@ import torch
 from torch import nn
 
 from walkserve.lowering.batched import DEFER, Deferred
+from walkserve.runtime.kv import grammar
+from walkserve.runtime.kv.engine_report import EngineChoice
 from walkserve.runtime.kv.hf import (
     PagedCausalLMRunner,
     SeqChunk,
     pool_for,
-    register,
 )
-from walkserve.runtime.kv.pool import KVPool, PoolExhausted, SeqId
-from walkserve.runtime.kv.sampling import SamplingParams, sample_row
+from walkserve.runtime.kv.hf_attention import ModelAttention, use_paged_attention
+from walkserve.runtime.kv.layer_groups import GroupedKVPool
+from walkserve.runtime.kv.pool import PoolExhausted, SeqId
+from walkserve.runtime.kv.row_sampling import RowState, TextSampler, vocab_size
+from walkserve.runtime.kv.sampling import seeded_token, step_seed
 
 __all__ = ["PagedKV", "PagedLM", "PagedLMConfig", "PagedLMStats", "seeded_token", "step_seed"]
 
@@ -112,6 +127,7 @@ class _Row:
     last_used: int = 0
     admitted: int = 0  # clock when it last got pages
     arrived: int = 0  # clock when its request first came
+    sampling: RowState = field(default_factory=RowState)  # prompt length, bias, grammar
 
 
 @dataclass
@@ -140,8 +156,12 @@ class _Unit:
 class _State:
     """The pool and the live sequences of one ``PagedLM`` in one process."""
 
-    def __init__(self, model: nn.Module, config: PagedLMConfig) -> None:
-        self.pool: KVPool = pool_for(model, config.num_pages, config.page_size)
+    def __init__(
+        self, model: nn.Module, config: PagedLMConfig, attention: ModelAttention | None
+    ) -> None:
+        self.pool: GroupedKVPool = pool_for(
+            model, config.num_pages, config.page_size, attention=attention
+        )
         self.runner = PagedCausalLMRunner(model, self.pool)
         self.rows: dict[SeqId, _Row] = {}
         self.lock = threading.Lock()
@@ -197,23 +217,32 @@ class PagedKV:
         return f"PagedKV({self.seqs[0].request_id}, rows={len(self.seqs)})"
 
 
-def step_seed(seed: int, row: int, step: int) -> int:
-    """The generator seed of one draw: a hash of ``(seed, row, step)``, 63 bits."""
-    digest = hashlib.blake2b(f"{seed}:{row}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
 class PagedLM(nn.Module):
     """``lm`` (any transformers ``*ForCausalLM`` using the attention-function registry) over a
-    paged pool; see the module docstring for the calling convention."""
+    paged pool; see the module docstring for the calling convention. ``attention``: what
+    ``hf_attention.probe_attention(lm)`` found, when the caller probed already (else the pool's
+    first allocation probes). Raises ``UnsupportedAttention`` for a model that computes attention
+    outside transformers' interface."""
 
-    def __init__(self, lm: nn.Module, config: PagedLMConfig | None = None) -> None:
+    def __init__(
+        self,
+        lm: nn.Module,
+        config: PagedLMConfig | None = None,
+        attention: ModelAttention | None = None,
+        *,
+        stop_ids: Sequence[int] = (),
+        vocabulary: grammar.Vocabulary | None = None,
+    ) -> None:
+        """``stop_ids``: the ids that end a request (the walks' EOS), which ``min_tokens``
+        holds back; ``vocabulary``: the tokenizer's bytes, for grammars (None: a request
+        with a grammar fails)."""
         super().__init__()
-        impl = register()
-        if getattr(lm.config, "_attn_implementation", None) != impl:
-            lm.set_attn_implementation(impl)  # type: ignore[operator]
+        self.sampler = TextSampler(stop_ids, vocabulary)
+        use_paged_attention(lm)
         self.lm = lm
         self.config_kv = config or PagedLMConfig()
+        self.engine_choice = EngineChoice("paged", type(lm).__name__)
+        self._attention = attention
         self._state: _State | None = None
         self._namespace = f"{type(lm).__name__}:{id(self)}"
         self._signature = inspect.signature(self.forward)  # binds each call's arguments
@@ -228,15 +257,29 @@ class PagedLM(nn.Module):
         top_k: int = 0,
         seed: int = 0,
         repetition_penalty: float = 1.0,  # transformers' rule, on the row's tokens so far
-    ) -> tuple[torch.Tensor, PagedKV]:  # token [B, 1] int64
+        presence_penalty: float = 0.0,  # OpenAI's, on the generated tokens
+        frequency_penalty: float = 0.0,
+        min_tokens: int = 0,  # stop_ids are not drawn before this many generated tokens
+        constraints: torch.Tensor | None = None,  # [1, L] uint8 (grammar.encode); new rows
+        logprobs: int = 0,  # columns of the logprob outputs (with_logprobs)
+        with_logprobs: bool = False,  # a constant of the call site: two more outputs
+    ) -> Any:  # (token [B, 1] int64, cache[, logprobs [B, 1, n], logprob_ids [B, 1, n]])
         args = (input_ids, cache, step, temperature, top_p, top_k, seed, repetition_penalty)
-        out = self.forward_batch([(args, {})])
+        kwargs = {
+            "presence_penalty": presence_penalty,
+            "frequency_penalty": frequency_penalty,
+            "min_tokens": min_tokens,
+            "constraints": constraints,
+            "logprobs": logprobs,
+            "with_logprobs": with_logprobs,
+        }
+        out = self.forward_batch([(args, kwargs)])
         assert not isinstance(out[0], Deferred)  # a lone call runs (or raises)
         return out[0]
 
     # ---------------------------------------------------------------- batch
 
-    def forward_batch(self, calls: Sequence[Call]) -> list[tuple[torch.Tensor, PagedKV] | Deferred]:
+    def forward_batch(self, calls: Sequence[Call]) -> list[Any]:
         """Every call of one ready batch that the pool has room for, in one packed forward;
         ``DEFER`` for the others (see ``_schedule``)."""
         state = self._ensure_state()
@@ -245,20 +288,31 @@ class PagedLM(nn.Module):
             units = []
             for index, (args, kwargs) in enumerate(calls):
                 bound = self._signature.bind(*args, **kwargs).arguments
+                new = bound.get("cache") is None
                 cache = self._cache(state, bound)
                 rows = [state.rows[seq] for seq in cache.seqs]
                 ids = bound["input_ids"]
+                if new:
+                    self._start_rows(rows, ids, bound.get("constraints"))
                 want = [r.tokens + [int(t) for t in ids[i].tolist()] for i, r in enumerate(rows)]
                 units.append(_Unit(index, bound, cache, rows, want))
             chosen = self._schedule(state, units)
             logits = self._forward(state, [(r, w) for u in chosen for r, w in zip(u.rows, u.want)])
-            out: list[tuple[torch.Tensor, PagedKV] | Deferred] = [DEFER] * len(units)
+            out: list[Any] = [DEFER] * len(units)
             for u in chosen:
-                tokens = [
-                    _sample(logits[id(r)], u.args, i, u.want[i]) for i, r in enumerate(u.rows)
-                ]
-                out[u.index] = (torch.tensor(tokens, dtype=torch.int64).unsqueeze(1), u.cache)
+                out[u.index] = self._sample_unit(u, logits)
             return out
+
+    def _start_rows(self, rows: list[_Row], ids: torch.Tensor, constraints: Any) -> None:
+        """A new request's rows: its prompt length and its constraints."""
+        n_vocab = vocab_size(self.lm)
+        self.sampler.start([r.sampling for r in rows], ids.shape[1], constraints, n_vocab)
+
+    def _sample_unit(self, u: _Unit, logits: dict[int, torch.Tensor]) -> Any:
+        """One call's outputs: its tokens [B, 1] and cache, and its logprobs if asked."""
+        rows = [logits[id(r)] for r in u.rows]
+        token, *rest = self.sampler.sample_call(u.args, rows, u.want, [r.sampling for r in u.rows])
+        return (token, u.cache, *rest)
 
     def _cache(self, state: _State, args: dict[str, Any]) -> PagedKV:
         ids, cache = args["input_ids"], args.get("cache")
@@ -393,10 +447,7 @@ class PagedLM(nn.Module):
         pool = state.pool
         for r, want in rows:
             r.tokens = want
-        chunks = [
-            SeqChunk(tuple(r.tokens[r.computed :]), r.computed, pool.block_table(r.seq).pages)
-            for r, _ in rows
-        ]
+        chunks = [SeqChunk(tuple(r.tokens[r.computed :]), r.computed, r.seq) for r, _ in rows]
         logits = state.runner.forward(chunks)  # [rows, vocab]
         now = next(state.clock)
         for r, _ in rows:
@@ -410,7 +461,7 @@ class PagedLM(nn.Module):
 
     def _ensure_state(self) -> _State:
         if self._state is None:
-            self._state = _State(self.lm, self.config_kv)
+            self._state = _State(self.lm, self.config_kv, self._attention)
         return self._state
 
     def release_kv(self) -> None:
@@ -439,54 +490,6 @@ class PagedLM(nn.Module):
             )
         finally:
             state.lock.release()
-
-
-def _sample(logits: torch.Tensor, args: dict[str, Any], row: int, seen: Sequence[int]) -> int:
-    """Row ``row``'s token; ``seen``: its token ids so far, prompt included (what a repetition
-    penalty applies to, as in ``generate()``)."""
-    step = args.get("step", 0)
-    n = int(step[row].reshape(-1)[0]) if isinstance(step, torch.Tensor) else int(step)
-    return seeded_token(
-        logits,
-        row,
-        n,
-        temperature=float(args.get("temperature", 0.0)),
-        top_p=float(args.get("top_p", 1.0)),
-        top_k=int(args.get("top_k", 0)),
-        seed=int(args.get("seed", 0)),
-        repetition_penalty=float(args.get("repetition_penalty", 1.0)),
-        seen=seen,
-    )
-
-
-def seeded_token(
-    logits: torch.Tensor,  # [V]
-    row: int,
-    step: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    repetition_penalty: float = 1.0,
-    seen: Sequence[int] = (),
-) -> int:
-    """One token of row ``row`` at step ``step``: argmax at temperature 0, else ``sample_row``
-    with a generator seeded from ``step_seed(seed, row, step)`` (the rule of every sampling
-    component: the draw depends on the request's own inputs only). ``repetition_penalty``
-    applies to the token ids in ``seen`` (transformers' rule, before the argmax too)."""
-    if temperature == 0.0 and repetition_penalty == 1.0:
-        return int(logits.argmax())
-    params = SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        repetition_penalty=repetition_penalty,
-    )
-    generator = None
-    if temperature > 0.0:
-        generator = torch.Generator(device=logits.device).manual_seed(step_seed(seed, row, step))
-    return sample_row(logits, params, generator, seen)
 
 
 def _shape(x: Any) -> str:

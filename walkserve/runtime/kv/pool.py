@@ -15,7 +15,7 @@ What crosses its boundary:
 
 Layout (S = page_size, P = num_pages, L = num_layers)::
 
-    k, v: [L, P, S, kv_heads, head_dim]
+    k: [L, P, S, kv_heads, head_dim]      v: [L, P, S, kv_heads, v_head_dim]
 
              page 0               page 1               page P-1
     layer 0  [s0|s1|...|s(S-1)]   [s0|s1|...|s(S-1)]   ...  [s0|...|s(S-1)]
@@ -26,7 +26,14 @@ Layout (S = page_size, P = num_pages, L = num_layers)::
         page = pages[t // S], offset = t % S, flat slot = page * S + offset
         tokens 0-3 -> page 7, 4-7 -> page 2, 8-9 -> page 9 offsets 0-1 (offsets 2-3 unused)
 
-A page id means the same slots in every layer, so one block table serves all layers.
+A page id means the same slots in every layer, so one block table serves all layers. Layers
+whose pages live differently (sliding-window layers next to full ones) get pools of their own
+(``layer_groups.GroupedKVPool``).
+
+Freeing leading pages (sliding windows): ``release_leading(seq, n)`` drops a sequence's first
+``n`` logical pages, which no query will read again; its block table then starts at logical page
+``first_page`` (``BlockTable.pages`` holds the live pages only), and positions before
+``first_page * page_size`` can no longer be written or read.
 
 Sequences and labels: a sequence is ``(request_id, label)``. The label is an extra cache
 identity over the same pool ("cond", "uncond", "image" contexts of one guided walk), so each
@@ -138,10 +145,12 @@ class Slot(NamedTuple):
 
 @dataclass(frozen=True)
 class BlockTable:
-    """A snapshot of one sequence's pages; token t is at ``pages[t // page_size]``."""
+    """A snapshot of one sequence's live pages; token t is at ``pages[t // page_size -
+    first_page]`` (``first_page`` > 0 once leading pages were released)."""
 
     pages: tuple[int, ...]
     num_tokens: int
+    first_page: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,25 +164,39 @@ class KVPoolConfig:
     head_dim: int
     dtype: torch.dtype
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    v_head_dim: int | None = None  # None: head_dim
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "num_layers", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"KVPoolConfig.{name} must be a positive int, got {value!r}")
+        v = self.v_head_dim
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"KVPoolConfig.v_head_dim must be a positive int or None, got {v!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"KVPoolConfig.dtype must be a torch.dtype, got {self.dtype!r}")
 
     @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        """``[num_layers, num_pages, page_size, kv_heads, head_dim]``, of K and of V."""
+        """``[num_layers, num_pages, page_size, kv_heads, head_dim]``, of K."""
         return (self.num_layers, self.num_pages, self.page_size, self.kv_heads, self.head_dim)
+
+    @property
+    def v_shape(self) -> tuple[int, int, int, int, int]:
+        """``[num_layers, num_pages, page_size, kv_heads, v_head_dim]``, of V."""
+        return (self.num_layers, self.num_pages, self.page_size, self.kv_heads, self.value_dim)
 
     @property
     def bytes_per_page(self) -> int:
         """K and V of one page, all layers."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.page_size * self.kv_heads * self.head_dim * itemsize
+        dims = self.head_dim + self.value_dim
+        return self.num_layers * self.page_size * self.kv_heads * dims * itemsize
 
     @property
     def nbytes(self) -> int:
@@ -199,12 +222,20 @@ class PoolStats:
     nbytes: int
 
 
+FREED = -1
+"""A ``_Seq.pages`` entry whose page was released (``release_leading``)."""
+
+
 @dataclass
 class _Seq:
-    pages: list[int]
+    pages: list[int]  # one entry per logical page; the first ``first`` are FREED
     num_tokens: int
     keys: list[bytes | None]  # prefix key per full prompt page; None once rewritten
     computed: int = 0  # leading tokens whose K/V the caller declared written (mark_computed)
+    first: int = 0  # leading logical pages released
+
+    def live(self) -> list[int]:
+        return self.pages[self.first :]
 
 
 # ------------------------------------------------------------------------------ the pool
@@ -222,12 +253,20 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        v_head_dim: int | None = None,
     ) -> None:
         self.config = KVPoolConfig(
-            num_pages, page_size, num_layers, kv_heads, head_dim, dtype, torch.device(device)
+            num_pages,
+            page_size,
+            num_layers,
+            kv_heads,
+            head_dim,
+            dtype,
+            torch.device(device),
+            v_head_dim,
         )
         self.k = torch.zeros(self.config.shape, dtype=dtype, device=device)  # [L, P, S, H, D]
-        self.v = torch.zeros_like(self.k)  # [L, P, S, H, D]
+        self.v = torch.zeros(self.config.v_shape, dtype=dtype, device=device)  # [L, P, S, H, Dv]
         self._ref = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest id pops first
         self._in_use = 0
@@ -283,7 +322,7 @@ class KVPool:
     def pages_of(self, request_id: str) -> frozenset[int]:
         """The distinct pages the request's sequences reference (all labels)."""
         labels = self._labels.get(request_id, [])
-        return frozenset(p for lb in labels for p in self._seqs[SeqId(request_id, lb)].pages)
+        return frozenset(p for lb in labels for p in self._seqs[SeqId(request_id, lb)].live())
 
     def ref_count(self, page: int) -> int:
         return self._ref[page]
@@ -324,7 +363,7 @@ class KVPool:
 
     def block_table(self, seq: tuple[str, str]) -> BlockTable:
         s = self._get(seq)
-        return BlockTable(tuple(s.pages), s.num_tokens)
+        return BlockTable(tuple(s.live()), s.num_tokens, s.first)
 
     def num_tokens(self, seq: tuple[str, str]) -> int:
         return self._get(seq).num_tokens
@@ -380,9 +419,49 @@ class KVPool:
         s.computed = max(s.computed, n)
         cached = 0
         for index, key in enumerate(s.keys[: n // self.page_size]):
-            if key is not None and self._prefix.register(key, s.pages[index]):
+            page = s.pages[index]
+            if key is not None and page != FREED and self._prefix.register(key, page):
                 cached += 1
         return cached
+
+    def cached_prefix_tokens(
+        self,
+        token_ids: TokenIds,
+        extra_key: bytes | str | None = None,
+        *,
+        namespace: str = "",
+        max_cached_tokens: int | None = None,
+    ) -> int:
+        """How many leading tokens ``allocate_with_prefix`` with the same arguments would find
+        cached now (a multiple of ``page_size``). Pure: no counters, no LRU change."""
+        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        keys = page_keys(ids, self.page_size, root_key(namespace, extra_key))
+        limit = len(keys) if max_cached_tokens is None else max_cached_tokens // self.page_size
+        return len(self._prefix.lookup(keys[:limit])) * self.page_size
+
+    def release_leading(self, seq: tuple[str, str], n_pages: int) -> int:
+        """Release ``seq``'s logical pages before ``n_pages`` (those no query reads again: a
+        sliding window moved past them); the last page is always kept. Returns how many pages
+        were released now. Registered pages stay cached for prefix hits (evictable)."""
+        s = self._get(seq)
+        _check_count("n_pages", n_pages)
+        stop = min(n_pages, len(s.pages) - 1)
+        released = 0
+        for index in range(s.first, stop):
+            self._release(s.pages[index])
+            s.pages[index] = FREED
+            released += 1
+        s.first = max(s.first, stop)
+        return released
+
+    def pages_to_append(self, seq: tuple[str, str], n_tokens: int) -> int:
+        """Pages ``append(seq, n_tokens)`` takes: new pages, plus one when a shared partial
+        tail page is copied first."""
+        s = self._get(seq)
+        if n_tokens == 0:
+            return 0
+        cow = 1 if self._tail_needs_copy(s) else 0
+        return cow + self.pages_for(s.num_tokens + n_tokens) - len(s.pages)
 
     def append(self, seq: tuple[str, str], n_tokens: int = 1) -> list[Slot]:
         """Reserve ``n_tokens`` more tokens; returns their slots, private to ``seq``. Grows by
@@ -404,9 +483,9 @@ class KVPool:
         """``dst`` starts as ``src``: same tokens, every page shared (copy-on-write)."""
         s = self._get(src)
         key = self._check_new(dst)
-        for page in s.pages:
+        for page in s.live():
             self._retain(page)
-        self._add(key, _Seq(list(s.pages), s.num_tokens, list(s.keys), s.computed))
+        self._add(key, _Seq(list(s.pages), s.num_tokens, list(s.keys), s.computed, s.first))
 
     def copy_on_write(self, seq: tuple[str, str]) -> list[tuple[int, int]]:
         """Make the partial last page private if it is shared. The pool copies the page (all
@@ -427,7 +506,7 @@ class KVPool:
         labels.remove(key.label)
         if not labels:
             del self._labels[key.request_id]
-        for page in reversed(s.pages):  # the tail becomes least recently used: evicted first
+        for page in reversed(s.live()):  # the tail becomes least recently used: evicted first
             self._release(page)
 
     def free_request(self, request_id: str) -> int:
@@ -453,8 +532,9 @@ class KVPool:
         """Slots of tokens ``start .. end - 1`` (default: all)."""
         s = self._get(seq)
         end = s.num_tokens if end is None else end
-        if not 0 <= start <= end <= s.num_tokens:
-            raise ValueError(f"need 0 <= start <= end <= {s.num_tokens}, got {start}, {end}")
+        lo = s.first * self.page_size
+        if not lo <= start <= end <= s.num_tokens:
+            raise ValueError(f"need {lo} <= start <= end <= {s.num_tokens}, got {start}, {end}")
         return self._slots(s, start, end)
 
     def write(
@@ -470,9 +550,13 @@ class KVPool:
         s = self._get(seq)
         pos = self._check_positions(s, positions)
         self._check_layer(layer)
-        want = (len(pos), self.config.kv_heads, self.config.head_dim)
-        if tuple(k.shape) != want or tuple(v.shape) != want:
-            raise ValueError(f"k and v must be {list(want)}, got {list(k.shape)}, {list(v.shape)}")
+        want_k = (len(pos), self.config.kv_heads, self.config.head_dim)
+        want_v = (len(pos), self.config.kv_heads, self.config.value_dim)
+        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+            raise ValueError(
+                f"k and v must be {list(want_k)}, {list(want_v)}, got {list(k.shape)}, "
+                f"{list(v.shape)}"
+            )
         indices = sorted({p // self.page_size for p in pos})
         to_copy = [i for i in indices if self._needs_copy(s.pages[i])]
         self._require(len(to_copy))
@@ -486,10 +570,11 @@ class KVPool:
         self._layer_view(self.v, layer).index_copy_(0, flat, v.to(self.v))
 
     def gather(self, seq: tuple[str, str], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense copies of ``seq``'s K and V in one layer: ``([T, kv_heads, head_dim]`` x 2)."""
+        """Dense copies of ``seq``'s K and V in one layer (its live positions: from
+        ``first_page * page_size`` on): ``[T, kv_heads, head_dim]``, ``[T, kv_heads, v_head_dim]``."""
         s = self._get(seq)
         self._check_layer(layer)
-        flat = self._flat(s, range(s.num_tokens))
+        flat = self._flat(s, range(s.first * self.page_size, s.num_tokens))
         return (
             self._layer_view(self.k, layer).index_select(0, flat),
             self._layer_view(self.v, layer).index_select(0, flat),
@@ -586,8 +671,8 @@ class KVPool:
         return torch.tensor(flat, dtype=torch.long, device=self.k.device)
 
     def _layer_view(self, pool: torch.Tensor, layer: int) -> torch.Tensor:
-        """``pool[layer]`` as ``[num_pages * page_size, kv_heads, head_dim]`` (a view)."""
-        return pool[layer].view(-1, self.config.kv_heads, self.config.head_dim)
+        """``pool[layer]`` as ``[num_pages * page_size, kv_heads, dim]`` (a view)."""
+        return pool[layer].view(-1, self.config.kv_heads, pool.shape[-1])
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.config.num_layers:
@@ -597,9 +682,12 @@ class KVPool:
         pos = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
         if len(set(pos)) != len(pos):
             raise ValueError("positions must be distinct")
-        bad = [p for p in pos if not 0 <= p < s.num_tokens]
+        lo = s.first * self.page_size
+        bad = [p for p in pos if not lo <= p < s.num_tokens]
         if bad:
-            raise ValueError(f"positions {bad[:4]} not reserved (sequence has {s.num_tokens})")
+            raise ValueError(
+                f"positions {bad[:4]} not reserved (sequence holds [{lo}, {s.num_tokens}))"
+            )
         return pos
 
 

@@ -10,7 +10,8 @@ What crosses its boundary:
 
 - in: ``add``/``cancel`` of requests; after each forward, ``update(plan, sampled)`` with the
   token sampled for every chunk that reached the end of its request's tokens;
-- out: ``StepPlan`` (chunks: request, token range, block table; requests preempted this step)
+- out: ``StepPlan`` (chunks: request, token range, its ``SeqId`` in the pool; requests
+  preempted this step)
   and ``update``'s ``{request_id: new_token}``.
 
 One request's tokens and what the pool holds of them::
@@ -35,6 +36,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from walkserve.runtime.kv.layer_groups import GroupedKVPool
 from walkserve.runtime.kv.pool import KVPool, PoolExhausted, SeqId
 
 __all__ = ["Chunk", "ContinuousScheduler", "SchedulerStats", "StepPlan"]
@@ -80,7 +82,7 @@ class Chunk:
     start: int
     end: int
     token_ids: tuple[int, ...]
-    block_table: tuple[int, ...]
+    seq: SeqId  # where its K/V are in the pool
     samples: bool  # True: ``end`` is the request's token count, the chunk yields a token
 
 
@@ -106,7 +108,9 @@ class SchedulerStats:
 class ContinuousScheduler:
     """FIFO continuous batching with chunked prefill, recompute preemption and prefix reuse."""
 
-    def __init__(self, pool: KVPool, max_batch_tokens: int, namespace: str = "") -> None:
+    def __init__(
+        self, pool: KVPool | GroupedKVPool, max_batch_tokens: int, namespace: str = ""
+    ) -> None:
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.pool = pool
@@ -231,7 +235,7 @@ class ContinuousScheduler:
             start=req.computed,
             end=end,
             token_ids=tuple(req.tokens(req.computed, end)),
-            block_table=self.pool.block_table(req.seq).pages,
+            seq=req.seq,
             samples=end == req.num_tokens,
         )
 

@@ -100,7 +100,6 @@ def cross_host_edges(
     """The edges of ``plan`` whose value leaves a host (see the module docstring). ``links``:
     the measured link per remote rank; ``default`` for ranks without one (else their
     estimate is nan)."""
-    from walkserve.runtime.worker import node_io, value_readers
 
     def hop(rank: int, nbytes: int) -> float:
         if placement.host_of(rank) == LOCAL_HOST:
@@ -111,7 +110,6 @@ def cross_host_edges(
     out: list[CrossHostEdge] = []
     for walk_name in plan.walks:
         walk = captured.graph.walks[walk_name]
-        readers = value_readers(walk)
         made: dict[str, tuple[str, int]] = {}
         nodes = plan.nodes(walk_name)
         for node in nodes:
@@ -119,7 +117,7 @@ def cross_host_edges(
                 made[op] = (node.name, node.ranks[0])
         for node in nodes:
             dst = node.ranks[0]
-            for value in node_io(walk, node, readers).inputs:
+            for value in node.inputs:
                 producer, src = made.get(value, (None, None))
                 src_host = LOCAL_HOST if src is None else placement.host_of(src)
                 dst_host = placement.host_of(dst)

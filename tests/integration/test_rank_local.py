@@ -1,0 +1,117 @@
+"""Rank-local execution with real worker processes: a value made on one rank and read on
+another travels between them directly (the server process handles its handle, not its
+bytes); region runs on a rank free what they hold when a request ends, is cancelled, fails,
+or their worker is killed; stats count speculation and values where they happen."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from walkserve.adapters.registry import capture_model
+from walkserve.lowering.placement import Placement
+from walkserve.runtime.server import RequestFailed, Server, serve
+from walkserve.testing import assert_outputs_match
+
+MODEL = "rank_local_models:two_stage"
+MIB = 1 << 20
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def settled(server: Server) -> bool:
+    stats = server.stats()
+    return (
+        stats.live_requests == 0 and stats.live_values == 0 and server.pool.shm_stats().in_use == 0
+    )
+
+
+def test_a_value_between_two_ranks_never_passes_through_the_server() -> None:
+    captured = capture_model(MODEL)
+    placement = Placement.from_dict(
+        {"ranks": 2, "nodes": {"widen": [0], "step": [0], "reduce": [1]}}
+    )
+    with serve(captured, placement) as server:
+        transport = server.pool._transport
+        for walk in ("direct", "looped"):
+            inputs = {"x": torch.randn(1, 4), "steps": 3}
+            before = (transport.bytes_in, transport.bytes_out)
+            got = server.run(inputs, walk, timeout=120)
+            assert_outputs_match(got, captured.run(inputs, walk))
+            # The 1 MiB value went rank 0 -> rank 1; the server saw inputs and the result.
+            moved = transport.bytes_in - before[0] + transport.bytes_out - before[1]
+            assert moved < 4096, (walk, moved)
+            assert wait_for(lambda: settled(server)), server.stats()
+        stats = server.stats()
+        assert stats.ranks[0].objects == 0 and stats.ranks[1].objects == 0
+
+
+def test_a_failure_mid_region_fails_its_request_and_frees_the_run() -> None:
+    captured = capture_model("rank_local_models:long")
+    with serve(captured) as server:
+        ok = {"h": torch.randn(1, 8), "steps": 50, "fail_at": -1}
+        bad = dict(ok, fail_at=20)
+        handles = [server.submit(bad, "spin"), server.submit(ok, "spin")]
+        with pytest.raises(RequestFailed, match="step 20 of this request fails"):
+            handles[0].result(timeout=120)
+        assert_outputs_match(handles[1].result(timeout=120), captured.run(ok, "spin"))
+        assert wait_for(lambda: settled(server)), server.stats()
+        assert server.stats().ranks[0].runs == 0
+
+
+def test_cancel_mid_region_frees_the_rank_and_its_kv_pages() -> None:
+    pytest.importorskip("transformers")
+    from walkserve.adapters.hf_causal_lm import sample_request
+
+    captured = capture_model("tiny-llama")
+    with serve(captured) as server:
+        long_request = dict(sample_request(list(range(3, 40)), 100_000))
+        handle = server.submit(long_request)
+        stream = handle.stream(timeout=120)
+        for _ in range(5):  # the decode region is running on the rank
+            next(stream)
+        assert server.stats().ranks[0].runs == 1
+        handle.cancel()
+        with pytest.raises(RequestFailed, match="cancelled"):
+            handle.result(timeout=60)
+        assert wait_for(lambda: settled(server)), server.stats()
+        assert server.stats().ranks[0].runs == 0
+        assert wait_for(lambda: all(k.pages_in_use == 0 for k in server.kv_stats()[0]))
+        short = sample_request([5, 6, 7], 4)
+        assert_outputs_match(server.run(short, timeout=120), captured.run(short))
+
+
+def test_a_killed_rank_fails_its_region_runs_and_the_other_rank_serves_on() -> None:
+    captured = capture_model(MODEL)
+    # ``looped`` wholly on rank 1 (one region), ``direct`` wholly on rank 0.
+    nodes = {f"looped:{n}": [1] for n in ("widen", "cycle/step", "reduce")}
+    nodes |= {f"direct:{n}": [0] for n in ("widen", "reduce")}
+    placement = Placement.from_dict({"ranks": 2, "nodes": nodes})
+    with serve(captured, placement) as server:
+        handle = server.submit({"x": torch.randn(1, 4), "steps": 1_000_000}, "looped")
+        assert wait_for(
+            lambda: server.stats().ranks.get(1) is not None and server.stats().ranks[1].runs == 1
+        )
+        pid = server.pool.pid(1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RequestFailed, match="rank 1"):
+            handle.result(timeout=60)
+        assert wait_for(lambda: server.health()[1].status == "dead")
+        inputs = {"x": torch.randn(1, 4)}
+        assert_outputs_match(
+            server.run(inputs, "direct", timeout=120), captured.run(inputs, "direct")
+        )
+        assert wait_for(lambda: settled(server)), server.stats()

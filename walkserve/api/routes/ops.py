@@ -1,0 +1,67 @@
+"""Operations routes: ``/health`` (per-rank status; 503 when a worker is dead; no auth),
+``/v1/models`` (the served names) and ``/metrics`` (Prometheus text)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from walkserve.api.context import context
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    ctx = context(request)
+    ranks = await run_in_threadpool(ctx.server.health)
+    body: dict[str, Any] = {
+        "status": "ok",
+        "ranks": {
+            str(r): {"status": h.status, "pid": h.pid, "in_flight": h.in_flight, "error": h.error}
+            for r, h in ranks.items()
+        },
+    }
+    if any(h.status in ("dead", "closed") for h in ranks.values()):
+        body["status"] = "unavailable"
+        return JSONResponse(body, 503)
+    return JSONResponse(body)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    ctx = context(request)
+    profile = ctx.profile
+    kinds = ("text", "speech", "image", "chat_audio")
+    tasks = [t for t in kinds if getattr(profile, t) is not None]
+    walks = ctx.server.captured.graph.entry_walks()
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": ctx.created,
+                "owned_by": "walkserve",
+                "root": profile.name,
+                "max_model_len": profile.text.max_prompt_tokens + profile.text.max_tokens_limit
+                if profile.text is not None
+                else None,
+                "tasks": tasks,
+                "walks": walks,
+            }
+            for name in ctx.names
+        ],
+    }
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    ctx = context(request)
+    stats = await run_in_threadpool(ctx.server.stats)
+    kv = await run_in_threadpool(ctx.server.kv_stats)
+    text = ctx.metrics.render(ctx.admission.active, ctx.config.max_queued, stats, kv)
+    return Response(text, media_type="text/plain; version=0.0.4")

@@ -1,0 +1,79 @@
+"""``POST /v1/walks/{walk}``: any entry walk of the model, inputs and outputs as JSON
+(``api.jsontensor``); SSE of the walk's stream items when ``stream``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from walkserve.api import jsontensor
+from walkserve.api.context import context, stream_items, unless_gone
+from walkserve.api.errors import ApiError, bad, error_body
+from walkserve.api.jsonsafe import dumps
+from walkserve.api.schemas import WalkRequest
+from walkserve.api.sse import SSE_DONE, ClosingStream, sse
+from walkserve.runtime.kv import grammar as kv_grammar
+
+router = APIRouter()
+
+
+def check_constraints(value: Any, vocab: int) -> None:
+    """The text walks' ``constraints`` (``runtime.kv.grammar.Constraints``) checked here, as
+    the text routes check theirs: a bad one would fail the whole batch of the KV engine that
+    reads it (it keeps state, so its batch is not retried call by call)."""
+    try:
+        wanted = kv_grammar.decode(value if isinstance(value, torch.Tensor) else None)
+    except ValueError as e:
+        raise bad(str(e), "inputs.constraints") from None
+    if any(not 0 <= t < vocab for t, _ in wanted.logit_bias):
+        raise bad(f"constraints: logit_bias ids must be in [0, {vocab})", "inputs.constraints")
+    if wanted.grammar is not None and (why := kv_grammar.check_grammar(wanted.grammar)):
+        raise bad(f"constraints: the grammar cannot be used: {why}", "inputs.constraints")
+
+
+@router.post("/v1/walks/{walk}")
+async def run_walk(walk: str, request: Request) -> Response:
+    ctx = context(request)
+    body = await ctx.parse(request, WalkRequest)
+    ctx.check_model(body.model)
+    graph = ctx.server.captured.graph
+    if walk not in graph.walks:
+        raise bad(f"unknown walk {walk!r}; the model has {sorted(graph.walks)}")
+    try:
+        inputs = jsontensor.decode_inputs(ctx.server.captured, walk, body.inputs)
+    except ValueError as e:
+        raise bad(str(e), "inputs") from None
+    text = ctx.profile.text
+    if text is not None and walk == text.ext_walk:
+        check_constraints(inputs.get("constraints"), text.vocab_size)
+    ticket, handle, t0 = await ctx.admit_and_submit(inputs, walk)
+    if not body.stream:
+        try:
+            outputs = await unless_gone(request, ctx.finish(handle))
+        finally:
+            ctx.cancel_all([handle], ticket)
+        ctx.metrics.observe_latency(walk, time.perf_counter() - t0)
+        encoded = {k: jsontensor.to_json(v, body.encoding) for k, v in outputs.items()}
+        return Response(dumps({"walk": walk, "outputs": encoded}), media_type="application/json")
+
+    async def events() -> AsyncIterator[bytes]:
+        async for item in stream_items(handle):
+            value = jsontensor.to_json(item.value, body.encoding)
+            yield sse({"channel": item.channel, "index": item.index, "value": value})
+        try:
+            outputs = await ctx.finish(handle)
+        except ApiError as e:
+            yield sse(error_body(e.message, e.kind))
+        else:
+            yield sse(
+                {"outputs": {k: jsontensor.to_json(v, body.encoding) for k, v in outputs.items()}}
+            )
+        ctx.metrics.observe_latency(walk, time.perf_counter() - t0)
+        yield SSE_DONE
+
+    return ClosingStream(events(), lambda: ctx.cancel_all([handle], ticket), "text/event-stream")

@@ -1,0 +1,124 @@
+"""The batching rule: which ready work items leave together, to which rank, and when.
+
+Pure (no sockets, threads or processes); the server calls it with the conductor's ready items
+and tells it when a batch comes back; tests call it with fabricated items::
+
+    batches = batcher.batches(conductor.ready(), wanted=conductor.wanted)
+    ... send each batch to batch.rank ...
+    batcher.returned(batch)                # its reply arrived
+
+Rules:
+
+- node items group by (walk, node, ops, outputs) and rank: one ``RunBatch`` each. A node with
+  replicas sends each batch to the replica with the fewest of that node's batches in flight,
+  ties in turn;
+- a KV-cache node whose component runs a batch as one forward (``merging``: PagedLM) has at
+  most ``max_inflight`` batches out per rank; its items that become ready meanwhile are held
+  and leave together with the next batch when one returns, so requests that fell out of step
+  share a forward again. Other nodes' items leave at once: a stateless component costs about
+  the same per request batched or not, and a pipeline's stages stay busy;
+- region items (``kind="region"``) group by rank: one message starts them all; they are never
+  held (the rank batches their steps itself, across requests).
+
+Held items that are no longer ``wanted`` (their request was cancelled, their iteration
+discarded) are dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from walkserve.lowering.plan import NodePlan, RegionPlan
+from walkserve.runtime.conductor import WorkItem
+
+__all__ = ["Batch", "Batcher"]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Items that leave together for ``rank``: node items of one node (``kind="node"``), or
+    region items (``kind="regions"``, ``node`` empty)."""
+
+    rank: int
+    kind: Literal["node", "regions"]
+    walk: str
+    node: str
+    ops: tuple[str, ...]
+    outputs: tuple[str, ...]
+    items: tuple[WorkItem, ...]
+
+
+class Batcher:
+    """See the module docstring. ``nodes``: every plan node by (walk, node); ``regions``:
+    every region by (walk, region name); ``merging``: the (walk, node) keys held back while
+    ``max_inflight`` of their batches are out on a rank."""
+
+    def __init__(
+        self,
+        nodes: Mapping[tuple[str, str], NodePlan],
+        regions: Mapping[tuple[str, str], RegionPlan],
+        merging: Collection[tuple[str, str]] = (),
+        max_inflight: int = 1,
+    ) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        self.nodes = nodes
+        self.regions = regions
+        self.merging = frozenset(merging)
+        self.max_inflight = max_inflight
+        self.sizes: dict[int, int] = {}  # node batch size -> how many were sent
+        self._inflight: dict[tuple[int, str, str], int] = {}  # (rank, walk, node) -> batches
+        self._held: list[WorkItem] = []
+        self._turn = itertools.count()
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def inflight(self, rank: int, walk: str, node: str) -> int:
+        return self._inflight.get((rank, walk, node), 0)
+
+    def batches(
+        self, ready: Sequence[WorkItem], wanted: Callable[[int], bool] = lambda _: True
+    ) -> list[Batch]:
+        """The batches to send now, for ``ready`` items and those held before."""
+        items = [it for it in self._held if wanted(it.id)] + list(ready)
+        self._held = []
+        groups: dict[tuple[int, str, str, tuple[str, ...], tuple[str, ...]], list[WorkItem]] = {}
+        starts: dict[int, list[WorkItem]] = {}
+        for item in items:
+            if item.kind == "region":
+                rank = self.regions[(item.walk, item.node)].rank
+                starts.setdefault(rank, []).append(item)
+                continue
+            rank = self._rank(item)
+            groups.setdefault((rank, item.walk, item.node, item.ops, item.outputs), []).append(item)
+        out = [
+            Batch(rank, "regions", "", "", (), (), tuple(group)) for rank, group in starts.items()
+        ]
+        for (rank, walk, node, ops, outputs), group in groups.items():
+            key = (rank, walk, node)
+            if (walk, node) in self.merging and self._inflight.get(key, 0) >= self.max_inflight:
+                self._held += group
+                continue
+            self._inflight[key] = self._inflight.get(key, 0) + 1
+            self.sizes[len(group)] = self.sizes.get(len(group), 0) + 1
+            out.append(Batch(rank, "node", walk, node, ops, outputs, tuple(group)))
+        return out
+
+    def returned(self, batch: Batch) -> None:
+        """``batch``'s reply arrived (or its rank died): one fewer in flight."""
+        if batch.kind == "node":
+            key = (batch.rank, batch.walk, batch.node)
+            self._inflight[key] -= 1
+
+    def _rank(self, item: WorkItem) -> int:
+        ranks = self.nodes[(item.walk, item.node)].ranks
+        if len(ranks) == 1:
+            return ranks[0]
+        turn = next(self._turn)  # replicas: the least busy, ties in turn
+        order = [ranks[(turn + k) % len(ranks)] for k in range(len(ranks))]
+        return min(order, key=lambda r: self._inflight.get((r, item.walk, item.node), 0))

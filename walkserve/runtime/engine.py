@@ -1,0 +1,335 @@
+"""A rank's engine loop: the worker's main thread, stepping everything delegated to its rank.
+
+Owns the loop and the translation between messages and the pure parts; the parts are separate
+objects (``rankscheduler.RankScheduler`` decides, ``runner.NodeRunner`` runs)::
+
+    while not stopping:
+        apply(commands())                        # region starts, node batches, cancels, ...
+        for step in scheduler.schedule():        # every ready item of every run, by node
+            scheduler.update(step, runner.run(step.walk, step.node, step.items))
+        send(reports)                            # RegionEvents, BatchDone: what others need
+
+It blocks for commands only when the last step ran nothing, so region runs advance back to back
+with no process crossing per iteration: a decode loop of 96 tokens is 96 steps here and one
+``StartRegions`` plus one ``RegionEvents`` per step (its streamed tokens, batched across
+requests) on the socket. Commands come from the worker's io thread (``put``, any thread), which
+has already turned their payloads into values.
+
+What a report carries: a value as the worker's transport encodes it (tensors inline or in this
+worker's shared-memory pool, objects such as a KV cache kept in the per-request object store
+and named by an ``ObjectRef``). A value that cannot be encoded fails its item, never the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from walkserve.lowering.plan import ExecutablePlan
+from walkserve.runtime import messages as m
+from walkserve.runtime.rankscheduler import (
+    NodeBatchDone,
+    RankScheduler,
+    RegionConsumed,
+    RegionDone,
+    RegionFailed,
+    RegionOutput,
+    RegionStreamed,
+    Report,
+)
+from walkserve.runtime.runner import ItemResult, NodeRunner, RunItem
+from walkserve.runtime.transport import ObjectStore, Token, Transport, shm_handles
+
+log = logging.getLogger("walkserve.engine")
+
+TINY = 256  # bytes: a tensor this small (a token, a stop flag) always travels with its report
+
+__all__ = [
+    "CancelRequest",
+    "Command",
+    "CreditItems",
+    "DropItems",
+    "FeedItems",
+    "EngineLoop",
+    "NodeBatch",
+    "StartRun",
+    "StatsAsk",
+]
+
+
+# ------------------------------------------------------------------------------ commands
+
+
+@dataclass(frozen=True)
+class StartRun:
+    item: int
+    request: str
+    walk: str
+    region: str
+    inputs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class NodeBatch:
+    """A node batch of the conductor's: ``items`` as (item id, request id, inputs by name)."""
+
+    batch: int
+    walk: str
+    node: str
+    items: list[tuple[int, str, dict[str, Any]]]
+    ops: list[str] | None
+    outputs: list[str] | None
+
+
+@dataclass(frozen=True)
+class CancelRequest:
+    request: str
+
+
+@dataclass(frozen=True)
+class DropItems:
+    items: list[int]
+
+
+@dataclass(frozen=True)
+class StatsAsk:
+    seq: int
+
+
+@dataclass(frozen=True)
+class FeedItems:
+    item: int
+    stream: str
+    pieces: list[Any]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class CreditItems:
+    item: int
+    channel: str
+    items: int
+
+
+Command = StartRun | NodeBatch | CancelRequest | DropItems | StatsAsk | FeedItems | CreditItems
+_STOP = None
+
+
+class EngineLoop:
+    """One rank's loop (see the module docstring). ``send`` puts a message on the report
+    socket (thread-safe); ``transport`` encodes report values; ``objects``: the per-request
+    store behind it (dropped on cancel)."""
+
+    def __init__(
+        self,
+        rank: int,
+        plan: ExecutablePlan,
+        runner: NodeRunner,
+        scheduler: RankScheduler,
+        transport: Transport,
+        objects: ObjectStore,
+        send: Callable[[m.Message], None],
+        *,
+        hold: bool = False,
+    ) -> None:
+        self.rank = rank
+        self.runner = runner
+        self.scheduler = scheduler
+        self.transport = transport
+        self.objects = objects
+        self.send = send
+        self._nodes = {(w, n.name): n for w in plan.walks for n in plan.nodes(w)}
+        # What stays here: with ``hold`` (other ranks can pull from this one), every tensor of
+        # more than TINY bytes that neither a client nor the conductor needs the bytes of.
+        self.hold = hold
+        self._conductor_values = {w: frozenset(v) for w, v in plan.conductor_values.items()}
+        self._walk_of = scheduler.regions.walk_of
+        self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._requests: dict[int, str] = {}  # region item -> request (for encoding)
+        self._region_walk: dict[int, str] = {}
+        self._batches: dict[int, NodeBatch] = {}
+        self.node_batch_sizes: dict[int, int] = {}
+
+    def put(self, command: Command) -> None:
+        """Queue a command (any thread)."""
+        self._commands.put(command)
+
+    def stop(self) -> None:
+        self._commands.put(_STOP)
+
+    def run(self, stopping: threading.Event) -> None:
+        """The loop, until ``stop()`` or ``stopping`` is set."""
+        wait = True
+        while not stopping.is_set():
+            commands: list[Command | None] = [self._commands.get()] if wait else []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            if _STOP in commands:
+                return
+            for command in commands:
+                assert command is not None
+                self._apply(command)
+            steps = self.scheduler.schedule()
+            for step in steps:
+                self.scheduler.update(step, self._run(step.walk, step.node, step.items))
+                del step  # a finished step must not keep its values (a request's KV cache)
+            self._report(self.scheduler.reports())
+            wait = not steps
+
+    # ------------------------------------------------------------------ commands
+
+    def _apply(self, command: Command) -> None:
+        if isinstance(command, StartRun):
+            self._requests[command.item] = command.request
+            self._region_walk[command.item] = command.walk
+            self.scheduler.start(
+                command.item, command.request, command.walk, command.region, command.inputs
+            )
+        elif isinstance(command, NodeBatch):
+            self._batches[command.batch] = command
+            node = self._nodes.get((command.walk, command.node))
+            ops = tuple(command.ops) if command.ops is not None else tuple(node.ops if node else ())
+            if command.outputs is not None:
+                outputs = tuple(command.outputs)
+            else:  # the whole node: what it makes for others; part of it: all it makes
+                outputs = tuple(node.outputs if node else ()) if command.ops is None else ops
+            items = [RunItem(item, ops, env, outputs) for item, _, env in command.items]
+            self.node_batch_sizes[len(items)] = self.node_batch_sizes.get(len(items), 0) + 1
+            self.scheduler.add_batch(command.batch, command.walk, command.node, items)
+        elif isinstance(command, CancelRequest):
+            self.scheduler.cancel(command.request)
+            self.objects.drop(command.request)
+        elif isinstance(command, DropItems):
+            self.scheduler.drop(command.items)
+        elif isinstance(command, FeedItems):
+            self.scheduler.feed(command.item, command.stream, command.pieces, command.finished)
+        elif isinstance(command, CreditItems):
+            self.scheduler.credit(command.item, command.channel, command.items)
+        else:
+            stats = self.scheduler.stats()
+            sizes = dict(stats.batch_sizes)
+            for k, v in self.node_batch_sizes.items():
+                sizes[k] = sizes.get(k, 0) + v
+            self.send(
+                m.RankStatsReply(
+                    command.seq,
+                    self.rank,
+                    stats.runs,
+                    stats.live_values,
+                    len(self.objects),
+                    stats.speculated_steps,
+                    stats.wasted_steps,
+                    sizes,
+                )
+            )
+
+    def _run(self, walk: str, node: str, items: Sequence[Any]) -> list[ItemResult]:
+        try:
+            return self.runner.run(walk, node, items)
+        except KeyError as e:
+            error = str(e.args[0]) if e.args else str(e)
+            return [ItemResult(it.id, error=error) for it in items]
+        except Exception as e:  # a bug of ours, not the model's: only this step's items
+            log.exception("rank %d: step of %s:%s", self.rank, walk, node)
+            return [ItemResult(it.id, error=f"{type(e).__name__}: {e}") for it in items]
+
+    # ------------------------------------------------------------------ reports
+
+    def _report(self, reports: list[Report]) -> None:
+        events: list[m.RegionEvent] = []
+        for rep in reports:
+            if isinstance(rep, NodeBatchDone):
+                self.send(self._batch_done(rep))
+            elif isinstance(rep, RegionStreamed):  # a client's stream, or a forwarded one
+                request = self._requests[rep.item]
+                walk = self._region_walk[rep.item]
+                value = self._encode({rep.channel: rep.value}, request, walk)
+                if isinstance(value, str):
+                    events.append(m.RegionFailed(rep.item, value))
+                else:
+                    events.append(
+                        m.RegionStreamed(rep.item, rep.channel, rep.index, value[rep.channel])
+                    )
+            elif isinstance(rep, RegionConsumed):
+                events.append(
+                    m.RegionConsumed(rep.item, rep.stream, rep.base, rep.received, rep.closed)
+                )
+            elif isinstance(rep, (RegionOutput, RegionDone)):
+                request = self._requests[rep.item]
+                outputs = self._encode(rep.outputs, request, self._region_walk[rep.item])
+                if isinstance(rep, RegionDone):
+                    del self._requests[rep.item]
+                    del self._region_walk[rep.item]
+                if isinstance(outputs, str):
+                    events.append(m.RegionFailed(rep.item, outputs))
+                elif isinstance(rep, RegionDone):
+                    events.append(m.RegionDone(rep.item, outputs))
+                else:
+                    events.append(m.RegionOutput(rep.item, outputs))
+            else:
+                assert isinstance(rep, RegionFailed)
+                self._requests.pop(rep.item, None)
+                self._region_walk.pop(rep.item, None)
+                events.append(m.RegionFailed(rep.item, f"rank {self.rank}: {rep.error}"))
+        if events:
+            self.send(m.RegionEvents(self.rank, events))
+
+    def _batch_done(self, rep: NodeBatchDone) -> m.BatchDone | m.BatchFailed:
+        job = self._batches.pop(rep.batch)
+        where = f"{job.walk}:{job.node} on rank {self.rank}"
+        requests = {item: request for item, request, _ in job.items}
+        outputs: list[m.ItemOutput] = []
+        deferred: list[int] = []
+        errors: list[m.ItemError] = []
+        for r in rep.results:
+            if r.deferred:
+                deferred.append(r.item)
+            elif r.error is not None:
+                errors.append(m.ItemError(r.item, f"{where}: {r.error}"))
+            else:
+                assert r.values is not None
+                encoded = self._encode(r.values, requests[r.item], job.walk)
+                if isinstance(encoded, str):
+                    errors.append(m.ItemError(r.item, f"{where}: {encoded}"))
+                else:
+                    outputs.append(m.ItemOutput(r.item, encoded))
+        if errors and not outputs and not deferred:
+            return m.BatchFailed(rep.batch, self.rank, errors)
+        return m.BatchDone(rep.batch, self.rank, outputs, deferred, errors)
+
+    def _encode(
+        self, values: Mapping[str, Any], request: str, walk: str | None
+    ) -> dict[str, m.Value] | str:
+        """``values`` (of ``walk``; None: a client's) on the wire, or the error that says why
+        they cannot go (nothing of them stays held then)."""
+        written: list[Token] = []
+        out: dict[str, m.Value] = {}
+        needed = self._conductor_values.get(walk, frozenset()) if walk is not None else None
+        try:
+            for name, value in values.items():
+                if needed is not None and self._holds(name, value, needed):
+                    out[name] = self.objects.put(request, value)
+                    continue
+                out[name] = payload = self.transport.send(value, request)
+                written += shm_handles(payload)
+        except Exception as e:
+            self.transport.release(written)
+            return f"outputs could not be sent: {type(e).__name__}: {e}"
+        return out
+
+    def _holds(self, name: str, value: Any, needed: frozenset[str]) -> bool:
+        return (
+            self.hold
+            and name not in needed
+            and isinstance(value, torch.Tensor)
+            and value.numel() * value.element_size() > TINY
+        )

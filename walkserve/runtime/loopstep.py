@@ -1,0 +1,334 @@
+"""The loop stepper: a rank's fast path for simple loops, many requests at a time.
+
+Pure, like the rank scheduler it serves. A *simple* loop is one whose body is a straight run of
+plan nodes (no nested loop, no stream in or out, no chunk parameter): a decode step, a rollout
+step, a flow-matching step. The conductor inside a rank hands such a loop over as one item
+(``kind="loop"``, its start values in ``WorkItem.loop``) instead of a frame per iteration, and
+the stepper keeps, per run, only what the loop semantics need (``capture.loopsem``: the
+iteration index, carried values, accumulations, the stop)::
+
+    stepper.start(item)                  # a loop item of the rank's conductor
+    for step in stepper.schedule():      # every run at each body node, one step per node
+        stepper.update(step, runner.run(step.walk, step.node, step.items))
+    stepper.reports()                    # LoopStreamed (per commit), LoopDone, LoopFailed
+
+Runs at different iterations share a step (continuous batching); a run leaves when its bound
+or its stop says so, and its stop is read the moment its step's values exist, so nothing is
+speculated here. A component that answers ``DEFER`` (no KV memory now) has that run retry the
+node at the next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from walkserve.capture import ir
+from walkserve.capture.interpret import Interpreter
+from walkserve.capture.loopsem import LoopError, loop_channels, truth
+from walkserve.lowering.plan import LoopPlan, NodePlan
+from walkserve.runtime.conductor import LoopStart, WorkItem, piece_items
+from walkserve.runtime.regionwalk import RegionWalks
+from walkserve.runtime.runner import ItemResult, RunItem
+
+__all__ = ["LoopDone", "LoopFailed", "LoopStepper", "LoopStreamed", "loop_plans"]
+
+
+@dataclass(frozen=True)
+class LoopStreamed:
+    item: int
+    channel: str
+    index: int
+    value: Any
+
+
+@dataclass(frozen=True)
+class LoopDone:
+    item: int
+    channels: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LoopFailed:
+    item: int
+    error: str
+
+
+LoopReport = LoopStreamed | LoopDone | LoopFailed
+
+
+@dataclass(frozen=True)
+class _Loop:
+    """A simple loop, compiled once: its IR node, its body's plan nodes, where it runs."""
+
+    node: ir.LoopNode
+    body: tuple[NodePlan, ...]
+    walk: str  # the walk its nodes belong to (the runner's key)
+    carried: tuple[tuple[str, int], ...]  # (param, body output index)
+    affine: tuple[tuple[str, int, int], ...]  # (param, start, step)
+    select: tuple[tuple[str, int, int, int], ...]  # (param, dim, start, step)
+    table: tuple[str, ...]
+    ops: dict[str, ir.Op]  # the body's ops by name
+    calls: dict[str, Any]  # component node -> (args, kwargs) getters from the body's values
+
+
+@dataclass(eq=False)
+class _Run:
+    item: int
+    request: str  # the item's request (in the rank's conductor)
+    loop: _Loop
+    start: LoopStart
+    env: dict[str, Any] = field(default_factory=dict)
+    carried: dict[str, Any] = field(default_factory=dict)
+    collected: dict[str, list[Any]] = field(default_factory=dict)
+    last: list[Any] | None = None
+    i: int = 0
+    pos: int = 0  # the body node it waits at
+
+
+def loop_plans(regions: RegionWalks) -> dict[tuple[str, str], tuple[ir.LoopNode, LoopPlan]]:
+    """Every loop of the region walks, by (region walk, loop name), with its body plan."""
+    out: dict[tuple[str, str], tuple[ir.LoopNode, LoopPlan]] = {}
+    for name, walk in regions.captured.graph.walks.items():
+        loops = {n.name: n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)}
+
+        def visit(block: Any) -> None:
+            for item in block.nodes:
+                if isinstance(item, LoopPlan):
+                    out[(name, item.name)] = (loops[item.name], item)  # noqa: B023
+                    visit(item.body)
+
+        visit(regions.plan.walks[name])
+    return out
+
+
+class LoopStepper:
+    """See the module docstring."""
+
+    def __init__(self, regions: RegionWalks) -> None:
+        self.regions = regions
+        self.interp = Interpreter(regions.captured)
+        self._plans = loop_plans(regions)
+        self._loops: dict[tuple[str, str], _Loop] = {}
+        self._runs: dict[int, _Run] = {}
+        self._waiting: dict[int, tuple[_Run, int]] = {}  # runner item id -> (run, body pos)
+        self._ids = itertools.count()
+        self._reports: list[LoopReport] = []
+        self._credit: dict[tuple[str, str], int] = {}  # (request, channel) -> items allowed
+        self._produced: dict[tuple[str, str], int] = {}
+        self.steps = 0
+
+    def start(self, item: WorkItem) -> None:
+        assert item.loop is not None
+        loop = self._compile(item.walk, item.loop.loop)
+        run = _Run(item.id, item.request, loop, item.loop, carried=dict(item.loop.carried))
+        run.collected = {ch: [] for ch in item.loop.channels if ch in loop.node.accumulated}
+        self._runs[item.id] = run
+        if not self._begin(run):
+            self._finish(run)
+
+    def credit(self, request: str, channel: str, items: int) -> None:
+        """Loops of ``request`` may commit items of ``channel`` up to ``items`` (counting the
+        iteration in flight as one): a forwarded stream's backpressure."""
+        self._credit[(request, channel)] = items
+
+    def forget(self, request: str) -> None:
+        for key in [k for k in self._credit if k[0] == request]:
+            del self._credit[key]
+            self._produced.pop(key, None)
+
+    def _blocked(self, run: _Run) -> bool:
+        for ch in run.start.streams:
+            allowed = self._credit.get((run.request, ch))
+            if allowed is not None and self._produced.get((run.request, ch), 0) + 1 > allowed:
+                return True
+        return False
+
+    def describe(self, item_id: int) -> tuple[str, int] | None:
+        """(request, iteration) of a runner item the last ``schedule`` made."""
+        found = self._waiting.get(item_id)
+        return None if found is None else (found[0].request, found[0].i)
+
+    def drop(self, items: Sequence[int]) -> None:
+        for item in items:
+            self._runs.pop(item, None)
+
+    def idle(self) -> bool:
+        return not self._runs
+
+    def live(self) -> int:
+        return len(self._runs)
+
+    def held(self) -> int:
+        """Values the live runs hold (their body values, carried values, accumulations)."""
+        return sum(
+            len(r.env) + len(r.carried) + sum(len(v) for v in r.collected.values())
+            for r in self._runs.values()
+        )
+
+    def reports(self) -> list[LoopReport]:
+        out, self._reports = self._reports, []
+        return out
+
+    # ------------------------------------------------------------------ the loop
+
+    def schedule(self) -> list[tuple[str, str, list[RunItem]]]:
+        """(walk, node, items): every live run at its body node, one group per node."""
+        self._waiting.clear()
+        groups: dict[tuple[str, str], list[RunItem]] = {}
+        for run in list(self._runs.values()):
+            if run.pos == 0 and self._blocked(run):
+                continue  # its consumers' buffers are full: it waits for their credit
+            node = run.loop.body[run.pos]
+            call = None
+            if node.kind == "component":
+                args, kwargs = run.loop.calls[node.name]
+                env = run.env
+                try:
+                    call = ([get(env) for get in args], {k: get(env) for k, get in kwargs})
+                except Exception as e:
+                    self._fail(run, f"node {node.name}: {e}")
+                    continue
+            rid = next(self._ids)
+            self._waiting[rid] = (run, run.pos)
+            item = RunItem(rid, tuple(node.ops), run.env, tuple(node.outputs), call)
+            groups.setdefault((run.loop.walk, node.name), []).append(item)
+        self.steps += bool(groups)
+        return [(walk, node, items) for (walk, node), items in groups.items()]
+
+    def update(self, results: Sequence[ItemResult]) -> None:
+        for r in results:
+            run, pos = self._waiting.pop(r.item, (None, -1))
+            if run is None or run.item not in self._runs or pos != run.pos:
+                continue
+            if r.error is not None:
+                self._fail(run, r.error)
+                continue
+            if r.deferred:
+                continue  # the same node again at the next step
+            assert r.values is not None
+            run.env.update(r.values)
+            run.pos += 1
+            if run.pos == len(run.loop.body):
+                self._commit(run)
+
+    # ------------------------------------------------------------------ internals
+
+    def _compile(self, walk: str, name: str) -> _Loop:
+        key = (walk, name)
+        loop = self._loops.get(key)
+        if loop is None:
+            node, plan = self._plans[key]
+            body = tuple(n for n in plan.body.nodes if isinstance(n, NodePlan))
+            affine, select, table, carried = [], [], [], []
+            for p in node.params:
+                role = p.role
+                if isinstance(role, ir.Carried):
+                    carried.append((p.name, role.output))
+                elif isinstance(role, ir.PerStep):
+                    src = role.source
+                    if isinstance(src, ir.AffineStep):
+                        affine.append((p.name, src.start, src.step))
+                    elif isinstance(src, ir.SelectStep):
+                        select.append((p.name, src.dim, src.start, src.step))
+                    elif isinstance(src, ir.TableStep):
+                        table.append(p.name)
+            loop = self._loops[key] = _Loop(
+                node,
+                body,
+                self.regions.walk_of.get(walk, walk),
+                tuple(carried),
+                tuple(affine),
+                tuple(select),
+                tuple(table),
+                ops := {n.name: n for n in ir.iter_nodes(node.body) if isinstance(n, ir.Op)},
+                {
+                    n.name: (
+                        [self._getter(a) for a in ops[n.ops[0]].args],
+                        [(k, self._getter(a)) for k, a in ops[n.ops[0]].kwargs.items()],
+                    )
+                    for n in body
+                    if n.kind == "component"
+                },
+            )
+        return loop
+
+    def _getter(self, arg: ir.Arg) -> Any:
+        """A function of the body's values giving ``arg`` (a plain lookup for a value)."""
+        if isinstance(arg, ir.Ref):
+            name = arg.name
+            return lambda env: env[name]
+        value = self.interp.value
+        return lambda env: value(arg, env)
+
+    def _begin(self, run: _Run) -> bool:
+        """Set up iteration ``run.i``'s body values; False when the loop is done."""
+        if run.i >= run.start.bound:
+            return False
+        i, start = run.i, run.start
+        env = dict(start.fixed)
+        env.update(run.carried)
+        for name, first, step in run.loop.affine:
+            env[name] = first + i * step
+        for name, dim, first, step in run.loop.select:
+            env[name] = start.sources[name].select(dim, first + i * step)
+        for name in run.loop.table:
+            env[name] = start.sources[name][i]
+        run.env, run.pos = env, 0
+        return True
+
+    def _commit(self, run: _Run) -> None:
+        node = run.loop.node
+        env = run.env
+        try:
+            outs = [env[o] for o in node.outputs]
+        except KeyError as e:
+            self._fail(run, f"loop {node.name}: its body made no value {e}")
+            return
+        for ch, acc in node.accumulated.items():
+            if ch in run.collected:
+                piece = outs[acc.output]
+                run.collected[ch].append(piece)
+                if ch in run.start.streams:
+                    self._reports.append(LoopStreamed(run.item, ch, run.i, piece))
+                    key = (run.request, ch)
+                    if key in self._credit:
+                        self._produced[key] = self._produced.get(key, 0) + piece_items(piece, acc)
+        run.carried = {p: outs[k] for p, k in run.loop.carried}
+        run.last = outs
+        run.i += 1
+        try:
+            stop = node.stop is not None and truth(env[node.stop], node)
+        except LoopError as e:
+            self._fail(run, str(e))
+            return
+        if stop or not self._begin(run):
+            self._finish(run)
+
+    def _finish(self, run: _Run) -> None:
+        node = run.loop.node
+        self._runs.pop(run.item, None)
+        if run.i == 0 and node.accumulated:  # as the interpreter and the conductor
+            ch = next(iter(node.accumulated))
+            self._reports.append(
+                LoopFailed(run.item, f"loop {node.name} ran no iteration, so {ch} is empty")
+            )
+            return
+        visible = {ch: a for ch, a in node.accumulated.items() if ch in run.collected}
+        spec = ir.LoopNode(
+            node.name, node.body, node.params, node.outputs, node.terminal, visible, node.trips
+        )
+        try:
+            channels = loop_channels(spec, run.carried, run.last, run.collected)
+        except LoopError as e:
+            self._reports.append(LoopFailed(run.item, str(e)))
+            return
+        self._reports.append(
+            LoopDone(run.item, {ch: v for ch, v in channels.items() if ch in run.start.channels})
+        )
+
+    def _fail(self, run: _Run, error: str) -> None:
+        self._runs.pop(run.item, None)
+        self._reports.append(LoopFailed(run.item, error))

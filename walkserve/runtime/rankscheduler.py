@@ -1,0 +1,375 @@
+"""The rank scheduler: what one rank runs next, for every request delegated to it.
+
+Pure (no sockets, threads, processes or CUDA): the worker's engine loop (``engine.EngineLoop``)
+and the in-process executor (``local.run_local``) drive it, tests drive it with fabricated
+results. It owns the region runs delegated to its rank and the node batches the conductor sent
+it, and nothing else; values are opaque to it (those of its regions are the rank's own objects)::
+
+    scheduler.start(item, request, walk, region, inputs)   # a region run, once per request
+    scheduler.add_batch(batch, walk, node, items)          # a node batch of the conductor's
+    for step in scheduler.schedule():                      # schedule: every ready item, by node
+        scheduler.update(step, runner.run(step.walk, step.node, step.items))   # run, postprocess
+    scheduler.reports()      # RegionStreamed, RegionDone, RegionFailed, NodeBatchDone (drained)
+
+Region runs are walks of their own (``regionwalk``) inside one ``Conductor``: the same loop
+semantics as the reference interpreter and the conductor (``capture.loopsem``): stops evaluated
+as each step's values exist, carried values passed on in place, streams between loops of the
+region cut by their chunk policies with bounded buffers. Every ``schedule`` hands out all ready
+items of every run, grouped by node: requests at different iterations share a batch
+(continuous batching), and a region's parallel branches are handed out together. Nothing of a
+run is reported until its exit, except the committed items of the region's streamed channels
+(a walk's client streams) and failures.
+
+Speculation inside a region: an iteration of a dynamic loop may start before the previous
+stop is known (``speculate``) only where the stop is a separate item from the step (a stop
+fused into the step's node arrives with the step's values, so nothing is started early); a
+discarded iteration is counted in ``stats().wasted_steps``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from walkserve.runtime.conductor import Conductor, Failed, Finished, Output, StreamItem
+from walkserve.runtime.loopstep import LoopDone, LoopStepper, LoopStreamed
+from walkserve.runtime.regionwalk import RegionWalks, region_walk_name
+from walkserve.runtime.runner import ItemResult, Runnable
+
+__all__ = [
+    "NodeBatchDone",
+    "RankScheduler",
+    "RankStats",
+    "RegionDone",
+    "RegionFailed",
+    "RegionStreamed",
+    "Report",
+    "Step",
+]
+
+
+@dataclass(frozen=True)
+class RegionStreamed:
+    """Iteration ``index`` of region item ``item``'s streamed channel ``channel`` committed."""
+
+    item: int
+    channel: str
+    index: int
+    value: Any
+
+
+@dataclass(frozen=True)
+class RegionOutput:
+    """Outputs of region item ``item`` known before its exit (sent as soon as they exist)."""
+
+    item: int
+    outputs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RegionDone:
+    """Region item ``item`` finished; ``outputs``: the outputs no ``RegionOutput`` brought."""
+
+    item: int
+    outputs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RegionFailed:
+    item: int
+    error: str
+
+
+@dataclass(frozen=True)
+class RegionConsumed:
+    """Region item ``item`` has received ``received`` pieces of fed stream ``stream`` and
+    released its items before ``base`` (``closed``: its consumer loop is done)."""
+
+    item: int
+    stream: str
+    base: int
+    received: int
+    closed: bool
+
+
+@dataclass(frozen=True)
+class NodeBatchDone:
+    """The conductor's node batch ``batch`` ran: one result per item, in the batch's order."""
+
+    batch: int
+    results: list[ItemResult]
+
+
+Report = RegionStreamed | RegionOutput | RegionDone | RegionFailed | RegionConsumed | NodeBatchDone
+
+
+@dataclass(frozen=True)
+class Step:
+    """Items of one node to run as one batch; ``external``: the conductor's batch id (a node
+    batch it sent), None for items of this rank's region runs; ``loops``: items of simple
+    loops the loop stepper runs."""
+
+    walk: str
+    node: str
+    items: Sequence[Runnable]
+    external: int | None = None
+    loops: bool = False
+
+
+@dataclass(frozen=True)
+class RankStats:
+    runs: int  # region runs live
+    live_values: int  # values the runs hold
+    speculated_steps: int
+    wasted_steps: int
+    batch_sizes: Mapping[int, int]  # items per step of region runs -> how many steps
+
+
+@dataclass(eq=False)
+class _Run:
+    item: int
+    request: str
+    walk: str  # the region walk
+    streamed: frozenset[str]  # client streams and forwarded channels: reported per item
+    outputs: dict[str, Any] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)  # fed stream -> pieces
+    progress: dict[str, tuple[int, bool, int]] = field(default_factory=dict)  # last reported
+
+
+class RankScheduler:
+    """See the module docstring. ``regions``: the region walks of this rank's regions;
+    ``max_batch``: most items per step (None: all ready items of a node)."""
+
+    def __init__(
+        self,
+        regions: RegionWalks,
+        *,
+        speculate: bool = True,
+        stream_buffer_limit: int = 64,
+        max_batch: int | None = None,
+        fast_loops: bool = True,
+    ) -> None:
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.regions = regions
+        self.max_batch = max_batch
+        self.conductor = Conductor(
+            regions.captured,
+            regions.plan,
+            speculate=speculate,
+            stream_buffer_limit=stream_buffer_limit,
+            eager_outputs=True,
+            fed={name: r.fed for name, r in regions.regions.items() if r.fed},
+            fast_loops=fast_loops,
+        )
+        self.loops = LoopStepper(regions)
+        self.stream_buffer_limit = stream_buffer_limit
+        self._runs: dict[str, _Run] = {}
+        self._fed_runs: set[str] = set()  # runs with fed streams
+        self._by_request: dict[str, set[str]] = {}
+        self._external: list[Step] = []
+        self._reports: list[Report] = []
+        self.batch_sizes: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ commands
+
+    def start(
+        self, item: int, request: str, walk: str, region: str, inputs: Mapping[str, Any]
+    ) -> None:
+        """Run region ``region`` of ``walk`` for ``request`` (the conductor's item ``item``)."""
+        name = region_walk_name(walk, region)
+        plan = self.regions.regions.get(name)
+        run_id = str(item)
+        if plan is None:
+            self._reports.append(
+                RegionFailed(item, f"region {region} of walk {walk!r} is not here")
+            )
+            return
+        if run_id in self._runs:
+            self._reports.append(RegionFailed(item, f"region item {item} is already running"))
+            return
+        for channel in plan.forwards:  # until its consumers say how far they are
+            self.loops.credit(run_id, channel, self.stream_buffer_limit)
+        try:
+            self.conductor.submit(run_id, inputs, name)
+        except Exception as e:
+            self._reports.append(RegionFailed(item, f"region {region} of {walk!r}: {e}"))
+            return
+        run = _Run(item, request, name, frozenset([*plan.streamed, *plan.forwards]))
+        self._runs[run_id] = run
+        if plan.fed:
+            self._fed_runs.add(run_id)
+        self._by_request.setdefault(request, set()).add(run_id)
+        for channel in plan.forwards:  # until its consumers say how far they are
+            self.conductor.credit(run_id, channel, self.stream_buffer_limit)
+        self._collect()
+
+    def feed(self, item: int, stream: str, pieces: Sequence[Any], finished: bool) -> None:
+        """Items of fed stream ``stream`` of region item ``item``, from another region."""
+        run = self._runs.get(str(item))
+        if run is None:
+            return
+        run.received[stream] = run.received.get(stream, 0) + len(pieces)
+        self.conductor.feed(str(item), stream, pieces, finished)
+        self._collect()
+
+    def credit(self, item: int, channel: str, items: int) -> None:
+        """Region item ``item`` may commit items of ``channel`` up to ``items``."""
+        if str(item) in self._runs:
+            self.loops.credit(str(item), channel, items)
+            self.conductor.credit(str(item), channel, items)
+            self._collect()
+
+    def add_batch(self, batch: int, walk: str, node: str, items: Sequence[Runnable]) -> None:
+        """A node batch from the conductor: run as it is at the next ``schedule``."""
+        self._external.append(Step(walk, node, list(items), batch))
+
+    def cancel(self, request: str) -> None:
+        """Drop every run of ``request`` (no report)."""
+        for run_id in self._by_request.pop(request, set()):
+            self._drop(run_id)
+
+    def drop(self, items: Sequence[int]) -> None:
+        """Drop the runs of these region items (the conductor no longer wants them)."""
+        for item in items:
+            run = self._runs.get(str(item))
+            if run is not None:
+                self._by_request.get(run.request, set()).discard(str(item))
+                self._drop(str(item))
+
+    # ------------------------------------------------------------------ the loop
+
+    def schedule(self) -> list[Step]:
+        """Every ready item of every run, one step per node (split at ``max_batch``), and the
+        conductor's node batches."""
+        groups: dict[tuple[str, str, str], list[Runnable]] = {}
+        for it in self.conductor.ready():
+            if it.kind == "loop":
+                self.loops.start(it)
+                continue
+            key = (self.regions.walk_of[it.walk], it.node, it.kind)
+            groups.setdefault(key, []).append(it)
+        self._loop_reports()
+        todo: list[tuple[str, str, Sequence[Runnable], bool]] = [
+            (walk, node, group, False) for (walk, node, _), group in groups.items()
+        ]
+        todo += [(walk, node, items, True) for walk, node, items in self.loops.schedule()]
+        steps: list[Step] = []
+        size = self.max_batch
+        for walk, node, group, loops in todo:
+            for k in range(0, len(group), size or len(group)):
+                part = group[k : k + size] if size else group
+                self.batch_sizes[len(part)] = self.batch_sizes.get(len(part), 0) + 1
+                steps.append(Step(walk, node, part, None, loops))
+        steps += self._external
+        self._external = []
+        return steps
+
+    def update(self, step: Step, results: Sequence[ItemResult]) -> None:
+        """The results of ``step``, one per item, in order."""
+        if step.external is not None:
+            self._reports.append(NodeBatchDone(step.external, list(results)))
+            return
+        if step.loops:
+            self.loops.update(results)
+            self._loop_reports()
+            self._collect()
+            return
+        for r in results:
+            if r.error is not None:
+                self.conductor.fail(r.item, r.error)
+            elif r.deferred:
+                self.conductor.defer(r.item)
+            else:
+                self.conductor.complete(r.item, r.values)
+        self._collect()
+
+    def _loop_reports(self) -> None:
+        for rep in self.loops.reports():
+            if isinstance(rep, LoopStreamed):
+                self.conductor.streamed(rep.item, rep.channel, rep.index, rep.value)
+            elif isinstance(rep, LoopDone):
+                self.conductor.complete(rep.item, rep.channels)
+            else:
+                self.conductor.fail(rep.item, rep.error)
+
+    def reports(self) -> list[Report]:
+        out, self._reports = self._reports, []
+        return out
+
+    def idle(self) -> bool:
+        """Nothing to run: no live run, no node batch waiting."""
+        return not self._runs and not self._external
+
+    def stats(self) -> RankStats:
+        c = self.conductor.stats()
+        return RankStats(
+            len(self._runs),
+            c.live_values + self.loops.held(),
+            c.speculated_steps,
+            c.wasted_steps,
+            dict(self.batch_sizes),
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _collect(self) -> None:
+        """Turn the inner conductor's events into reports: outputs as soon as they exist
+        (one ``RegionOutput`` per run and batch of events, always before a streamed item of
+        the same run, so a client sees a prefill's token before the tokens after it)."""
+        self.loops.drop(self.conductor.dropped())
+        waiting: dict[str, _Run] = {}
+        for run_id in self._fed_runs:  # how far consumers of fed streams are
+            fed = self._runs[run_id]
+            for stream, (base, closed) in self.conductor.fed_progress(run_id).items():
+                now = (base, closed, fed.received.get(stream, 0))
+                if fed.progress.get(stream) != now:
+                    fed.progress[stream] = now
+                    self._reports.append(RegionConsumed(fed.item, stream, base, now[2], closed))
+        for event in self.conductor.events():
+            run = self._runs.get(event.request)
+            if run is None:
+                continue
+            if isinstance(event, Output):
+                run.outputs[event.name] = event.value
+                waiting[event.request] = run
+                continue
+            if isinstance(event, Finished):
+                self._reports.append(RegionDone(run.item, run.outputs))
+                waiting.pop(event.request, None)
+                self._forget(event.request)
+                continue
+            if event.request in waiting:
+                self._flush(waiting.pop(event.request))
+            if isinstance(event, StreamItem):
+                if event.channel in run.streamed:
+                    self._reports.append(
+                        RegionStreamed(run.item, event.channel, event.index, event.value)
+                    )
+            elif isinstance(event, Failed):
+                self._reports.append(RegionFailed(run.item, event.error))
+                self._forget(event.request)
+        for run in waiting.values():
+            self._flush(run)
+
+    def _flush(self, run: _Run) -> None:
+        self._reports.append(RegionOutput(run.item, run.outputs))
+        run.outputs = {}
+
+    def _forget(self, run_id: str) -> None:
+        self._fed_runs.discard(run_id)
+        self.loops.forget(run_id)
+        run = self._runs.pop(run_id)
+        runs = self._by_request.get(run.request)
+        if runs is not None:
+            runs.discard(run_id)
+            if not runs:
+                del self._by_request[run.request]
+
+    def _drop(self, run_id: str) -> None:
+        self.conductor.cancel(run_id)
+        self.loops.drop(self.conductor.dropped())
+        self.loops.forget(run_id)
+        self._fed_runs.discard(run_id)
+        self._runs.pop(run_id, None)

@@ -1,0 +1,232 @@
+"""The node runner: runs a batch of work items of one plan node, on the calling thread.
+
+The one runner of the runtime: a worker's engine loop and the in-process executor
+(``local.run_local``) both call it, so they share one failure rule. No process, socket or
+scheduling here: items in, per-item results out::
+
+    results = runner.run("generate", "euler_step/denoiser", items)   # one batched call
+    results[i].values    # {op: value} for the item's ``outputs`` (every op when it names none)
+
+A component item runs its component op as part of one ``BatchedComponent`` call for the whole
+batch (which splits it into compatible calls, or hands it whole to a ``forward_batch``), then
+its fused glue per item; a glue item runs its glue ops per item through ``Interpreter.op``. An
+item's component arguments are its ``call`` when the scheduler materialized them, else they are
+read from its ``env`` by the op's arguments (items that crossed a process as values by name).
+
+Failure rule: an item whose arguments or glue raise fails alone. When the batched call itself
+raises, a batch whose calls are functional (tensors and plain values in, no ``forward_batch``)
+is retried item by item, so one bad request fails alone; a component that keeps state (a
+``forward_batch`` over a paged KV pool, a cache object it updates in place) may have changed it
+before raising, so every item of the batch fails, the error saying it was a batched call. ``DEFER`` from a component (no KV memory
+for it now) makes the item ``deferred``: the scheduler issues it again later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from walkserve.capture import ir
+from walkserve.capture.interpret import Interpreter
+from walkserve.capture.model import CapturedModel
+from walkserve.lowering.batched import DEFER, BatchedComponent, BatchStats, build_callables
+from walkserve.lowering.plan import ExecutablePlan, NodePlan
+
+__all__ = ["ItemResult", "NodeRunner", "RunItem", "Runnable"]
+
+
+class Runnable(Protocol):
+    """What the runner reads of a work item (``conductor.WorkItem`` and ``RunItem`` are)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def ops(self) -> tuple[str, ...]: ...
+    @property
+    def call(self) -> tuple[list[Any], dict[str, Any]] | None: ...
+    @property
+    def env(self) -> Mapping[str, Any]: ...
+    @property
+    def outputs(self) -> tuple[str, ...]: ...
+
+
+@dataclass(frozen=True)
+class RunItem:
+    """A work item that crossed a process: its inputs by value name (no materialized call)."""
+
+    id: int
+    ops: tuple[str, ...]
+    env: Mapping[str, Any]
+    outputs: tuple[str, ...]
+    call: tuple[list[Any], dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What one item produced (``{op: value}``), the error it raised, or ``deferred``."""
+
+    item: int
+    values: dict[str, Any] | None = None
+    error: str | None = None
+    deferred: bool = False
+
+
+@dataclass(frozen=True)
+class _Node:
+    plan: NodePlan
+    ops: dict[str, ir.Op]
+    call: BatchedComponent | None
+    stateful: bool  # its component has a forward_batch: a failed batched call is not retried
+    all_ops: tuple[str, ...]  # the node's ops, in order
+    order: dict[str, int]  # op -> position
+
+
+class NodeRunner:
+    """Runs the plan nodes placed on ``rank`` (every node for None) of ``captured``."""
+
+    def __init__(
+        self,
+        captured: CapturedModel,
+        plan: ExecutablePlan,
+        rank: int | None = None,
+        stats: BatchStats | None = None,
+    ) -> None:
+        self.rank = rank
+        self.stats = stats if stats is not None else BatchStats()
+        self.interp = Interpreter(captured)
+        callables = build_callables(captured, plan, rank, stats=self.stats)
+        self._nodes: dict[tuple[str, str], _Node] = {}
+        for walk_name in plan.walks:
+            walk = captured.graph.walks[walk_name]
+            ops = {n.name: n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.Op)}
+            for node in plan.nodes(walk_name):
+                if rank is not None and rank not in node.ranks:
+                    continue
+                call = callables.get(f"{walk_name}:{node.name}")
+                self._nodes[(walk_name, node.name)] = _Node(
+                    node,
+                    {name: ops[name] for name in node.ops},
+                    call,
+                    call is not None and hasattr(call.fn, "forward_batch"),
+                    tuple(node.ops),
+                    {name: k for k, name in enumerate(node.ops)},
+                )
+
+    def nodes(self) -> list[tuple[str, str]]:
+        """(walk, node) of every node this runner runs."""
+        return list(self._nodes)
+
+    def has(self, walk: str, node: str) -> bool:
+        return (walk, node) in self._nodes
+
+    def run(self, walk: str, node: str, items: Sequence[Runnable]) -> list[ItemResult]:
+        """Run ``items`` of ``walk``'s node ``node``; one ``ItemResult`` per item, in order.
+        Raises ``KeyError`` for a node this runner does not run."""
+        entry = self._nodes.get((walk, node))
+        if entry is None:
+            where = "this runner" if self.rank is None else f"rank {self.rank}"
+            raise KeyError(f"node {walk}:{node} is not placed on {where}")
+        bad = [
+            it for it in items if it.ops != entry.all_ops and not _subsequence(it.ops, entry.order)
+        ]
+        if bad:
+            error = (
+                f"ops {list(bad[0].ops)} are not a subsequence of node {walk}:{node}'s ops "
+                f"{entry.plan.ops}"
+            )
+            return [ItemResult(it.id, error=error) for it in items]
+        with torch.no_grad():
+            first = entry.plan.ops[0]
+            comp = [it for it in items if entry.call is not None and it.ops[:1] == (first,)]
+            results: dict[int, ItemResult] = {}
+            if comp:
+                for it, out in zip(comp, self._component(entry, comp)):
+                    results[it.id] = out
+            for it in items:
+                if it.id not in results:
+                    results[it.id] = self._finish(entry, it, {})
+        return [results[it.id] for it in items]
+
+    # ------------------------------------------------------------------ internals
+
+    def _component(self, entry: _Node, items: Sequence[Runnable]) -> list[ItemResult]:
+        assert entry.call is not None
+        op = entry.ops[entry.plan.ops[0]]
+        calls: list[tuple[list[Any], dict[str, Any]]] = []
+        good: list[Runnable] = []
+        failed: dict[int, ItemResult] = {}
+        for it in items:
+            try:
+                calls.append(it.call if it.call is not None else self._call(op, it.env))
+                good.append(it)
+            except Exception as e:
+                failed[it.id] = ItemResult(it.id, error=f"node {op.name}: {e}")
+        outs: list[Any] = []
+        try:
+            outs = entry.call(calls) if calls else []
+        except Exception as e:
+            if len(good) > 1 and not entry.stateful and all(map(_functional, calls)):
+                retried = [r for it in good for r in self._component(entry, [it])]
+                by_id = {r.item: r for r in retried} | failed
+                return [by_id[it.id] for it in items]
+            where = f" ({op.source})" if op.source else ""
+            others = "" if len(good) == 1 else f" (a batched call of {len(good)} requests)"
+            error = f"node {op.name} ({op.target}){where} failed{others}: {e}"
+            outs = [_Failure(error)] * len(good)
+        done = {it.id: self._finish(entry, it, {op.name: out}) for it, out in zip(good, outs)}
+        done |= failed
+        return [done[it.id] for it in items]
+
+    def _call(self, op: ir.Op, env: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        value = self.interp.value
+        return [value(a, env) for a in op.args], {k: value(a, env) for k, a in op.kwargs.items()}
+
+    def _finish(self, entry: _Node, item: Runnable, made: dict[str, Any]) -> ItemResult:
+        """Run the item's glue (after its component's output, in ``made``) and collect."""
+        out = next(iter(made.values()), None) if made else None
+        if isinstance(out, _Failure):
+            return ItemResult(item.id, error=out.error)
+        if made and out is DEFER:
+            return ItemResult(item.id, deferred=True)
+        names = item.outputs or item.ops
+        if len(item.ops) == len(made):  # a component alone: nothing to run here
+            try:
+                return ItemResult(item.id, {name: made[name] for name in names})
+            except KeyError as e:
+                return ItemResult(item.id, error=f"node {entry.plan.name} makes no value {e}")
+        env = dict(item.env)
+        env.update(made)
+        try:
+            for name in item.ops:
+                if name not in made:
+                    env[name] = self.interp.op(entry.ops[name], env)
+        except Exception as e:
+            return ItemResult(item.id, error=str(e))
+        try:
+            return ItemResult(item.id, {name: env[name] for name in names})
+        except KeyError as e:
+            return ItemResult(item.id, error=f"node {entry.plan.name} makes no value {e}")
+
+
+def _subsequence(ops: Sequence[str], order: Mapping[str, int]) -> bool:
+    positions = [order.get(name, -1) for name in ops]
+    return bool(ops) and -1 not in positions and positions == sorted(set(positions))
+
+
+def _functional(call: tuple[list[Any], dict[str, Any]]) -> bool:
+    """Only tensors and plain values (no object a component could update in place)."""
+
+    def plain(v: Any) -> bool:
+        if isinstance(v, (list, tuple)):
+            return all(plain(x) for x in v)
+        return v is None or isinstance(v, (torch.Tensor, int, float, bool, str))
+
+    return plain(call[0]) and all(plain(v) for v in call[1].values())
+
+
+@dataclass(frozen=True)
+class _Failure:
+    error: str
