@@ -43,6 +43,7 @@ ADAPTERS = {
     "tiny-janus": "walkserve.adapters.janus:tiny",
     "tiny-sd3": "walkserve.adapters.diffusers_dit:tiny",
     "tiny-vjepa2-ac": "walkserve.adapters.vjepa2_ac:tiny",
+    "tiny-pi05": "walkserve.adapters.pi05:tiny",
 }
 
 
@@ -211,7 +212,7 @@ def tiny_hf_lm(arch: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
 
 def checkpoint_kind(path: str) -> str:
     """What a local checkpoint directory holds: ``vjepa2-ac`` (``predictor_config.json``),
-    ``diffusers`` (``model_index.json``), ``qwen3-omni``, ``qwen25-omni`` or ``janus`` (by the
+    ``pi05`` (``pi05_config.json``), ``diffusers`` (``model_index.json``), ``qwen3-omni``, ``qwen25-omni`` or ``janus`` (by the
     ``model_type`` of its ``config.json``), else ``causal-lm``."""
     import json
 
@@ -220,6 +221,8 @@ def checkpoint_kind(path: str) -> str:
 
     if has("predictor_config.json"):
         return "vjepa2-ac"
+    if has("pi05_config.json"):
+        return "pi05"
     if has("model_index.json"):
         return "diffusers"
     model_type = None
@@ -237,6 +240,10 @@ def load_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
         from walkserve.adapters.vjepa2_ac import from_checkpoint
 
         return from_checkpoint(path)
+    if kind == "pi05":
+        from walkserve.adapters.pi05.loader import from_checkpoint as pi05_checkpoint
+
+        return pi05_checkpoint(path)
     if kind == "diffusers":
         from walkserve.adapters.diffusers_dit import load_pipeline
 
