@@ -96,9 +96,9 @@ def run_eager(args: argparse.Namespace, method: str) -> dict[str, Any]:
 def run_served(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     from walkserve.adapters import pi05
     from walkserve.adapters.pi05 import native
+    from walkserve.runtime.config import PoolConfig
     from walkserve.runtime.server import serve
     from walkserve.runtime.shm import ShmPoolConfig
-    from walkserve.runtime.workers import PoolConfig
 
     policy, _ = getattr(pi05, args.model)()
     placement = TWO_RANKS if ranks == 2 else None
