@@ -455,20 +455,41 @@ def _serve(args: argparse.Namespace) -> int:
         # Ctrl-C: uvicorn stops accepting, gives open streams 5 s, then returns here.
         # The app has no startup/shutdown hooks; without the lifespan task, Ctrl-C does not
         # print its cancellation traceback.
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            lifespan="off",
-            timeout_graceful_shutdown=5,
-            ssl_keyfile=args.ssl_keyfile,
-            ssl_certfile=args.ssl_certfile,
+        http = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=args.uvicorn_log_level,
+                lifespan="off",
+                timeout_graceful_shutdown=5,
+                ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile,
+            )
         )
+        _stop_when_fatal(server, http)
+        http.run()
     finally:
         server.close()  # every worker process shuts down
         print("walkserve: stopped", flush=True)
+    if server.fatal is not None:  # a process manager restarts a server that cannot go on
+        print(f"walkserve: the conductor stopped: {server.fatal}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _stop_when_fatal(server: Any, http: Any) -> None:
+    """Stop serving HTTP once the server's conductor loop has stopped (``Server.fatal``)."""
+    import threading
+
+    def watch() -> None:
+        while not http.should_exit:
+            if server.fatal is not None:
+                http.should_exit = True
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="walkserve-fatal-watch", daemon=True).start()
 
 
 def _origins(value: str | list[str] | None) -> tuple[str, ...]:

@@ -65,9 +65,14 @@ class TwoStage(nn.Module):
     def cycle(self, h: torch.Tensor) -> torch.Tensor:
         return self.step(h)  # type: ignore[no-any-return]
 
+    @walk
+    def mean(self, big: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"y": self.reduce(big)}  # a 1 MiB input, a small output
+
 
 def two_stage() -> tuple[nn.Module, dict[str, Any]]:
-    return TwoStage().eval(), {"x": torch.randn(1, 4), "steps": 3}
+    sample = {"x": torch.randn(1, 4), "steps": 3, "big": torch.randn(1, 4, WIDTH)}
+    return TwoStage().eval(), sample
 
 
 @component

@@ -77,7 +77,7 @@ class PoolConfig:
     heartbeat_s: float = 1.0
     unresponsive_after_s: float = 10.0
     inline_max_bytes: int = INLINE_MAX_BYTES
-    shm: ShmPoolConfig = field(default_factory=ShmPoolConfig)
+    shm: ShmPoolConfig = field(default_factory=lambda: ShmPoolConfig(when_exhausted="raise"))
     forbid_pickle: bool = False
     kv_pool_tokens: int | None = None  # paged KV pools (PagedLM): tokens each (None: default)
     kv_page_size: int | None = None

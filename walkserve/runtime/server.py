@@ -33,6 +33,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -71,6 +72,8 @@ from walkserve.runtime.pool import BatchResult, RankHealth, WorkerPool
 log = logging.getLogger("walkserve.server")
 
 _STOP = object()
+MAX_FAULTS = 3  # unexpected conductor failures within FAULT_WINDOW_S that stop the server
+FAULT_WINDOW_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,7 @@ class Server:
         self._region_rank: dict[int, int] = {}  # region items out -> their rank
         pool.regions.on_regions = self._region_events
         self._closed = False
+        self.fatal: str | None = None  # why the conductor loop stopped, if it did
         self.cross_host_edges: list[Any] = []  # runtime.net.link.CrossHostEdge
         self.closers: list[Callable[[], None]] = []  # run after the pool closed (a launcher)
         self._thread = threading.Thread(target=self._loop, name="walkserve-conductor", daemon=True)
@@ -261,6 +265,8 @@ class Server:
         or the error that says why the request was refused."""
         if self._closed:
             raise RuntimeError("the server is closed")
+        if self.fatal is not None:
+            raise RuntimeError(f"the server stopped: {self.fatal}")
         rid = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(rid, self)
         done: Future[RequestHandle] = Future()
@@ -350,21 +356,54 @@ class Server:
     # ---------------------------------------------------------------- the loop
 
     def _loop(self) -> None:
+        """The conductor thread. It never dies silently: an unexpected exception is logged with
+        its traceback and fails every request the conductor holds (their state may be half
+        updated), and the loop goes on; ``MAX_FAULTS`` of them within ``FAULT_WINDOW_S`` stop
+        it, with ``fatal`` saying why (``/health`` answers 503, ``walkserve serve`` exits)."""
+        faults: list[float] = []
         while True:
-            task = self._inbox.get()
-            if task is _STOP:
-                return
-            task()
-            while True:  # drain whatever else is waiting before dispatching
-                try:
-                    task = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if task is _STOP:
+            try:
+                if self._step():
                     return
-                task()
-            self._dispatch(self.conductor.ready())
-            self._route(self.conductor.events())
+            except Exception as e:
+                log.exception("the conductor loop failed; failing the requests it held")
+                now = time.monotonic()
+                faults = [t for t in faults if now - t < FAULT_WINDOW_S] + [now]
+                self._fail_all(f"the server failed: {type(e).__name__}: {e}")
+                if len(faults) >= MAX_FAULTS:
+                    self.fatal = f"{type(e).__name__}: {e}"
+                    log.critical(
+                        "the conductor loop failed %d times in a row; stopping", len(faults)
+                    )
+                    self._fail_all(f"the server stopped: {self.fatal}")
+                    return
+
+    def _step(self) -> bool:
+        """One pass: run what the inbox holds, dispatch, route events. True: stop."""
+        task = self._inbox.get()
+        if task is _STOP:
+            return True
+        task()
+        while True:  # drain whatever else is waiting before dispatching
+            try:
+                task = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if task is _STOP:
+                return True
+            task()
+        self._dispatch(self.conductor.ready())
+        self._route(self.conductor.events())
+        return False
+
+    def _fail_all(self, error: str) -> None:
+        """Fail every live request (the conductor's state of each may be inconsistent)."""
+        for rid in list(self._handles):
+            with contextlib.suppress(Exception):
+                self.conductor.cancel(rid)
+                self.pool.release_request(rid)
+            handle = self._handles.pop(rid)
+            handle._finish(error)
 
     def _dispatch(self, items: list[WorkItem]) -> None:
         """Send ready ``items`` as the batcher groups them (one ``RunBatch`` per node batch,
@@ -373,10 +412,16 @@ class Server:
             if batch.kind == "regions":
                 for it in batch.items:
                     self._region_rank[it.id] = batch.rank
-                self.pool.regions.start(
-                    batch.rank,
-                    [(it.id, it.request, it.walk, it.node, it.env) for it in batch.items],
-                )
+                starts = [(it.id, it.request, it.walk, it.node, it.env) for it in batch.items]
+                try:
+                    self.pool.regions.start(batch.rank, starts)
+                except Exception:  # an input with no wire form: find it, fail its request
+                    for start in starts:
+                        try:
+                            self.pool.regions.start(batch.rank, [start])
+                        except Exception as e:
+                            self._region_rank.pop(start[0], None)
+                            self.conductor.fail(start[0], f"its inputs could not be sent: {e}")
                 continue
             payload = [(it.id, it.request, self._inputs(it)) for it in batch.items]
             try:
@@ -388,9 +433,11 @@ class Server:
                     ops=list(batch.ops),
                     outputs=list(batch.outputs),
                 )
-            except BaseException:
+            except Exception as e:  # an input with no wire form: those requests fail, alone
                 self.batcher.returned(batch)
-                raise
+                for it in batch.items:
+                    self.conductor.fail(it.id, f"its inputs could not be sent: {e}")
+                continue
             future.add_done_callback(self._reply_callback(batch))
         by_rank: dict[int, list[int]] = {}
         for item_id in self.conductor.dropped():

@@ -8,7 +8,8 @@ messages) carries only what ``send`` returns. Every transport has the same three
     producer.release(tokens)                             # after the consumer said it is done
 
 ``ShmTransport`` (one host): a tensor under ``inline_max_bytes`` travels inline in the message;
-a larger one is copied once into the producer's ``ShmPool`` and travels as an ``ShmHandle``;
+a larger one is copied once into the producer's ``ShmPool`` and travels as an ``ShmHandle``
+(inline too when every slot of its size is held: a full pool slows a message, never fails it);
 the consumer copies it out and sends the handle back in an ``Ack``, whose handles are the
 ``tokens`` the producer releases. Python scalars and None travel as themselves, tuples, lists
 and ``torch.Size`` as ``Seq``. A value none of these fit (a Hugging Face cache object, a dict)
@@ -47,7 +48,7 @@ import torch
 from walkserve.runtime.config import INLINE_MAX_BYTES
 from walkserve.runtime.messages import Inline, ObjectRef, Seq, Value
 from walkserve.runtime.net.handles import MooncakeHandle
-from walkserve.runtime.shm import ShmHandle, ShmPool, ShmReader
+from walkserve.runtime.shm import PoolExhausted, ShmHandle, ShmPool, ShmReader
 from walkserve.runtime.tensorcodec import DTYPES, TensorHeader, to_bytes
 
 _INT_RANGE = (-(2**63), 2**64 - 1)  # what msgpack carries
@@ -203,6 +204,7 @@ class ShmTransport(Transport):
         # (``peers.PeerClient``): only a worker resolves another rank's references.
         self.fetched: dict[tuple[int, str], Any] = {}
         self.bytes_in = 0  # tensor bytes read (inline or shared memory)
+        self.exhausted = 0  # tensors sent inline because the pool had no free slot
         self.bytes_out = 0  # tensor bytes written
 
     def send(self, value: Any, request_id: str) -> Value:
@@ -232,7 +234,11 @@ class ShmTransport(Transport):
             self.bytes_out += value.numel() * value.element_size()
             if value.numel() * value.element_size() < self.inline_max_bytes:
                 return inline(value)
-            handle = self.pool.write(value)
+            try:
+                handle = self.pool.write(value)
+            except PoolExhausted:  # every slot of its size is held: the bytes go inline
+                self.exhausted += 1
+                return inline(value)
             written.append(handle)
             return handle
         if isinstance(value, ObjectRef) and self.objects is None:

@@ -279,6 +279,7 @@ class Worker:
                 min_slot_bytes=min_slot,
                 max_slot_bytes=max(min_slot, self.config.shm_max_slot_bytes),
                 slots_per_class=self.config.shm_slots_per_class,
+                when_exhausted="raise",  # a full pool sends inline (transport), never waits
             )
         )
         self.reader = ShmReader([setup.pool])

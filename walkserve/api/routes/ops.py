@@ -25,6 +25,11 @@ async def health(request: Request) -> JSONResponse:
             for r, h in ranks.items()
         },
     }
+    fatal = getattr(ctx.server, "fatal", None)
+    if fatal is not None:  # the conductor loop stopped: nothing will be served
+        body["status"] = "unavailable"
+        body["conductor"] = {"status": "stopped", "error": fatal}
+        return JSONResponse(body, 503)
     if any(h.status in ("dead", "closed") for h in ranks.values()):
         body["status"] = "unavailable"
         return JSONResponse(body, 503)
