@@ -381,7 +381,7 @@ def _serve(args: argparse.Namespace) -> int:
     from walkserve.api.app import ApiConfig, create_app
     from walkserve.api.profile import with_limits, without_tokenizer
     from walkserve.progress import StartupProgress
-    from walkserve.runtime.config import PoolConfig
+    from walkserve.runtime.config import LaunchConfig, LoweringConfig, PoolConfig
     from walkserve.runtime.server import serve
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -423,22 +423,23 @@ def _serve(args: argparse.Namespace) -> int:
             profile = with_limits(profile, args.max_model_len)
         captured = capture_model(model, args.seed, on_stage=progress.stage)
         placement = _placement(args, captured)
-        pool = PoolConfig(kv_pool_tokens=args.kv_pool_tokens, kv_page_size=args.kv_page_size)
-        remote = [int(r) for r in args.remote_ranks.split(",") if r.strip()]
+        remote = tuple(int(r) for r in args.remote_ranks.split(",") if r.strip())
+        pool = PoolConfig(
+            kv_pool_tokens=args.kv_pool_tokens,
+            kv_page_size=args.kv_page_size,
+            bind=args.bind,
+            remote_ranks=remote,
+            keys_dir=args.keys,
+            remote_data=args.remote_data or "inline",
+        )
         server = serve(
             captured,
             placement,
             seed=args.seed,
-            device=args.device,
-            max_batch=args.max_num_seqs or 32,
+            lowering=LoweringConfig(device=args.device, max_batch=args.max_num_seqs or 32),
             pool_config=pool,
+            launch=LaunchConfig(backend=args.backend, ray_address=args.ray_address),
             on_stage=progress.stage,
-            bind=args.bind,
-            remote_ranks=remote,
-            keys_dir=args.keys,
-            remote_data=args.remote_data,
-            backend=args.backend,
-            ray_address=args.ray_address,
         )
     except BaseException:
         progress.abandon()

@@ -1,4 +1,4 @@
-"""The Ray backend: ``serve(..., backend="ray")`` starts a local Ray cluster (``ray.init()``)
+"""The Ray backend: ``serve(..., launch=LaunchConfig(backend="ray"))`` starts a local Ray cluster (``ray.init()``)
 and runs each rank as a Ray actor; the actors join the conductor over CURVE-encrypted TCP and,
 being on this host, exchange tensors through shared memory (not Ray's object store). The CFG
 branches on two rank actors give the reference interpreter's outputs. Skipped when ray is not
@@ -11,6 +11,7 @@ import pytest
 from walkserve import capture
 from walkserve.adapters.examples import example_placement
 from walkserve.adapters.registry import load_model
+from walkserve.runtime.config import LaunchConfig
 from walkserve.runtime.net.ray_backend import ray_available
 from walkserve.runtime.server import serve
 from walkserve.testing import assert_outputs_match, mixed_requests
@@ -24,7 +25,7 @@ def test_cfg_branches_on_two_ray_actors() -> None:
     model, sample = load_model(name)
     captured = capture.trace(model, sample)
     reqs = mixed_requests(name, sample, 4)
-    with serve(name, example_placement(name, 2), backend="ray") as server:
+    with serve(name, example_placement(name, 2), launch=LaunchConfig(backend="ray")) as server:
         assert server.pool.config.remote_ranks == (0, 1)
         assert {server.pool.remote_data(r) for r in (0, 1)} == {"shm"}  # same host
         for walk in captured.graph.entry_walks():

@@ -1,4 +1,4 @@
-"""Workers on another "host": ``serve(..., bind=..., remote_ranks=...)`` awaits ranks that
+"""Workers on another "host": ``serve(..., pool_config=PoolConfig(bind=..., remote_ranks=...))`` awaits ranks that
 ``walkserve worker`` starts elsewhere; control is CURVE-encrypted TCP, tensors to and from
 remote ranks travel inline on it (no shared memory between hosts).
 
@@ -161,9 +161,8 @@ def test_cfg_branches_on_two_hosts_and_intruders_refused(
     placement = dataclasses.replace(base, hosts={1: "host-b"})
     workers = start_workers(hosts, port, [1], tmp_path)
     try:
-        with serve(
-            name, placement, bind=f"tcp://{hosts.server_ip}:{port}", keys_dir=tmp_path
-        ) as server:
+        pool = PoolConfig(bind=f"tcp://{hosts.server_ip}:{port}", keys_dir=str(tmp_path))
+        with serve(name, placement, pool_config=pool) as server:
             health = server.health()
             assert health[1].status == "ready" and health[1].pid == workers[0].pid
             assert server.pool.config.remote_ranks == (1,)
@@ -227,15 +226,14 @@ def test_speech_stages_on_another_host_without_shared_memory(
     extra = ["--inline-max-bytes", "0"] if data == "mooncake" else []
     workers = start_workers(hosts, port, [0, 1], tmp_path, extra)
     try:
-        with serve(
-            name,
-            example_placement(name, 2),
+        pool = PoolConfig(
             bind=f"tcp://{hosts.server_ip}:{port}",
-            remote_ranks=[0, 1],
-            keys_dir=tmp_path,
+            remote_ranks=(0, 1),
+            keys_dir=str(tmp_path),
             remote_data=data,
-            pool_config=PoolConfig(inline_max_bytes=0 if data == "mooncake" else 64 << 10),
-        ) as server:
+            inline_max_bytes=0 if data == "mooncake" else 64 << 10,
+        )
+        with serve(name, example_placement(name, 2), pool_config=pool) as server:
             check_walks(server, name, 4)
             assert segments_created(server) == 0
             assert {r: h.status for r, h in server.health().items()} == {0: "ready", 1: "ready"}

@@ -19,6 +19,7 @@ from walkserve import capture
 from walkserve.adapters.examples import EXAMPLES, example_placement
 from walkserve.adapters.registry import load_model
 from walkserve.lowering.placement import Placement
+from walkserve.runtime.config import SchedulingConfig
 from walkserve.runtime.server import RequestFailed, Server, serve
 from walkserve.testing import assert_outputs_match, mixed_requests
 
@@ -73,7 +74,7 @@ def test_streamed_items_join_to_the_final_output() -> None:
 
 def test_speculation_off_wastes_nothing() -> None:
     _, sample = reference("example-text")
-    with serve("example-text", speculate=False) as server:
+    with serve("example-text", scheduling=SchedulingConfig(speculate=False)) as server:
         for r in mixed_requests("example-text", sample, 6):
             server.run(r, timeout=120)
         stats = server.stats()

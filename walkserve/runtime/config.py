@@ -1,5 +1,8 @@
 """Configuration of the runtime's processes: small frozen dataclasses, validated on creation.
 
+    LoweringConfig  how a model is lowered for serving: device, glue policy, batch buckets
+    SchedulingConfig  how work is scheduled: speculation, stream buffers, batches in flight
+    LaunchConfig    how worker processes are started: spawned here, or Ray actors
     PoolConfig      the server's side of the worker pool: start/stop deadlines, heartbeats,
                     the control sockets' address, shared memory, KV pool sizes, other hosts
     WorkerConfig    one worker process's settings (JSON on its spawn command line)
@@ -16,6 +19,20 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
+
+__all__ = [
+    "INLINE_MAX_BYTES",
+    "KiB",
+    "LaunchConfig",
+    "LoweringConfig",
+    "MiB",
+    "PoolConfig",
+    "SchedulingConfig",
+    "ShmPoolConfig",
+    "WorkerConfig",
+    "default_threads",
+    "routing_id",
+]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -181,3 +198,53 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @staticmethod
     def from_json(text: str | bytes) -> WorkerConfig:
         return msgspec.json.decode(text, type=WorkerConfig)
+
+
+@dataclass(frozen=True)
+class LoweringConfig:
+    """``device``: cpu or cuda (decides compile and CUDA-graph plans); ``glue``: the glue
+    fusion policy (``lowering.split.POLICIES``); ``max_batch``: the largest batch bucket."""
+
+    device: str = "cpu"
+    glue: str = "fuse"
+    max_batch: int = 32
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.glue not in ("fuse", "separate"):
+            raise ValueError(f"glue must be 'fuse' or 'separate', got {self.glue!r}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """``speculate``: the conductor may start a DynamicLoop's next iteration before the stop
+    of the current one is known (loops across ranks; at most one wasted step per stop);
+    ``stream_buffer_limit``: items a stream buffer may hold before its producer waits (it must
+    hold one chunk of every stream); ``max_inflight``: batches of one KV-cache node out on a
+    rank at a time (its items ready meanwhile wait and leave together)."""
+
+    speculate: bool = True
+    stream_buffer_limit: int = 64
+    max_inflight: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stream_buffer_limit < 1:
+            raise ValueError(f"stream_buffer_limit must be >= 1, got {self.stream_buffer_limit}")
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """``backend``: ``processes`` (spawned here) or ``ray`` (every rank a Ray actor on the
+    cluster at ``ray_address``; None: a local one)."""
+
+    backend: Literal["processes", "ray"] = "processes"
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("processes", "ray"):
+            raise ValueError(f"backend must be 'processes' or 'ray', got {self.backend!r}")

@@ -231,6 +231,7 @@ class WorkerSetup(_Msg, frozen=True):
     stream_buffer_limit: PosInt = 64
     peers: dict[int, str] = {}  # rank -> its peer socket (``Fetch``); empty: hold nothing
     hold: bool = False  # keep values no one needs the bytes of (the server's conductor asks)
+    loader: Name = "walkserve.adapters.registry:load_model"  # module:function(model, seed)
 
 
 class Fatal(_Msg, frozen=True):

@@ -34,7 +34,7 @@ import queue
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,8 +57,7 @@ from walkserve.runtime.conductor import (
     StreamItem,
     WorkItem,
 )
-from walkserve.runtime.config import PoolConfig
-from walkserve.runtime.kv.paged_lm import PagedLM
+from walkserve.runtime.config import LaunchConfig, LoweringConfig, PoolConfig, SchedulingConfig
 from walkserve.runtime.messages import (
     KVStats,
     RankStatsReply,
@@ -541,47 +540,37 @@ def serve(
     placement: Placement | str | os.PathLike[str] | None = None,
     *,
     seed: int = 0,
-    device: str = "cpu",
-    glue: str = "fuse",
-    max_batch: int = 32,
     threads: int | None = None,
-    speculate: bool = True,
-    stream_buffer_limit: int = 64,
+    lowering: LoweringConfig | None = None,
+    scheduling: SchedulingConfig | None = None,
     pool_config: PoolConfig | None = None,
+    launch: LaunchConfig | None = None,
     on_stage: Callable[[str], None] | None = None,
-    bind: str | None = None,
-    remote_ranks: Sequence[int] = (),
-    keys_dir: str | os.PathLike[str] | None = None,
-    remote_data: str | None = None,
-    backend: str = "processes",
-    ray_address: str | None = None,
-    max_inflight: int = 1,
 ) -> Server:
-    """Start serving ``model``: a name ``adapters.registry`` knows (a built-in model, a local
-    checkpoint directory, ``module:factory``), or a ``CapturedModel`` made by
-    ``registry.capture_model`` (it remembers its name and seed). The model is lowered for
-    ``placement`` (a ``Placement``, a YAML/JSON file, or None for everything on one rank) and
-    one worker process per rank is started; workers load the same weights themselves.
-    ``on_stage`` is told as each step begins ("lowering", "starting N workers").
-    ``max_inflight``: batches of one node out on a rank at a time; that node's work that
-    becomes ready meanwhile waits and leaves as one batch when the rank answers (1, the
-    default: the largest batches; 2 also keeps the node's next batch queued at the worker).
+    """Start serving ``model``: a model source (a built-in model's name, a local checkpoint
+    directory, ``module:factory``: ``adapters.registry`` resolves it) or a ``CapturedModel``
+    made by ``registry.capture_model`` (it remembers its source and seed). The model is lowered
+    for ``placement`` (a ``Placement``, a YAML/JSON file, or None for everything on one rank)
+    and one worker process per rank is started; workers load the same weights themselves.
+    ``threads``: torch threads per worker (default: the cores divided by the ranks).
 
-    Beyond one host (``runtime.net``): ``bind="tcp://HOST:PORT"`` puts the control sockets on
-    TCP with CURVE authentication; ``remote_ranks`` are not spawned here but awaited from
-    ``walkserve worker --conductor tcp://HOST:PORT --rank R --keys KEYS_DIR`` (their keys are
-    written to ``keys_dir``); their tensors travel inline over the encrypted control socket
-    (``remote_data="inline"``, the default) or through Mooncake (``"mooncake"``).
-    These override the same fields of ``pool_config``.
-
-    ``backend="ray"``: every rank is a Ray actor (``runtime.net.ray_backend``) on the running
-    cluster at ``ray_address`` (None: a local one, started if needed; then ``bind`` defaults
-    to ``tcp://127.0.0.1:0``; with an address, give a ``bind`` the cluster can reach)."""
-    from walkserve.adapters.registry import capture_model
+    The rest is composed of small configs (``runtime.config``): ``lowering`` (device, glue,
+    batch buckets), ``scheduling`` (speculation, stream buffers, batches in flight),
+    ``pool_config`` (the processes, sockets, shared memory, KV pools, other hosts: its
+    ``bind``, ``remote_ranks``, ``keys_dir`` and ``remote_data`` put ranks on other hosts,
+    ``runtime.net``) and ``launch`` (spawned processes, or Ray actors: ``backend="ray"``, then
+    ``bind`` defaults to ``tcp://127.0.0.1:0``; with a ``ray_address``, give a ``bind`` the
+    cluster can reach). ``on_stage`` is told as each step begins ("lowering", "starting N
+    workers")."""
+    lowering = lowering or LoweringConfig()
+    scheduling = scheduling or SchedulingConfig()
+    pool_config = pool_config or PoolConfig()
+    launch = launch or LaunchConfig()
     from walkserve.lowering.lower import lower
+    from walkserve.runtime.source import DEFAULT_CAPTURE, resolve
 
     if isinstance(model, str):
-        captured = capture_model(model, seed)
+        captured = resolve(DEFAULT_CAPTURE)(model, seed)
     else:
         captured = model
     if captured.origin is None:
@@ -601,49 +590,44 @@ def serve(
         captured,
         captured.sample_inputs,
         placement,
-        device=device,
-        glue=glue,
-        max_batch=max_batch,
-        check_capture=device != "cpu",
+        device=lowering.device,
+        glue=lowering.glue,
+        max_batch=lowering.max_batch,
+        check_capture=lowering.device != "cpu",
     )
     for module in captured.model.modules():  # lowering ran the model: drop its KV pools here
-        if isinstance(module, PagedLM):
-            module.release_kv()
-    if backend not in ("processes", "ray"):
-        raise ValueError(f"backend must be 'processes' or 'ray', got {backend!r}")
+        release = getattr(module, "release_kv", None)  # an engine with a KV pool says so
+        if callable(release):
+            release()
     launcher: Any = None
-    if backend == "ray":
+    if launch.backend == "ray":
         from walkserve.runtime.net.ray_backend import RayLauncher
 
-        if bind is None and ray_address is not None:
+        if pool_config.bind is None and launch.ray_address is not None:
             raise ValueError(
-                "backend='ray' with a ray_address needs bind='tcp://HOST:0' with a HOST the "
-                "cluster's nodes can reach (the default binds 127.0.0.1 only)"
+                "backend='ray' with a ray_address needs PoolConfig(bind='tcp://HOST:0') with a "
+                "HOST the cluster's nodes can reach (the default binds 127.0.0.1 only)"
             )
-        bind = bind or "tcp://127.0.0.1:0"
-        remote_ranks = list(range(placement.ranks))
-        if keys_dir is None:
-            keys_dir = tempfile.mkdtemp(prefix="walkserve-keys-")
-        launcher = RayLauncher(keys_dir, ray_address)
+        keys_dir = pool_config.keys_dir or tempfile.mkdtemp(prefix="walkserve-keys-")
+        pool_config = dataclasses.replace(
+            pool_config,
+            bind=pool_config.bind or "tcp://127.0.0.1:0",
+            remote_ranks=tuple(range(placement.ranks)),
+            keys_dir=keys_dir,
+        )
+        launcher = RayLauncher(keys_dir, launch.ray_address)
     away = {r: placement.host_of(r) for r in range(placement.ranks)}
     away = {r: h for r, h in away.items() if h != LOCAL_HOST}
-    if away and bind is None:
+    if away and pool_config.bind is None:
         raise ValueError(
             f"the placement puts ranks {sorted(away)} on other hosts ({sorted(set(away.values()))}); "
-            "serve with bind='tcp://HOST:PORT' and start 'walkserve worker' there, or drop 'hosts'"
+            "serve with PoolConfig(bind='tcp://HOST:PORT') and start 'walkserve worker' there, "
+            "or drop 'hosts'"
         )
-    if placement.hosts and bind is not None and not remote_ranks:
+    if placement.hosts and pool_config.bind is not None and not pool_config.remote_ranks:
         # ranks the placement puts on another host are awaited, not spawned
-        remote_ranks = [r for r in range(placement.ranks) if placement.host_of(r) != LOCAL_HOST]
-    if bind is not None or remote_ranks or keys_dir is not None or remote_data is not None:
-        base = pool_config or PoolConfig()
-        pool_config = dataclasses.replace(
-            base,
-            remote_data=remote_data or base.remote_data,  # type: ignore[arg-type]
-            bind=bind if bind is not None else base.bind,
-            remote_ranks=tuple(remote_ranks) or base.remote_ranks,
-            keys_dir=os.fspath(keys_dir) if keys_dir is not None else base.keys_dir,
-        )
+        remote = tuple(r for r in range(placement.ranks) if placement.host_of(r) != LOCAL_HOST)
+        pool_config = dataclasses.replace(pool_config, remote_ranks=remote)
     stage(f"starting {placement.ranks} worker{'s' if placement.ranks != 1 else ''}")
     try:
         pool = WorkerPool(
@@ -655,8 +639,8 @@ def serve(
             threads=threads,
             config=pool_config,
             on_listening=None if launcher is None else launcher.launch,
-            speculate=speculate,
-            stream_buffer_limit=stream_buffer_limit,
+            speculate=scheduling.speculate,
+            stream_buffer_limit=scheduling.stream_buffer_limit,
             hold=True,
         )
     except BaseException:
@@ -668,9 +652,9 @@ def serve(
             captured,
             plan,
             pool,
-            speculate=speculate,
-            stream_buffer_limit=stream_buffer_limit,
-            max_inflight=max_inflight,
+            speculate=scheduling.speculate,
+            stream_buffer_limit=scheduling.stream_buffer_limit,
+            max_inflight=scheduling.max_inflight,
         )
         if launcher is not None:
             server.closers.append(launcher.close)

@@ -62,13 +62,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import zmq
 
     from walkserve.runtime.engine import EngineLoop
-    from walkserve.runtime.kv.paged_lm import PagedLM
     from walkserve.runtime.messages import (
         KVStats,
         Message,
@@ -94,18 +93,27 @@ __all__ = [
 log = logging.getLogger("walkserve.worker")
 
 
+class KVEngine(Protocol):
+    """What the worker needs of a component that keeps a KV pool (``runtime.kv``'s engines
+    say so by having these): its pool's size, figures for heartbeats, and a release."""
+
+    config_kv: Any  # a dataclass with pool_tokens and page_size
+
+    def kv_stats(self, wait: bool = True) -> Any: ...
+
+    def release_kv(self) -> None: ...
+
+
 def configure_kv(
     model: Any, pool_tokens: int | None, page_size: int | None
-) -> list[tuple[str, PagedLM]]:
-    """Size the paged KV pools of ``model``'s ``PagedLM`` components (before any allocates);
+) -> list[tuple[str, KVEngine]]:
+    """Size the KV pools of ``model``'s components that keep one (before any allocates);
     returns them by name."""
     from dataclasses import replace
 
-    from walkserve.runtime.kv.paged_lm import PagedLM
-
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, PagedLM):
+        if all(hasattr(module, a) for a in ("config_kv", "kv_stats", "release_kv")):
             config = module.config_kv
             if pool_tokens is not None:
                 config = replace(config, pool_tokens=pool_tokens)
@@ -154,7 +162,7 @@ class Worker:
         self.reader: ShmReader
         self.objects: ObjectStore
         self.transport: ShmTransport
-        self._kv: list[tuple[str, PagedLM]] = []
+        self._kv: list[tuple[str, KVEngine]] = []
         self._kv_last: dict[str, KVStats] = {}
         self.peer_server: PeerServer | None = None
         self.peers: PeerClient | None = None
@@ -256,7 +264,6 @@ class Worker:
         return None
 
     def _build(self, setup: WorkerSetup) -> None:
-        from walkserve.adapters.registry import load_model
         from walkserve.capture.model import CapturedModel
         from walkserve.capture.serialize import from_json
         from walkserve.lowering.plan import ExecutablePlan
@@ -265,11 +272,12 @@ class Worker:
         from walkserve.runtime.regionwalk import region_walks
         from walkserve.runtime.runner import NodeRunner
         from walkserve.runtime.shm import ShmPool, ShmPoolConfig, ShmReader
+        from walkserve.runtime.source import load_source
         from walkserve.runtime.transport import ObjectStore, ShmTransport
 
         if setup.rank != self.rank:
             raise ValueError(f"setup is for rank {setup.rank}")
-        model, _ = load_model(setup.model, setup.seed)
+        model, _ = load_source(setup.loader, setup.model, setup.seed)
         self._kv = configure_kv(model, self.config.kv_pool_tokens, self.config.kv_page_size)
         captured = CapturedModel(from_json(setup.ir), model)
         plan = ExecutablePlan.from_json(setup.plan)

@@ -8,7 +8,7 @@ CURVE-encrypted ZeroMQ control plane like any remote worker, and tensors go thro
 memory when the actor runs on the conductor's host (same node IP), else inline or Mooncake
 (``PoolConfig.remote_data``), never through Ray's object store::
 
-    serve(model, placement, backend="ray", ray_address=None)   # -> Server
+    serve(model, placement, launch=LaunchConfig(backend="ray", ray_address=None))   # -> Server
     walkserve serve --backend ray [--ray-address ray://HOST:10001]
 
 ``ray`` is an optional dependency: ``RayLauncher`` raises ``ValueError`` saying how to install
