@@ -39,6 +39,7 @@ import loop_models
 from walkserve.benchmarking import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
+THREADS = int(os.environ.get("BENCH_THREADS", "0")) or None
 CASES = {
     "rollout": (
         "loop_models:rollout",
@@ -72,7 +73,7 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
         with torch.no_grad():
             return method(**r)  # type: ignore[no-any-return]
 
-    with serve(factory) as server:
+    with serve(factory, threads=THREADS) as server:
         for seed in range(3):  # warm-up: first calls of every node, both ways
             server.run(inputs(seed), walk, timeout=600)
             eager(inputs(seed))
@@ -93,7 +94,7 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
         wants = [eager(r) for r in batch]
         eager_wall = time.perf_counter() - t0
         t0 = time.perf_counter()
-        handles = [server.submit(r, walk) for r in batch]
+        handles = [server.submit(r, walk, stream=False) for r in batch]
         gots = [h.result(timeout=600) for h in handles]
         served_wall = time.perf_counter() - t0
         for got, want in zip(gots, wants):

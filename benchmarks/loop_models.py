@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from walkserve.capture import component, iterations, loop, stream, walk
+from walkserve.capture import Input, component, iterations, loop, stream, walk
 from walkserve.capture.chunk import EndOfStream, SlidingWindow
 
 DIM = 256
@@ -40,7 +40,7 @@ class Rollout(nn.Module):
         super().__init__()
         self.predictor = Predictor()
 
-    @walk
+    @walk(inputs={"actions": Input(dims={1: "dynamic"})})  # one action per step: any horizon
     def rollout(self, state: torch.Tensor, actions: torch.Tensor, horizon: int) -> dict[str, Any]:
         states = []
         for k in iterations(horizon):

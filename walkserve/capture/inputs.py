@@ -280,7 +280,12 @@ def _check_tensor(t: torch.Tensor, spec: ir.InputSpec, fail: Any) -> None:
         )
         rule = "batch" if d == 0 else "shape"
         if isinstance(want, int) and size != want:
-            fail(rule, f"{what} must be {want} ({_describe_spec(spec)}), got shape {list(t.shape)}")
+            fail(
+                rule,
+                f"{what} must be {want} ({_describe_spec(spec)}), got shape {list(t.shape)}; "
+                "the walk was captured with that size: if it may vary, declare it "
+                f"(@walk(inputs={{name: Input(dims={{{d}: 'dynamic'}})}}))",
+            )
         if isinstance(want, ir.DimRange) and not (
             want.min <= size and (want.max is None or size <= want.max)
         ):

@@ -200,8 +200,16 @@ class Conductor:
 
     # ------------------------------------------------------------------ the interface
 
-    def submit(self, request_id: str, inputs: Mapping[str, Any], walk: str | None = None) -> None:
-        """Start a request at ``walk`` (default: the model's first entry walk)."""
+    def submit(
+        self,
+        request_id: str,
+        inputs: Mapping[str, Any],
+        walk: str | None = None,
+        stream: bool = True,
+    ) -> None:
+        """Start a request at ``walk`` (default: the model's first entry walk). ``stream``:
+        the client reads ``StreamItem`` events; without it only the final outputs are made
+        (and no rank reports a client stream's items one by one)."""
         graph = self.captured.graph
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already live")
@@ -214,6 +222,7 @@ class Conductor:
             raise ValueError(f"unknown walk {walk!r}; the model has {sorted(graph.walks)}")
         self._check_inputs(walk, inputs)
         req = RequestState(request_id, walk, dict(inputs), Frame(self._walks[walk], (), None), {})
+        req.stream = stream
         self._requests[request_id] = req
         self._enter_walk(req, walk)
         self._advance(req)
@@ -237,6 +246,8 @@ class Conductor:
             return
         self._bind_results(p, value)
         if p.region is not None:
+            for stream, _ in p.region.feeds:  # a fast producer loop is done
+                p.frame.streams[stream].finished = True
             for streams in p.region.forwards.values():
                 for stream in streams:
                     fwd = p.frame.forwards[stream]
@@ -272,17 +283,26 @@ class Conductor:
             return
         outs = p.region.emit.get(channel)
         streams = p.region.forwards.get(channel)
-        if outs is None and streams is None:
+        feeds = [stream for stream, ch in p.region.feeds if ch == channel]
+        if outs is None and streams is None and not feeds:
             self._node_failed(p, f"region {p.node} streamed {channel!r}, which it does not stream")
             return
         req = p.request
-        for out in outs or ():
+        for out in outs or () if req.stream else ():
             self._send_ready_outputs(req)
             self._events.append(StreamItem(req.id, out, index, value))
         for stream in streams or ():
             fwd = p.frame.forwards[stream]
             fwd.pending.append(value)
             self._flush(req, fwd)
+        if feeds:
+            try:
+                for stream in feeds:
+                    p.frame.streams[stream].append(value)
+            except LoopError as e:
+                self._fail_request(req, str(e))
+                return
+            self._advance(req)
 
     def consumed(self, item_id: int, stream: str, base: int, received: int, closed: bool) -> None:
         """Consumer region item ``item_id`` has ``received`` pieces of ``stream`` and has
@@ -652,6 +672,7 @@ class Conductor:
             speculative=f.in_speculation(),
             env=env,
             outputs=rs.outputs,
+            stream=req.stream,
         )
         self._next_id = item.id + 1
         self._items[item.id] = Pending(req, f, rs.name, rs.outputs, {}, item, rs)
@@ -749,7 +770,7 @@ class Conductor:
             fixed,
             sources,
             channels,
-            tuple(ls.emit),
+            tuple(dict.fromkeys([*ls.emit, *(ch for _, ch in ls.feeds)])),
         )
         f.waiting.remove(ls)
         for r in ls.need:
@@ -767,11 +788,24 @@ class Conductor:
             loop=start,
         )
         self._next_id = item.id + 1
-        spec = RegionSpec(node.name, (), (), channels, ls.emit, {}, ())
+        spec = RegionSpec(node.name, (), (), channels, ls.emit, {}, (), ls.feeds)
         self._items[item.id] = Pending(req, f, node.name, channels, {}, item, spec)
         f.inflight.add(item.id)
         f.dispatched += 1
         self._queue.append(item)
+        for stream, ch in ls.feeds:  # it may commit a buffer's worth before a consumer takes
+            s = f.streams[stream]
+            s.producer_item = item.id
+            self._credits.append(Credit(item.id, req.id, ch, s.base + self.stream_buffer_limit))
+
+    def _grant(self, f: Frame, s: Stream) -> None:
+        """Credit for a stream's producer its runner steps (a fast loop item)."""
+        item = s.producer_item
+        if item is None or item not in self._items:
+            return
+        items = UNLIMITED if s.closed else s.base + self.stream_buffer_limit
+        ch = s.spec.edge.source
+        self._credits.append(Credit(item, self._items[item].request.id, ch, items))
 
     def _pump_loop(self, req: RequestState, run: LoopRun) -> bool:
         changed = self._settle(req, run)
@@ -844,6 +878,7 @@ class Conductor:
         for stream in chunks:
             s = parent.streams[stream]
             s.release(s.spec.policy.retain_from(i + 1))
+            self._grant(parent, s)
         speculative = node.stop is not None and i > run.known
         if speculative:
             self._speculated += 1
@@ -907,7 +942,8 @@ class Conductor:
                 produced[ch] = produced.get(ch, 0) + piece_items(piece, acc)
             for out in ls.emit.get(ch, ()):
                 self._send_ready_outputs(req)
-                self._events.append(StreamItem(req.id, out, i, piece))
+                if req.stream:
+                    self._events.append(StreamItem(req.id, out, i, piece))
         for stream, ch in ls.feeds:
             run.parent.streams[stream].append(outs[node.accumulated[ch].output])
         run.last = outs
@@ -934,6 +970,7 @@ class Conductor:
             s = parent.streams[node.trips.stream]
             s.closed = True
             s.release(s.n)
+            self._grant(parent, s)
             if s.spec.producer is None:
                 self._consume(parent, s.spec.edge.source)
         parent.runs.remove(run)

@@ -10,9 +10,10 @@ objects (``rankscheduler.RankScheduler`` decides, ``runner.NodeRunner`` runs)::
         send(reports)                            # RegionEvents, BatchDone: what others need
 
 It blocks for commands only when the last step ran nothing, so region runs advance back to back
-with no process crossing per iteration: a decode loop of 96 tokens is 96 steps here and one
-``StartRegions`` plus one ``RegionEvents`` per step (its streamed tokens, batched across
-requests) on the socket. Commands come from the worker's io thread (``put``, any thread), which
+with no process crossing per iteration: a decode loop of 96 tokens is 96 steps here, one
+``StartRegions`` and a ``RegionEvents`` every ``coalesce_s`` (2 ms) at most on the socket: its
+streamed tokens of consecutive steps, batched across requests, leave together; outputs, exits,
+failures and credit leave at once, and everything pending before the loop waits. Commands come from the worker's io thread (``put``, any thread), which
 has already turned their payloads into values.
 
 What a report carries: a value as the worker's transport encodes it (tensors inline or in this
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +75,7 @@ class StartRun:
     walk: str
     region: str
     inputs: dict[str, Any]
+    stream: bool = True
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,7 @@ class EngineLoop:
         send: Callable[[m.Message], None],
         *,
         hold: bool = False,
+        coalesce_s: float = 0.002,
     ) -> None:
         self.rank = rank
         self.runner = runner
@@ -155,6 +159,11 @@ class EngineLoop:
         self._region_walk: dict[int, str] = {}
         self._batches: dict[int, NodeBatch] = {}
         self.node_batch_sizes: dict[int, int] = {}
+        # Streamed items (a token, an audio chunk) of consecutive steps leave together, at
+        # most ``coalesce_s`` late: one message per burst instead of one per step.
+        self.coalesce_s = coalesce_s
+        self._unsent: list[m.RegionEvent] = []
+        self._first_unsent = 0.0
 
     def put(self, command: Command) -> None:
         """Queue a command (any thread)."""
@@ -184,6 +193,8 @@ class EngineLoop:
                 del step  # a finished step must not keep its values (a request's KV cache)
             self._report(self.scheduler.reports())
             wait = not steps
+            if wait or self._due():
+                self._flush()
 
     # ------------------------------------------------------------------ commands
 
@@ -192,7 +203,12 @@ class EngineLoop:
             self._requests[command.item] = command.request
             self._region_walk[command.item] = command.walk
             self.scheduler.start(
-                command.item, command.request, command.walk, command.region, command.inputs
+                command.item,
+                command.request,
+                command.walk,
+                command.region,
+                command.inputs,
+                command.stream,
             )
         elif isinstance(command, NodeBatch):
             self._batches[command.batch] = command
@@ -280,7 +296,21 @@ class EngineLoop:
                 self._requests.pop(rep.item, None)
                 self._region_walk.pop(rep.item, None)
                 events.append(m.RegionFailed(rep.item, f"rank {self.rank}: {rep.error}"))
-        if events:
+        if not events:
+            return
+        if not self._unsent:
+            self._first_unsent = time.monotonic()
+        self._unsent += events
+        if any(not isinstance(e, m.RegionStreamed) for e in events):
+            self._flush()  # outputs, exits, failures and credit unblock others: at once
+
+    def _due(self) -> bool:
+        return bool(self._unsent) and time.monotonic() - self._first_unsent >= self.coalesce_s
+
+    def _flush(self) -> None:
+        """Send the region events not sent yet, as one message."""
+        if self._unsent:
+            events, self._unsent = self._unsent, []
             self.send(m.RegionEvents(self.rank, events))
 
     def _batch_done(self, rep: NodeBatchDone) -> m.BatchDone | m.BatchFailed:

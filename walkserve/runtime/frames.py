@@ -40,6 +40,7 @@ class Stream:
     base: int = 0
     n: int = 0
     finished: bool = False  # the producer is done
+    producer_item: int | None = None  # a loop item its runner steps (``fast``): gets credit
     closed: bool = False  # the consumer is done: later items are dropped
 
     @property
@@ -188,6 +189,7 @@ class RequestState:
     walk_inputs: dict[str, Any]
     transitions: int = 0
     sent: set[str] = field(default_factory=set)  # outputs of this walk sent before its end
+    stream: bool = True  # the client reads stream items (else only the final outputs)
 
 
 @dataclass(eq=False)

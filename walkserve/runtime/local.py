@@ -115,7 +115,7 @@ class LocalExecutor:
         for item in items:
             if item.kind == "region":
                 self._requests[item.id] = item.request
-                self.ranks.start(item.id, item.request, item.walk, item.node, item.env)
+                self.ranks.start(item.id, item.request, item.walk, item.node, item.env, item.stream)
             else:
                 groups.setdefault((item.walk, item.node, item.kind), []).append(item)
         size = self.max_batch or max(len(items), 1)
@@ -127,7 +127,9 @@ class LocalExecutor:
                 results += self._run(walk, node, kind, part, members, False)
         for step in self.ranks.schedule():
             members = tuple(self._member(it) for it in step.items)
-            kind = "component" if self._is_component(step) else "glue"
+            kind = self.runner.kind(step.walk, step.node)
+            if kind == "component" and not self._is_component(step):
+                kind = "glue"  # the glue part of a split node
             self.ranks.update(
                 step, self._run(step.walk, step.node, kind, step.items, members, True)
             )
@@ -200,7 +202,7 @@ class LocalExecutor:
 
     @staticmethod
     def _is_component(step: Step) -> bool:
-        return any(getattr(it, "kind", "") == "component" for it in step.items)
+        return any(getattr(it, "kind", "component") == "component" for it in step.items)
 
 
 def run_local(

@@ -288,14 +288,14 @@ class LoopStepper:
             self._fail(run, f"loop {node.name}: its body made no value {e}")
             return
         for ch, acc in node.accumulated.items():
+            piece = outs[acc.output]
             if ch in run.collected:
-                piece = outs[acc.output]
                 run.collected[ch].append(piece)
-                if ch in run.start.streams:
-                    self._reports.append(LoopStreamed(run.item, ch, run.i, piece))
-                    key = (run.request, ch)
-                    if key in self._credit:
-                        self._produced[key] = self._produced.get(key, 0) + piece_items(piece, acc)
+            if ch in run.start.streams:  # a client's stream, or one of its frame's streams
+                self._reports.append(LoopStreamed(run.item, ch, run.i, piece))
+                key = (run.request, ch)
+                if key in self._credit:
+                    self._produced[key] = self._produced.get(key, 0) + piece_items(piece, acc)
         run.carried = {p: outs[k] for p, k in run.loop.carried}
         run.last = outs
         run.i += 1

@@ -285,6 +285,7 @@ class RegionStart(msgspec.Struct, frozen=True):
     walk: Name
     region: Name
     inputs: dict[Name, Value]
+    stream: bool = True  # report the region's client streams item by item
 
 
 class StartRegions(_Msg, frozen=True):

@@ -68,7 +68,7 @@ class RegionTraffic:
             return self._region_handles.pop(handle, None) is not None
 
     def start(
-        self, rank: int, starts: Iterable[tuple[int, str, str, str, Mapping[str, Any]]]
+        self, rank: int, starts: Iterable[tuple[int, str, str, str, Mapping[str, Any], bool]]
     ) -> None:
         """Start region runs on ``rank``: (item id, request id, walk, region, inputs by
         name). What they do arrives at ``on_regions(rank, events)`` (on the io thread),
@@ -79,12 +79,12 @@ class RegionTraffic:
         wire: list[RegionStart] = []
         handles: list[Token] = []
         try:
-            for item, request_id, walk, region, inputs in starts:
+            for item, request_id, walk, region, inputs, stream in starts:
                 values: dict[str, Value] = {}
                 for name, value in inputs.items():
                     values[name] = payload = transport.send(value, request_id)
                     handles += shm_handles(payload)
-                wire.append(RegionStart(item, request_id, walk, region, values))
+                wire.append(RegionStart(item, request_id, walk, region, values, stream))
             data = encode(StartRegions(wire))
         except BaseException:
             transport.release(handles)

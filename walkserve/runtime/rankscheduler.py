@@ -175,9 +175,16 @@ class RankScheduler:
     # ------------------------------------------------------------------ commands
 
     def start(
-        self, item: int, request: str, walk: str, region: str, inputs: Mapping[str, Any]
+        self,
+        item: int,
+        request: str,
+        walk: str,
+        region: str,
+        inputs: Mapping[str, Any],
+        stream: bool = True,
     ) -> None:
-        """Run region ``region`` of ``walk`` for ``request`` (the conductor's item ``item``)."""
+        """Run region ``region`` of ``walk`` for ``request`` (the conductor's item ``item``);
+        ``stream``: report its client streams item by item (else only forwarded streams)."""
         name = region_walk_name(walk, region)
         plan = self.regions.regions.get(name)
         run_id = str(item)
@@ -192,11 +199,13 @@ class RankScheduler:
         for channel in plan.forwards:  # until its consumers say how far they are
             self.loops.credit(run_id, channel, self.stream_buffer_limit)
         try:
-            self.conductor.submit(run_id, inputs, name)
+            self.conductor.submit(run_id, inputs, name, stream=stream)
         except Exception as e:
             self._reports.append(RegionFailed(item, f"region {region} of {walk!r}: {e}"))
             return
         run = _Run(item, request, name, frozenset([*plan.streamed, *plan.forwards]))
+        if not stream:
+            run.streamed = frozenset(plan.forwards)
         self._runs[run_id] = run
         if plan.fed:
             self._fed_runs.add(run_id)
@@ -319,6 +328,8 @@ class RankScheduler:
         (one ``RegionOutput`` per run and batch of events, always before a streamed item of
         the same run, so a client sees a prefill's token before the tokens after it)."""
         self.loops.drop(self.conductor.dropped())
+        for credit in self.conductor.credits():  # fast loops feeding streams of their frame
+            self.loops.credit(credit.request, credit.channel, credit.items)
         waiting: dict[str, _Run] = {}
         for run_id in self._fed_runs:  # how far consumers of fed streams are
             fed = self._runs[run_id]

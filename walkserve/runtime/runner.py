@@ -122,6 +122,10 @@ class NodeRunner:
     def has(self, walk: str, node: str) -> bool:
         return (walk, node) in self._nodes
 
+    def kind(self, walk: str, node: str) -> str:
+        """``component`` or ``glue``: what the plan node is."""
+        return self._nodes[(walk, node)].plan.kind
+
     def run(self, walk: str, node: str, items: Sequence[Runnable]) -> list[ItemResult]:
         """Run ``items`` of ``walk``'s node ``node``; one ``ItemResult`` per item, in order.
         Raises ``KeyError`` for a node this runner does not run."""

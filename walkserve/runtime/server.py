@@ -247,21 +247,35 @@ class Server:
     # ---------------------------------------------------------------- client API
 
     def submit(
-        self, inputs: Mapping[str, Any], walk: str | None = None, request_id: str | None = None
+        self,
+        inputs: Mapping[str, Any],
+        walk: str | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
     ) -> RequestHandle:
-        return self.submit_future(inputs, walk, request_id).result()  # a bad request raises
+        return self.submit_future(inputs, walk, request_id, stream).result()  # bad: raises
 
     async def submit_async(
-        self, inputs: Mapping[str, Any], walk: str | None = None, request_id: str | None = None
+        self,
+        inputs: Mapping[str, Any],
+        walk: str | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
     ) -> RequestHandle:
         """``submit`` for asyncio code: waits for admission without holding a thread."""
-        return await asyncio.wrap_future(self.submit_future(inputs, walk, request_id))
+        return await asyncio.wrap_future(self.submit_future(inputs, walk, request_id, stream))
 
     def submit_future(
-        self, inputs: Mapping[str, Any], walk: str | None = None, request_id: str | None = None
+        self,
+        inputs: Mapping[str, Any],
+        walk: str | None = None,
+        request_id: str | None = None,
+        stream: bool = True,
     ) -> Future[RequestHandle]:
         """Queue ``inputs`` for admission by the conductor thread; the future holds the handle,
-        or the error that says why the request was refused."""
+        or the error that says why the request was refused. ``stream=False``: the handle
+        gets the final outputs only (``stream()`` yields nothing), and nothing is reported
+        item by item for it: what ``run()`` and non-streamed answers need."""
         if self._closed:
             raise RuntimeError("the server is closed")
         if self.fatal is not None:
@@ -272,7 +286,7 @@ class Server:
 
         def admit() -> None:
             try:
-                self.conductor.submit(rid, inputs, walk)
+                self.conductor.submit(rid, inputs, walk, stream=stream)
                 self._handles[rid] = handle
                 done.set_result(handle)
             except Exception as e:
@@ -284,7 +298,7 @@ class Server:
     def run(
         self, inputs: Mapping[str, Any], walk: str | None = None, timeout: float | None = None
     ) -> dict[str, Any]:
-        return self.submit(inputs, walk).result(timeout)
+        return self.submit(inputs, walk, stream=False).result(timeout)
 
     def cancel(self, request_id: str) -> None:
         def drop() -> None:
@@ -411,7 +425,9 @@ class Server:
             if batch.kind == "regions":
                 for it in batch.items:
                     self._region_rank[it.id] = batch.rank
-                starts = [(it.id, it.request, it.walk, it.node, it.env) for it in batch.items]
+                starts = [
+                    (it.id, it.request, it.walk, it.node, it.env, it.stream) for it in batch.items
+                ]
                 try:
                     self.pool.regions.start(batch.rank, starts)
                 except Exception:  # an input with no wire form: find it, fail its request

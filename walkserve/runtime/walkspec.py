@@ -43,6 +43,7 @@ class RegionSpec:
     emit: dict[str, tuple[str, ...]]  # streamed channel -> client outputs (walk level)
     forwards: dict[str, tuple[str, ...]]  # channel -> the streams it feeds (other regions)
     fed: tuple[str, ...]  # streams it consumes from other regions
+    feeds: tuple[tuple[str, str], ...] = ()  # (stream, channel): streams of its own frame
 
 
 @dataclass(frozen=True)
@@ -303,13 +304,14 @@ class SpecBuilder:
 
 
 def simple_loop(ls: LoopSpec) -> bool:
-    """A loop the runner may step by itself: a straight body of nodes, no stream in or out."""
+    """A loop the runner may step by itself: a straight body of nodes, no stream in (its
+    committed items may feed streams of its frame: the conductor appends them and grants it
+    credit as the consumers take them)."""
     body = ls.body
     return (
         not body.loops
         and not body.regions
         and not body.streams
-        and not ls.feeds
         and not isinstance(ls.node.trips, ir.StreamTrips)
         and not any(
             isinstance(p.role, ir.PerStep) and isinstance(p.role.source, ir.ChunkStep)

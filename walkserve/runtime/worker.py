@@ -495,7 +495,9 @@ class Worker:
                 error = f"inputs of region {start.region} could not be read on rank {self.rank}"
                 failed.append(RegionFailed(start.item, f"{error}: {e}"))
                 continue
-            self.engine.put(StartRun(start.item, start.request_id, start.walk, start.region, env))
+            self.engine.put(
+                StartRun(start.item, start.request_id, start.walk, start.region, env, start.stream)
+            )
         if handles:
             self._send(Ack(handles))
         if failed:

@@ -64,6 +64,7 @@ class WorkItem:
     env: Mapping[str, Any] = field(default_factory=dict, repr=False)
     outputs: tuple[str, ...] = ()
     loop: LoopStart | None = field(default=None, repr=False)
+    stream: bool = True  # a region item: report its client streams item by item
 
 
 @dataclass(frozen=True)
