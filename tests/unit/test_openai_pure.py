@@ -345,3 +345,52 @@ def test_a_chat_template_flag_replaces_the_models_own() -> None:
 
     with pytest.raises(SecurityError):
         chatprompt.render(sneaky, [plain], None, "m")
+
+
+def test_incremental_detokenization_equals_decoding_everything() -> None:
+    """TextAssembler decodes a window of recent tokens per token (vLLM's offsets method):
+    its text equals decoding all tokens at once, for a byte tokenizer (partial UTF-8
+    characters), a byte-level BPE and a Metaspace (SentencePiece-style) one, stop strings
+    included."""
+    import random
+
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from walkserve.adapters.tokenizer import ByteTokenizer
+    from walkserve.api.textgen import TextAssembler
+
+    corpus = ["héllo wörld tool call weather ☃", "yes no maybe ünïcode"] * 20
+    decoders_: list[tuple[int, Any]] = [(259, ByteTokenizer(259).decode)]
+    for pre, dec in (
+        (pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()),
+        (pre_tokenizers.Metaspace(), decoders.Metaspace()),
+    ):
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer, bpe.decoder = pre, dec
+        alphabet = (
+            pre_tokenizers.ByteLevel.alphabet() if isinstance(dec, decoders.ByteLevel) else []
+        )
+        bpe.train_from_iterator(
+            corpus, trainers.BpeTrainer(vocab_size=200, initial_alphabet=alphabet)
+        )
+        decoders_.append((bpe.get_vocab_size(), lambda ids, b=bpe: b.decode(ids)))
+    rng = random.Random(0)
+    for vocab, decode in decoders_:
+        task = SimpleNamespace(eos_id=None, decode=decode)
+        for trial in range(40):
+            ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 50))]
+            stops = [decode(ids[3:5])[:2]] if trial % 3 == 0 and decode(ids[3:5])[:2] else []
+            text = TextAssembler(task, stops, len(ids))  # type: ignore[arg-type]
+            streamed = ""
+            for t in ids:
+                done = text.feed(t)
+                streamed += text.take()
+                if done:
+                    break
+            text.finish()
+            streamed += text.take()
+            want = decode(text.tokens)
+            if stops and stops[0] in want:
+                want = want[: want.find(stops[0])]
+            assert streamed == text.text == want, (vocab, ids, stops)

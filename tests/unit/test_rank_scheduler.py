@@ -240,10 +240,12 @@ def test_random_arrivals_cancels_and_batch_limits_give_the_interpreters_outputs(
     assert executor.ranks.idle() and executor.ranks.stats().live_values == 0
 
 
-def test_a_producer_region_waits_for_its_consumer_regions_credit() -> None:
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_producer_region_waits_for_its_consumer_regions_credit(stream: bool) -> None:
     """Thinker on rank 0, talker on rank 1: the talker's rank is never stepped, so the
     thinker commits as many items as one buffer holds, then waits; stepped again, both finish
-    with the interpreter's outputs."""
+    with the interpreter's outputs. A request that streams nothing to its client
+    (``stream=False``) still has its stream between the ranks forwarded."""
     captured, plan, sample = setup("example-speech", 2)
     limit = 5
     request = dict(sample, max_new_tokens=16, prompt_ids=torch.tensor([[3, 4, 5, 6]]))
@@ -252,7 +254,7 @@ def test_a_producer_region_waits_for_its_consumer_regions_credit() -> None:
     talker = RankScheduler(region_walks(captured, plan, 1), stream_buffer_limit=limit)
     executor = LocalExecutor(captured, plan, stream_buffer_limit=limit)
     runner = executor.runner
-    conductor.submit("a", request)
+    conductor.submit("a", request, stream=stream)
     forwarded = 0
     held: list[Any] = []
 
@@ -261,7 +263,7 @@ def test_a_producer_region_waits_for_its_consumer_regions_credit() -> None:
         for _ in range(n):
             for it in conductor.ready():
                 rank = thinker if it.node == "region0" else talker
-                rank.start(it.id, it.request, it.walk, it.node, it.env)
+                rank.start(it.id, it.request, it.walk, it.node, it.env, stream=it.stream)
             for rank in (thinker, talker) if talker_runs else (thinker,):
                 for step in rank.schedule():
                     rank.update(step, runner.run(step.walk, step.node, step.items))

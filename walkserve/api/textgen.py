@@ -23,7 +23,13 @@ from walkserve.runtime.conductor import StreamItem
 class TextAssembler:
     """Generated tokens -> text, with EOS, stop strings and max_tokens. ``take()`` returns the
     text that is safe to send so far (held back: a possible stop-string prefix and an
-    incomplete UTF-8 sequence)."""
+    incomplete UTF-8 sequence).
+
+    Decoding is incremental (vLLM's offsets method, for any ``decode``): each token decodes
+    only the few tokens since the last complete piece of text, twice (with and without the
+    new tokens), and the text grows by the difference; stop strings are searched in the new
+    tail only. A reply of n tokens costs O(n), not the O(n^2) of decoding all its tokens at
+    every token, and its text equals decoding them all at once."""
 
     def __init__(self, task: TextTask, stops: list[str], max_tokens: int) -> None:
         self.task, self.stops, self.max_tokens = task, stops, max_tokens
@@ -33,6 +39,9 @@ class TextAssembler:
         self.sent = 0
         self.finish_reason: str | None = None
         self._hold = max((len(s) for s in stops), default=1) - 1
+        self._prefix = 0  # tokens[_prefix:_read] decode to the text's last complete piece
+        self._read = 0
+        self._cut = False  # a stop string ended the text
 
     def feed(self, token: int) -> bool:
         """Take one token; True once generation is over."""
@@ -43,21 +52,36 @@ class TextAssembler:
             self.finish_reason = "stop"
             return True
         self.tokens.append(token)
-        self.text = self.task.decode(self.tokens)
+        searched = max(0, len(self.text) - self._hold)
+        self._grow()
         for stop in self.stops:
-            at = self.text.find(stop)
+            at = self.text.find(stop, searched)
             if at >= 0:
                 self.text = self.text[:at]
                 self.finish_reason = "stop"
+                self._cut = True
                 return True
         if self.generated >= self.max_tokens:
             self.finish_reason = "length"
             return True
         return False
 
+    def _grow(self) -> None:
+        decode = self.task.decode
+        before = decode(self.tokens[self._prefix : self._read])
+        after = decode(self.tokens[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self._prefix, self._read = self._read, len(self.tokens)
+
     def finish(self) -> None:
         if self.finish_reason is None:
             self.finish_reason = "length" if self.generated >= self.max_tokens else "stop"
+        if not self._cut and self._read < len(self.tokens):  # the last tokens, even a partial char
+            before = self.task.decode(self.tokens[self._prefix : self._read])
+            after = self.task.decode(self.tokens[self._prefix :])
+            self.text += after[len(before) :]
+            self._prefix = self._read = len(self.tokens)
         self._hold = 0
 
     def take(self) -> str:

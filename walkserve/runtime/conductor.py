@@ -770,7 +770,7 @@ class Conductor:
             fixed,
             sources,
             channels,
-            tuple(dict.fromkeys([*ls.emit, *(ch for _, ch in ls.feeds)])),
+            tuple(dict.fromkeys([*(ls.emit if req.stream else ()), *(ch for _, ch in ls.feeds)])),
         )
         f.waiting.remove(ls)
         for r in ls.need:

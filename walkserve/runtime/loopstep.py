@@ -126,7 +126,7 @@ class LoopStepper:
         run = _Run(item.id, item.request, loop, item.loop, carried=dict(item.loop.carried))
         run.collected = {ch: [] for ch in item.loop.channels if ch in loop.node.accumulated}
         self._runs[item.id] = run
-        if not self._begin(run):
+        if self._begin(run) is False:
             self._finish(run)
 
     def credit(self, request: str, channel: str, items: int) -> None:
@@ -179,7 +179,7 @@ class LoopStepper:
         self._waiting.clear()
         groups: dict[tuple[str, str], list[RunItem]] = {}
         for run in list(self._runs.values()):
-            if run.pos == 0 and self._blocked(run):
+            if run.pos == 0 and self._credit and self._blocked(run):
                 continue  # its consumers' buffers are full: it waits for their credit
             node = run.loop.body[run.pos]
             call = None
@@ -263,8 +263,9 @@ class LoopStepper:
         value = self.interp.value
         return lambda env: value(arg, env)
 
-    def _begin(self, run: _Run) -> bool:
-        """Set up iteration ``run.i``'s body values; False when the loop is done."""
+    def _begin(self, run: _Run) -> bool | None:
+        """Set up iteration ``run.i``'s body values; False when the loop is done, None when
+        the run failed (a per-step input the request's values cannot give: reported)."""
         if run.i >= run.start.bound:
             return False
         i, start = run.i, run.start
@@ -272,10 +273,14 @@ class LoopStepper:
         env.update(run.carried)
         for name, first, step in run.loop.affine:
             env[name] = first + i * step
-        for name, dim, first, step in run.loop.select:
-            env[name] = start.sources[name].select(dim, first + i * step)
-        for name in run.loop.table:
-            env[name] = start.sources[name][i]
+        try:
+            for name, dim, first, step in run.loop.select:
+                env[name] = start.sources[name].select(dim, first + i * step)
+            for name in run.loop.table:
+                env[name] = start.sources[name][i]
+        except (IndexError, RuntimeError, TypeError) as e:  # the request's values, not the rank
+            self._fail(run, f"loop {run.loop.node.name} iteration {i}: {e}")
+            return None
         run.env, run.pos = env, 0
         return True
 
@@ -304,7 +309,7 @@ class LoopStepper:
         except LoopError as e:
             self._fail(run, str(e))
             return
-        if stop or not self._begin(run):
+        if stop or self._begin(run) is False:
             self._finish(run)
 
     def _finish(self, run: _Run) -> None:

@@ -67,6 +67,7 @@ class PrefixEncoder(nn.Module):
         text: Any = paligemma.config.text_config
         vision: Any = paligemma.config.vision_config
         self.pad_id = int(text.pad_token_id)
+        self.vocab_size = int(text.vocab_size)
         self.state_base = text.vocab_size - cfg.state_bins  # first state token id
         self.image_size = int(vision.image_size)
 

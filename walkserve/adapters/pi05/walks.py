@@ -31,7 +31,7 @@ from transformers import PaliGemmaModel
 from walkserve.adapters.pi05.config import Pi05Config
 from walkserve.adapters.pi05.expert import ActionExpert
 from walkserve.adapters.pi05.prefix import PrefixEncoder, pad_prompt
-from walkserve.capture.api import loop, walk
+from walkserve.capture.api import Input, loop, walk
 
 
 class Pi05Policy(nn.Module):
@@ -44,7 +44,13 @@ class Pi05Policy(nn.Module):
         self.prefix = PrefixEncoder(paligemma, cfg)
         self.expert = ActionExpert(cfg, paligemma.config)
 
-    @walk(next="denoise", state=("prefix_k", "prefix_v", "prefix_mask", "flow_t"))
+    @walk(
+        next="denoise",
+        state=("prefix_k", "prefix_v", "prefix_mask", "flow_t"),
+        # token ids of any length (pad_prompt refuses one over max_prompt_len): capture cannot
+        # see the vocabulary itself, the prompt is padded before the embedding reads it
+        inputs={"prompt_ids": Input(vocab=lambda m: m.prefix.vocab_size)},
+    )
     def act(self, images: Tensor, prompt_ids: Tensor, state: Tensor) -> dict[str, Tensor]:
         # images [B, C, 3, S, S]; prompt_ids [B, L]; state [B, state_dim]
         prompt = pad_prompt(prompt_ids, self.cfg.max_prompt_len, self.prefix.pad_id)  # [B, Lmax]
