@@ -7,6 +7,7 @@ pages return to the pool when the requests are over or cancelled."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,27 @@ def generated(outputs: dict[str, Any]) -> list[int]:
     return tokens + (outputs["tokens"][0].tolist() if "tokens" in outputs else [])
 
 
-def reference(lm: torch.nn.Module, r: dict[str, Any]) -> list[int]:
+TIE = 1e-3  # logits this close are a float tie: another summation order may pick either
+
+
+@dataclass(frozen=True)
+class Reference:
+    """``generate``'s greedy tokens for one request, and ``tie``: the first step whose best two
+    logits are within ``TIE`` (random weights make a few; a batch's different summation order
+    may choose either token there, and the rest of the reply follows that choice), or None."""
+
+    tokens: list[int]
+    top2: list[tuple[int, int]]
+    tie: int | None
+
+    def matches(self, got: list[int]) -> bool:
+        if self.tie is None:
+            return got == self.tokens
+        k = self.tie
+        return got[:k] == self.tokens[:k] and len(got) > k and got[k] in self.top2[k]
+
+
+def reference(lm: torch.nn.Module, r: dict[str, Any]) -> Reference:
     ids = r["input_ids"]
     with torch.no_grad():
         out = lm.generate(
@@ -79,8 +100,23 @@ def reference(lm: torch.nn.Module, r: dict[str, Any]) -> list[int]:
             max_new_tokens=r["max_new_tokens"],
             eos_token_id=EOS,
             pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    return out[0, ids.shape[1] :].tolist()
+    top2 = []
+    tie = None
+    for step, logits in enumerate(out.logits):
+        values, indices = logits[0].topk(2)
+        top2.append((int(indices[0]), int(indices[1])))
+        if tie is None and float(values[0] - values[1]) < TIE:
+            tie = step
+    return Reference(out.sequences[0, ids.shape[1] :].tolist(), top2, tie)
+
+
+def assert_replies(got: list[list[int]], want: list[Reference]) -> None:
+    assert sum(w.tie is not None for w in want) <= len(want) // 4  # still a test of the tokens
+    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not w.matches(g)]
+    assert not bad, [(i, got[i], want[i].tokens, want[i].tie) for i in bad]
 
 
 def pool_stats(server: Server, settle: bool = True) -> KVStats:
@@ -105,7 +141,7 @@ def test_sixteen_concurrent_requests_match_generate(arch: str, tmp_path: Path) -
     reqs = requests(16)
     want = [reference(lm, r) for r in reqs]
     with serve(str(tmp_path)) as server:
-        assert serve_all(server, reqs) == want
+        assert_replies(serve_all(server, reqs), want)
         assert max(server.batch_sizes) > 1  # steps of different requests shared forwards
         stats = pool_stats(server)
         assert stats.pages_in_use == 0 and stats.live_sequences == 0
@@ -119,7 +155,7 @@ def test_a_pool_too_small_for_all_requests_evicts_and_stays_exact(tmp_path: Path
     # 40 pages of 16 tokens: the longest request alone needs 32 of them.
     config = PoolConfig(kv_pool_tokens=640, kv_page_size=16)
     with serve(str(tmp_path), pool_config=config) as server:
-        assert serve_all(server, reqs) == want
+        assert_replies(serve_all(server, reqs), want)
         stats = pool_stats(server)
         assert stats.num_pages == 40
         assert stats.evictions > 0  # preemption happened
@@ -135,7 +171,7 @@ def test_shared_prefixes_reuse_pages_and_cancelled_requests_free_theirs(tmp_path
     with serve(str(tmp_path), pool_config=PoolConfig(kv_page_size=16)) as server:
         first = serve_all(server, reqs[:1])
         rest = serve_all(server, reqs[1:])
-        assert first + rest == want
+        assert_replies(first + rest, want)
         assert pool_stats(server).prefix_hits >= 3 * (160 // 16)
         long = [server.submit(sample_request([*prefix, i], 200)) for i in range(3)]
         time.sleep(0.5)
