@@ -143,6 +143,24 @@ def test_a_region_run_reports_only_its_stream_and_its_exit(fast_loops: bool) -> 
 
 
 @pytest.mark.parametrize("fast_loops", [True, False])
+def test_a_step_whose_update_raised_fails_its_runs_and_the_rank_serves_on(
+    fast_loops: bool,
+) -> None:
+    scheduler, walk = decode_scheduler(fast_loops)
+    inputs = {"token": torch.zeros(1, 1), "k_cache": "k", "v_cache": "v", "max_new_tokens": 9}
+    scheduler.start(7, "a", walk, "region0", inputs)
+    (step,) = scheduler.schedule()
+    scheduler.fail_step(step, "rank 0: boom")
+    assert [(type(r).__name__, r.item) for r in scheduler.reports()] == [("RegionFailed", 7)]
+    assert scheduler.idle() and scheduler.stats().live_values == 0
+    scheduler.start(8, "b", walk, "region0", inputs)
+    while not scheduler.idle():
+        for step in scheduler.schedule():
+            scheduler.update(step, fabricated(scheduler, step.items, stop_at=2))
+    assert isinstance(scheduler.reports()[-1], RegionDone)
+
+
+@pytest.mark.parametrize("fast_loops", [True, False])
 def test_cancel_and_drop_free_runs(fast_loops: bool) -> None:
     scheduler, walk = decode_scheduler(fast_loops)
     inputs = {"token": torch.zeros(1, 1), "k_cache": "k", "v_cache": "v", "max_new_tokens": 50}

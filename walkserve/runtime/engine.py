@@ -189,8 +189,13 @@ class EngineLoop:
                 self._apply(command)
             steps = self.scheduler.schedule()
             for step in steps:
-                self.scheduler.update(step, self._run(step.walk, step.node, step.items))
-                del step  # a finished step must not keep its values (a request's KV cache)
+                results = self._run(step.walk, step.node, step.items)
+                try:
+                    self.scheduler.update(step, results)
+                except Exception as e:  # a bug of ours: its requests fail, the rank goes on
+                    log.exception("rank %d: results of %s:%s", self.rank, step.walk, step.node)
+                    self.scheduler.fail_step(step, f"rank {self.rank}: {type(e).__name__}: {e}")
+                del step, results  # a finished step must not keep its values (a KV cache)
             self._report(self.scheduler.reports())
             wait = not steps
             if wait or self._due():

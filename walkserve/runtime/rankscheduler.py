@@ -296,6 +296,28 @@ class RankScheduler:
                 self.conductor.complete(r.item, r.values)
         self._collect()
 
+    def fail_step(self, step: Step, error: str) -> None:
+        """``update`` of ``step`` raised (a bug of ours, met by these requests' values): fail
+        the runs it served and drop them, so that the rank serves the others on."""
+        if step.external is not None:
+            self._reports.append(
+                NodeBatchDone(step.external, [ItemResult(it.id, error=error) for it in step.items])
+            )
+            return
+        run_ids: set[str] = set()
+        for it in step.items:
+            found = self.loops.describe(it.id) if step.loops else None
+            run_ids.add(found[0] if found is not None else getattr(it, "request", ""))
+        for run_id in run_ids:
+            run = self._runs.get(run_id)
+            if run is None:
+                continue
+            self._reports.append(RegionFailed(run.item, error))
+            self._by_request.get(run.request, set()).discard(run_id)
+            if not self._by_request.get(run.request, True):
+                del self._by_request[run.request]
+            self._drop(run_id)
+
     def _loop_reports(self) -> None:
         for rep in self.loops.reports():
             if isinstance(rep, LoopStreamed):
