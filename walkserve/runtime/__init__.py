@@ -38,7 +38,8 @@ rank pulls it from there (``peers``), never through the server process, which re
 Modules, by role:
 
     server        serve(), Server, RequestHandle: the Python API and the conductor thread
-    conductor     the walk state machine (pure); workitem, walkspec, frames: its parts
+    conductor     the walk state machine (pure); loopdriver (its loops), workitem, walkspec,
+                  frames: its parts
     batcher       the batching rule of the conductor's node items (pure)
     pool          the worker processes, sockets, batches; poolregions, poolstate, config
     worker        a worker process: sockets, setup, io thread; engine: its engine loop
