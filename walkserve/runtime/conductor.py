@@ -195,11 +195,12 @@ class Conductor(LoopDriver):
         request_id: str,
         inputs: Mapping[str, Any],
         walk: str | None = None,
-        stream: bool = True,
+        stream: bool | Collection[str] = True,
     ) -> None:
         """Start a request at ``walk`` (default: the model's first entry walk). ``stream``:
-        the client reads ``StreamItem`` events; without it only the final outputs are made
-        (and no rank reports a client stream's items one by one)."""
+        the client reads ``StreamItem`` events (of every streamed output, or of those named);
+        without it only the final outputs are made (and no rank reports a client stream's
+        items one by one)."""
         graph = self.captured.graph
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already live")
@@ -212,7 +213,7 @@ class Conductor(LoopDriver):
             raise ValueError(f"unknown walk {walk!r}; the model has {sorted(graph.walks)}")
         self._check_inputs(walk, inputs)
         req = RequestState(request_id, walk, dict(inputs), Frame(self._walks[walk], (), None), {})
-        req.stream = stream
+        req.stream = stream if isinstance(stream, bool) else frozenset(stream)
         self._requests[request_id] = req
         self._enter_walk(req, walk)
         self._advance(req)
@@ -278,7 +279,7 @@ class Conductor(LoopDriver):
             self._node_failed(p, f"region {p.node} streamed {channel!r}, which it does not stream")
             return
         req = p.request
-        for out in outs or () if req.stream else ():
+        for out in [o for o in outs or () if req.streams(o)]:
             self._send_ready_outputs(req)
             self._events.append(StreamItem(req.id, out, index, value))
         for stream in streams or ():
@@ -650,7 +651,7 @@ class Conductor(LoopDriver):
             speculative=f.in_speculation(),
             env=env,
             outputs=rs.outputs,
-            stream=req.stream,
+            stream=bool(req.stream),
         )
         self._next_id = item.id + 1
         self._items[item.id] = Pending(req, f, rs.name, rs.outputs, {}, item, rs)

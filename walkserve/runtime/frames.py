@@ -189,7 +189,12 @@ class RequestState:
     walk_inputs: dict[str, Any]
     transitions: int = 0
     sent: set[str] = field(default_factory=set)  # outputs of this walk sent before its end
-    stream: bool = True  # the client reads stream items (else only the final outputs)
+    # the client reads stream items: all (True), none (False: only the final outputs), or
+    # those of these walk outputs (a region walk's streams to other ranks)
+    stream: bool | frozenset[str] = True
+
+    def streams(self, output: str) -> bool:
+        return self.stream is True or (self.stream is not False and output in self.stream)
 
 
 @dataclass(eq=False)

@@ -149,7 +149,14 @@ class LoopDriver:
             fixed,
             sources,
             channels,
-            tuple(dict.fromkeys([*(ls.emit if req.stream else ()), *(ch for _, ch in ls.feeds)])),
+            tuple(
+                dict.fromkeys(
+                    [
+                        *(ch for ch, outs in ls.emit.items() if any(map(req.streams, outs))),
+                        *(ch for _, ch in ls.feeds),
+                    ]
+                )
+            ),
         )
         f.waiting.remove(ls)
         for r in ls.need:
@@ -320,8 +327,8 @@ class LoopDriver:
                 produced = self._produced.setdefault(req.id, {})
                 produced[ch] = produced.get(ch, 0) + piece_items(piece, acc)
             for out in ls.emit.get(ch, ()):
-                self._send_ready_outputs(req)
-                if req.stream:
+                if req.streams(out):
+                    self._send_ready_outputs(req)
                     self._events.append(StreamItem(req.id, out, i, piece))
         for stream, ch in ls.feeds:
             run.parent.streams[stream].append(outs[node.accumulated[ch].output])

@@ -199,9 +199,10 @@ class RankScheduler:
         for channel in plan.forwards:  # until its consumers say how far they are
             self.loops.credit(run_id, channel, self.stream_buffer_limit)
         try:
-            # the inner run always streams: the region's forwarded streams are streamed outputs
-            # of its walk, and what the client did not ask for is filtered by run.streamed
-            self.conductor.submit(run_id, inputs, name, stream=True)
+            # the region's forwarded streams are streamed outputs of its walk: they stream
+            # whether the client reads the others or not
+            streamed = True if stream else frozenset(plan.forwards)
+            self.conductor.submit(run_id, inputs, name, stream=streamed)
         except Exception as e:
             self._reports.append(RegionFailed(item, f"region {region} of {walk!r}: {e}"))
             return
