@@ -50,7 +50,10 @@ imports torch at its top, spawn re-imports that module in the child first and th
 comes too late for OpenMP's start-up, but ``torch.set_num_threads`` still applies.
 
 Signals: SIGINT is ignored (Ctrl-C reaches the whole process group; the conductor decides),
-SIGTERM stops the worker cleanly. A worker whose parent process is gone exits by itself.
+SIGTERM stops the worker cleanly. A worker whose parent process is gone exits by itself (it
+checks at each heartbeat) and removes the conductor's socket directory. Its sockets' routing
+id carries ``WorkerConfig.generation``: a restarted rank's new process is heard, the old one
+(if it still runs) is not.
 """
 
 from __future__ import annotations
@@ -166,6 +169,7 @@ class Worker:
         self._kv_last: dict[str, KVStats] = {}
         self.peer_server: PeerServer | None = None
         self.peers: PeerClient | None = None
+        self._orphaned = False  # the conductor process died: clean what it left
 
     def run(self) -> int:
         import zmq
@@ -175,13 +179,13 @@ class Worker:
         ctx = self._ctx = zmq.Context()
         rx = ctx.socket(zmq.DEALER)  # commands; the io thread's alone once it runs
         rx.setsockopt(zmq.LINGER, 0)
-        rx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
+        rx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.config.generation))
         self._secure(rx)
         rx.connect(self.config.commands_addr)
         self._tx = ctx.socket(zmq.DEALER)  # reports; any thread, under _tx_lock
         self._tx.setsockopt(zmq.LINGER, 1000)  # let the last replies out
         self._tx.setsockopt(zmq.SNDTIMEO, 10_000)  # never block forever on a gone conductor
-        self._tx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
+        self._tx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.config.generation))
         self._secure(self._tx)
         self._tx.connect(self.address)
         built = False
@@ -218,6 +222,20 @@ class Worker:
             rx.close()
             self._tx.close()
             ctx.term()
+            if self._orphaned:
+                self._clean_after_conductor()
+
+    def _clean_after_conductor(self) -> None:
+        """The conductor process is gone (killed): remove its private socket directory, which
+        it cannot any more (every worker tries; the first one wins). Shared memory needs
+        nothing: the segments are unlinked by multiprocessing's resource tracker once the last
+        process registered with it exits."""
+        import shutil
+
+        if self.address.startswith("ipc://"):
+            directory = os.path.dirname(self.address[len("ipc://") :])
+            if os.path.basename(directory).startswith("walkserve-"):
+                shutil.rmtree(directory, ignore_errors=True)
 
     def _secure(self, sock: zmq.Socket[bytes]) -> None:
         """A CURVE client of the conductor when the config names keys (``runtime.net``)."""
@@ -402,6 +420,7 @@ class Worker:
                     next_beat = now + beat
                     if os.getppid() != self._ppid:
                         log.error("rank %d: the conductor process is gone; exiting", self.rank)
+                        self._orphaned = True
                         break
         finally:
             self._stop()
