@@ -49,8 +49,10 @@ the rest of walkserve are imported inside functions. If the parent's ``__main__`
 imports torch at its top, spawn re-imports that module in the child first and the variable
 comes too late for OpenMP's start-up, but ``torch.set_num_threads`` still applies.
 
-Signals: SIGINT is ignored (Ctrl-C reaches the whole process group; the conductor decides),
-SIGTERM stops the worker cleanly. A worker whose parent process is gone exits by itself (it
+Signals: a spawned worker leads a process group of its own, so that signals meant for the
+server's group (Ctrl-C, SIGTERM from a supervisor) reach the server only, which drains and
+then stops its workers (``Shutdown``). SIGINT is ignored all the same (the conductor decides),
+SIGTERM sent to the worker itself stops it cleanly. A worker whose parent process is gone exits by itself (it
 checks at each heartbeat) and removes the conductor's socket directory. Its sockets' routing
 id carries ``WorkerConfig.generation``: a restarted rank's new process is heard, the old one
 (if it still runs) is not.
@@ -58,6 +60,7 @@ id carries ``WorkerConfig.generation``: a restarted rank's new process is heard,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -138,6 +141,10 @@ def worker_main(rank: int, conductor_addr: str, config: str | WorkerConfig) -> N
     a second, and by then the worker has released everything it owns (its pool is unlinked,
     its sockets closed, logs flushed)."""
     cfg = config if isinstance(config, WorkerConfig) else WorkerConfig.from_json(config)
+    # A process group of its own: a signal to the server's group (a terminal's Ctrl-C, a
+    # supervisor's SIGTERM) reaches the server alone, which drains, then stops its workers.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
     import torch
 

@@ -28,6 +28,7 @@ async def health(request: Request) -> JSONResponse:
                 "in_flight": h.in_flight,
                 "error": h.error,
                 "restarts": h.restarts,
+                "shm_pool": h.shm_pool,
             }
             for r, h in ranks.items()
         },
