@@ -323,7 +323,8 @@ class Server:
 
     def unavailable(self) -> str | None:
         """Why a new request would not be served now (None: it would): the server drains or
-        stopped, or a rank restarts (its work waits) or failed for good."""
+        stopped, or a rank restarts (its work waits) or failed for good. A rank ``dead`` with
+        restarts off is not a reason: requests that need it fail, naming it; others go on."""
         if self.fatal is not None:
             return f"the server stopped: {self.fatal}"
         if self.draining is not None:
@@ -333,8 +334,6 @@ class Server:
                 return f"worker rank {rank} failed: {h.error}"
             if h.status in ("restarting", "starting"):
                 return f"worker rank {rank} is restarting (restart {h.restarts})"
-            if h.status == "dead":
-                return f"worker rank {rank} is dead: {h.error}"
         return None
 
     def drain(self, grace_s: float, poll_s: float = 0.05) -> bool:

@@ -177,6 +177,7 @@ class Worker:
         self.peer_server: PeerServer | None = None
         self.peers: PeerClient | None = None
         self._orphaned = False  # the conductor process died: clean what it left
+        self._next_beat = 0.0  # when the io thread sends the next heartbeat
 
     def run(self) -> int:
         import zmq
@@ -340,7 +341,9 @@ class Worker:
                 self.reader,
                 self.config.inline_max_bytes,
             )
-            self.peers = PeerClient(self._ctx, self.rank, dict(setup.peers), self.reader)
+            self.peers = PeerClient(
+                self._ctx, self.rank, dict(setup.peers), self.reader, on_wait=self._beat
+            )
         scheduler = RankScheduler(
             region_walks(captured, plan, self.rank),
             speculate=setup.speculate,
@@ -381,7 +384,6 @@ class Worker:
             DropRuns,
             FeedStream,
             GrantCredit,
-            Heartbeat,
             MessageError,
             Probe,
             Release,
@@ -405,11 +407,10 @@ class Worker:
             Shutdown: lambda m: self._stop(),
             Probe: self._on_probe,
         }
-        beat = self.config.heartbeat_s
-        next_beat = time.monotonic()
+        self._next_beat = time.monotonic()
         try:
             while not self._stopping.is_set():
-                rx.poll(int(max(0.0, next_beat - time.monotonic()) * 1000) + 1)
+                rx.poll(int(max(0.0, self._next_beat - time.monotonic()) * 1000) + 1)
                 while not self._stopping.is_set() and (data := _recv(rx)) is not None:
                     try:
                         msg: Message = decode(data)
@@ -421,16 +422,26 @@ class Worker:
                         log.warning("rank %d: unexpected %s", self.rank, type(msg).__name__)
                     else:
                         handler(msg)
-                now = time.monotonic()
-                if now >= next_beat:
-                    self._send(Heartbeat(self.rank, now, self._kv_stats()))
-                    next_beat = now + beat
-                    if os.getppid() != self._ppid:
-                        log.error("rank %d: the conductor process is gone; exiting", self.rank)
-                        self._orphaned = True
-                        break
+                self._beat()
+                if os.getppid() != self._ppid:  # a cheap syscall
+                    log.error("rank %d: the conductor process is gone; exiting", self.rank)
+                    self._orphaned = True
+                    break
         finally:
             self._stop()
+
+    def _beat(self) -> bool:
+        """Send a heartbeat if one is due (True then): from the io thread's loop, and while it
+        waits for a peer's answer (a peer that died or stopped must not make this rank look
+        hung too)."""
+        from walkserve.runtime.messages import Heartbeat
+
+        now = time.monotonic()
+        if now < self._next_beat:
+            return False
+        self._send(Heartbeat(self.rank, now, self._kv_stats()))
+        self._next_beat = now + self.config.heartbeat_s
+        return True
 
     def _kv_stats(self) -> list[KVStats]:
         """The paged pools this worker allocated (a busy pool keeps its last figures)."""
