@@ -535,3 +535,16 @@ def test_health_is_503_when_a_worker_dies(base_url: str) -> None:
         time.sleep(0.2)
     assert r.json()["ranks"]["0"]["status"] in ("dead", "restarting", "starting")
     assert r.headers["retry-after"]
+    body = {"model": MODEL, "prompt": "again", "max_tokens": 4}
+    meanwhile = httpx.post(f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    if meanwhile.status_code != 200:  # not back yet (it usually is not: a start takes seconds)
+        assert meanwhile.status_code == 503 and meanwhile.headers["retry-after"], meanwhile.text
+        assert "restarting" in meanwhile.json()["error"]["message"]
+    # The rank comes back (restarted with its weights and plan) and serves again.
+    deadline = time.monotonic() + 120
+    while (r := httpx.get(f"{base_url}/health", timeout=30)).status_code != 200:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    assert r.json()["ranks"]["0"]["restarts"] == 1
+    again = httpx.post(f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert again.status_code == 200, again.text
