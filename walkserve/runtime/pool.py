@@ -588,6 +588,11 @@ class WorkerPool:
             self._wake.send(b"stop")
             if threading.current_thread() is not self._io:  # close() from a future callback
                 self._io.join()
+        for s in self._ranks.values():  # one started again while the pool closed
+            with contextlib.suppress(ValueError):
+                if s.process.exitcode is None:
+                    s.process.kill()
+                    reap(s.process, 5.0)
         for s in self._ranks.values():
             self._on_exit(s, closing=True)
             with contextlib.suppress(ValueError):
