@@ -28,9 +28,9 @@ released when the worker acks them, and at the latest when its reply (or its dea
 
 A dead worker: its in-flight futures fail with ``WorkerDied`` naming the rank, the input slots
 it held are released, its pool's segments are unlinked (a killed process cannot); the other
-ranks keep serving. Supervision (``supervisor``, ``PoolConfig.supervision``): a ready rank
-silent past ``hang_deadline_s`` is killed (SIGKILL) and dies the same way, its error saying
-it hung. A dead spawned rank is started again with the same ``WorkerSetup`` (weights, plan;
+ranks keep serving. Supervision (``pool.supervision``: ``poolsupervision`` acting on the
+policy of ``supervisor``, set by ``PoolConfig.supervision``): a ready rank silent past
+``hang_deadline_s`` is killed (SIGKILL) and dies the same way, its error saying it hung. A dead spawned rank is started again with the same ``WorkerSetup`` (weights, plan;
 a fresh KV pool and output pool), one generation later: its sockets' routing id names the
 generation, so a stale process (SIGCONT of a stopped one) is not heard. While it restarts,
 commands for it wait (``RankState.backlog``) and go out on its Hello; a crash loop ends in
@@ -118,13 +118,13 @@ from walkserve.runtime.poolstate import (
     sweep_stale_dirs,
     unlink_segments,
 )
+from walkserve.runtime.poolsupervision import RankSupervision
 from walkserve.runtime.shm import (
     PoolStats,
     ShmError,
     ShmPool,
     ShmReader,
 )
-from walkserve.runtime.supervisor import GiveUp, Supervisor
 from walkserve.runtime.transport import (
     ShmTransport,
     Token,
@@ -191,8 +191,7 @@ class WorkerPool:
         self._ctx = zmq.Context()
         self._on_listening = on_listening
         self._remote_data: dict[int, DataPath] = {}  # remote rank -> data path, when not config's
-        self.supervisor = Supervisor(self.config.supervision)
-        self._restarts_due: dict[int, float] = {}  # rank -> when to start it again (io thread)
+        self.supervision = RankSupervision(self)
         self._serving = False  # every rank started once: from now on a dead one restarts
         try:
             self._start(ranks)
@@ -642,7 +641,7 @@ class WorkerPool:
         deadline = self.config.supervision.hang_deadline_s
         tick = 1000 if deadline is None else max(10, min(1000, int(deadline * 250)))
         while True:
-            for sock, _ in poller.poll(5 if self._setups_due or self._restarts_due else tick):
+            for sock, _ in poller.poll(5 if self._setups_due or self.supervision.due else tick):
                 if sock is self._reports:
                     while (frames := recv_multipart(self._reports)) is not None:
                         self._dispatch(frames)
@@ -655,110 +654,7 @@ class WorkerPool:
             for rank, setup in list(self._setups_due.items()):
                 self._send_setup(self._ranks[rank], setup)
             self.regions.flush()
-            self._supervise()
-
-    # ------------------------------------------------------------------ supervision
-
-    def _supervise(self) -> None:
-        """On the io thread: kill the ranks past their deadline (their death does the rest:
-        ``_on_exit``), and start again the ones whose restart is due."""
-        now = time.monotonic()
-        for state in list(self._ranks.values()):
-            if state.rank in self.config.remote_ranks or self._closed:
-                continue
-            if state.status == "ready" and self.supervisor.hung(state.last_seen):
-                assert state.last_seen is not None
-                silent, limit = now - state.last_seen, self.config.supervision.hang_deadline_s
-                self._kill_hung(state, f"sent nothing for {silent:.1f} s (deadline {limit:g} s)")
-            elif (
-                state.status == "starting"
-                and state.generation > 0
-                and now - state.started > self.config.start_timeout_s
-            ):
-                self._kill_hung(state, f"did not start within {self.config.start_timeout_s:g} s")
-        for rank, due in list(self._restarts_due.items()):
-            if now >= due:
-                del self._restarts_due[rank]
-                self._restart(self._ranks[rank])
-
-    def _kill_hung(self, state: RankState, why: str) -> None:
-        if state.hung is not None:
-            return
-        state.hung = f"worker rank {state.rank} (pid {state.pid}) {why}; killed it"
-        log.error("%s", state.hung)
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            state.process.kill()  # SIGKILL: a stopped process dies too
-
-    def _after_death(self, state: RankState) -> None:
-        """A spawned rank died (not at close): schedule its restart, or give it up (restarts
-        off: it stays ``dead``, as without supervision)."""
-        if not self.config.supervision.restart:
-            return
-        decision = self.supervisor.died(state.rank)
-        with self._lock:
-            if self._closed:
-                return
-            if isinstance(decision, GiveUp):
-                state.status = "failed"
-                state.error = f"{state.error}; {decision.reason}"
-            else:
-                state.status = "restarting"
-        if isinstance(decision, GiveUp):
-            log.critical("worker rank %d failed: %s", state.rank, decision.reason)
-            self._fail_backlog(state, f"worker rank {state.rank} failed: {decision.reason}")
-            return
-        log.warning(
-            "restarting worker rank %d in %.1f s (restart %d)",
-            state.rank,
-            decision.after_s,
-            decision.restart,
-        )
-        self._restarts_due[state.rank] = time.monotonic() + decision.after_s
-
-    def _restart(self, state: RankState) -> None:
-        """Start rank ``state`` again, one generation later (its old identity is forgotten:
-        whatever the old process still sends is ignored)."""
-        with self._lock:
-            if self._closed or state.status != "restarting":
-                return
-        if state.spec is not None:
-            self._reader.forget(state.spec.pool_id)
-        with contextlib.suppress(ValueError):
-            state.process.close()
-        self._by_identity.pop(state.identity, None)
-        generation = state.generation + 1
-        try:
-            process = self._spawn(state.rank, generation)
-        except Exception as e:
-            log.exception("could not start worker rank %d again", state.rank)
-            with self._lock:
-                state.status = "failed"
-                state.error = f"could not start it again: {e}"
-            self._fail_backlog(state, f"worker rank {state.rank} failed: {e}")
-            return
-        with self._send_lock, self._lock:
-            state.process, state.pid, state.generation = process, process.pid, generation
-            state.identity = routing_id(state.rank, generation)
-            state.exitcode = state.spec = state.last_seen = state.hung = None
-            state.kv = []
-            state.started = time.monotonic()
-            state.settled.clear()
-            state.status = "starting"
-        self._by_identity[state.identity] = state
-        self._sentinels[process.sentinel] = state
-        self._poller.register(process.sentinel, zmq.POLLIN)
-
-    def _fail_backlog(self, state: RankState, error: str) -> None:
-        """Fail what waited for a rank that will not come back."""
-        with self._send_lock:
-            state.backlog.clear()
-        with self._lock:
-            mine = [b for b, p in self._pending.items() if p.rank == state.rank]
-        for batch in mine:
-            pending = self._take(batch)
-            if pending is not None:
-                fail_future(pending.future, WorkerDied(error, state.rank))
-        self.regions.fail_rank(state.rank, error)
+            self.supervision.tick()
 
     def _drain_reports(self, wait_ms: int = 20) -> None:
         """Dispatch what the workers sent so far, waiting up to ``wait_ms`` for stragglers."""
@@ -963,7 +859,9 @@ class WorkerPool:
         if state.status == "restarting":  # no process: the pool closed before its restart
             with self._lock:
                 state.status = "closed"
-            self._fail_backlog(state, f"the pool closed while rank {state.rank} restarted")
+            self.supervision.fail_waiting(
+                state, f"the pool closed while rank {state.rank} restarted"
+            )
             return
         reap(state.process, 5.0)  # no zombie
         with self._send_lock, self._lock:
@@ -1012,7 +910,7 @@ class WorkerPool:
             and self._serving
             and state.rank not in self.config.remote_ranks
         ):
-            self._after_death(state)
+            self.supervision.after_death(state)
 
     def _release(self, handle: Token) -> None:
         try:
