@@ -118,7 +118,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--max-queued",
         type=int,
         metavar="N",
-        help="admit at most N requests at once; more get 503 with Retry-After",
+        help="admit at most N requests at once (a completion counts its n choices); more "
+        "get 503 with Retry-After",
     )
     sv.add_argument(
         "--shutdown-grace",

@@ -41,7 +41,7 @@ IMAGE = ByteTokenizer(default.IMAGE_VOCAB)
 
 @pytest.fixture(scope="module")
 def base_url(walkserve_serve: Any) -> Iterator[str]:
-    with walkserve_serve("--api-key", KEY, "--max-queued", "2") as server:
+    with walkserve_serve("--api-key", KEY, "--max-queued", "4") as server:
         health = httpx.get(f"{server.url}/health", timeout=5).json()
         pids = [r["pid"] for r in health["ranks"].values()]
         yield server.url
