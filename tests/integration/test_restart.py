@@ -150,3 +150,4 @@ def test_a_crash_loop_ends_in_failed_and_work_for_it_fails_at_once() -> None:
         with pytest.raises(RequestFailed, match="rank 0"):
             server.run({"x": torch.randn(1, 4)}, "direct", timeout=10)
         assert time.monotonic() - t0 < 5
+        assert wait_for(lambda: settled(server)), server.stats()
