@@ -30,8 +30,9 @@ A dead worker: its in-flight futures fail with ``WorkerDied`` naming the rank, t
 it held are released, its pool's segments are unlinked (a killed process cannot); the other
 ranks keep serving. Supervision (``pool.supervision``: ``poolsupervision`` acting on the
 policy of ``supervisor``, set by ``PoolConfig.supervision``): a ready rank silent past
-``hang_deadline_s`` is killed (SIGKILL) and dies the same way, its error saying it hung. A dead spawned rank is started again with the same ``WorkerSetup`` (weights, plan;
-a fresh KV pool and output pool), one generation later: its sockets' routing id names the
+``hang_deadline_s`` is killed (SIGKILL) and dies the same way, its error saying it hung. A
+dead spawned rank is started again with the same ``WorkerSetup`` (weights, plan; a fresh KV
+pool and output pool), one generation later: its sockets' routing id names the
 generation, so a stale process (SIGCONT of a stopped one) is not heard. While it restarts,
 commands for it wait (``RankState.backlog``) and go out on its Hello; a crash loop ends in
 ``failed`` (``health()``), and then what waited fails. In-flight requests are not retried.
@@ -872,12 +873,13 @@ class WorkerPool:
             state.status = "closed" if clean else "dead"
             if not clean:
                 exit_ = describe_exit(state.exitcode)
-                state.error = state.hung or state.error or f"the process exited ({exit_})"
+                killed = None if state.hung is None else f"killed: it {state.hung}"
+                state.error = killed or state.error or f"the process exited ({exit_})"
             mine = [b for b, p in self._pending.items() if p.rank == state.rank]
             state.backlog.clear()  # their batches fail below
         died = f"died ({describe_exit(state.exitcode)})"
         if state.hung is not None:
-            died = f"hung and was killed ({state.hung})"
+            died = f"was killed: it {state.hung}"
         if not clean:
             log.error("worker rank %d %s", state.rank, died)
             if state.spec is not None and state.rank not in self.config.remote_ranks:

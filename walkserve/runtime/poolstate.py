@@ -114,7 +114,7 @@ class RankState:
     settled: threading.Event = field(default_factory=threading.Event)  # ready, or never will be
     generation: int = 0  # restarts so far; in the routing id of its sockets
     started: float = field(default_factory=time.monotonic)  # its process's start
-    hung: str | None = None  # why the pool killed it (its deadline passed)
+    hung: str | None = None  # why the pool killed it ("sent nothing for 12.0 s (deadline 10 s)")
     backlog: list[bytes] = field(default_factory=list)  # commands held while it restarts
 
     @property

@@ -62,8 +62,8 @@ class RankSupervision:
     def kill_hung(self, state: RankState, why: str) -> None:
         if state.hung is not None:
             return
-        state.hung = f"worker rank {state.rank} (pid {state.pid}) {why}; killed it"
-        log.error("%s", state.hung)
+        state.hung = why
+        log.error("worker rank %d (pid %s) %s; killing it", state.rank, state.pid, why)
         with contextlib.suppress(ProcessLookupError, ValueError):
             state.process.kill()  # SIGKILL: a stopped process dies too
 
