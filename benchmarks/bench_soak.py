@@ -86,6 +86,7 @@ class Soak:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.t0 = time.monotonic()
+        self.machine = machine_info()  # at the start: the commit that runs
 
     def request(self, rng: random.Random) -> dict[str, Any]:
         walk = rng.choice(WALKS)
@@ -218,7 +219,7 @@ class Soak:
         return {
             "model": MODEL,
             "args": vars(self.args),
-            "machine": machine_info(),
+            "machine": dict(self.machine, load_average_end=machine_info()["load_average"]),
             "requests": dict(self.counts, total=sum(self.counts.values())),
             "restart_s": self.restarts,
             "slope_per_hour": slopes,
