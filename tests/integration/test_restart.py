@@ -8,6 +8,9 @@
   margin), the rank is killed and replaced; SIGCONT of the old process and messages sent
   under the old incarnation's identity do not disturb the new one.
 - A crash loop (here: no restart allowed) ends in ``failed``: later work fails at once.
+- ``Server.drain``: new requests refused, the admitted ones given the grace period; what is
+  left when it ends fails as the server closes (``walkserve serve`` on SIGTERM:
+  ``tests/e2e/test_drain.py``).
 
 After each: 0 live values, shared memory idle. Bound on a restart, stated: back within
 ``RESTART_BOUND_S`` (a worker start: spawn, import torch, load the weights; about 2 s here).
@@ -151,3 +154,19 @@ def test_a_crash_loop_ends_in_failed_and_work_for_it_fails_at_once() -> None:
             server.run({"x": torch.randn(1, 4)}, "direct", timeout=10)
         assert time.monotonic() - t0 < 5
         assert wait_for(lambda: settled(server)), server.stats()
+
+
+def test_drain_refuses_new_requests_and_waits_for_the_admitted_ones_within_its_grace() -> None:
+    captured = capture_model(MODEL)
+    with serve(captured) as server:
+        short = server.submit({"x": torch.randn(1, 4), "steps": 2}, "looped")
+        long = server.submit({"x": torch.randn(1, 4), "steps": 1_000_000}, "looped")
+        t0 = time.monotonic()
+        assert not server.drain(grace_s=1.0)  # the long one cannot finish in time
+        assert 1.0 <= time.monotonic() - t0 < 3.0
+        short.result(timeout=0)  # finished within the grace
+        assert server.unavailable() == "the server is shutting down"
+        with pytest.raises(RuntimeError, match="shutting down"):
+            server.submit({"x": torch.randn(1, 4), "steps": 2}, "looped")
+    with pytest.raises(RequestFailed, match="the server closed"):
+        long.result(timeout=10)
