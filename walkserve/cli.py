@@ -118,7 +118,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--max-queued",
         type=int,
         metavar="N",
-        help="admit at most N requests at once; more get 503 with Retry-After",
+        help="admit at most N requests at once (a completion counts its n choices); more "
+        "get 503 with Retry-After",
+    )
+    sv.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, stop admitting (503 with Retry-After) and give the requests in "
+        "flight S seconds to finish before the workers stop (default 30)",
     )
     sv.add_argument("--seed", type=int, default=0, help="weights seed of built-in models")
     sv.add_argument(
@@ -396,6 +405,8 @@ def _serve(args: argparse.Namespace) -> int:
         )
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    if not args.shutdown_grace >= 0:
+        raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if (args.tensor_parallel_size or 1) > 1:  # until the workers run TP groups (runtime.tp)
@@ -454,9 +465,11 @@ def _serve(args: argparse.Namespace) -> int:
         for route in ROUTES:
             print(f"    {route}", flush=True)
         # Ctrl-C: uvicorn stops accepting, gives open streams 5 s, then returns here.
-        # The app has no startup/shutdown hooks; without the lifespan task, Ctrl-C does not
-        # print its cancellation traceback.
-        http = uvicorn.Server(
+        # SIGTERM: a graceful drain (``_DrainingServer``). The app has no startup/shutdown
+        # hooks; without the lifespan task, Ctrl-C does not print its cancellation traceback.
+        http = _draining_server(
+            server,
+            args.shutdown_grace,
             uvicorn.Config(
                 app,
                 host=args.host,
@@ -466,7 +479,7 @@ def _serve(args: argparse.Namespace) -> int:
                 timeout_graceful_shutdown=5,
                 ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile,
-            )
+            ),
         )
         _stop_when_fatal(server, http)
         http.run()
@@ -477,6 +490,45 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"walkserve: the conductor stopped: {server.fatal}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _draining_server(server: Any, grace_s: float, config: Any) -> Any:
+    """A uvicorn server that drains on SIGTERM: new requests get 503 with Retry-After (the
+    socket stays open, so clients hear why), the admitted ones get ``grace_s`` seconds to
+    finish, then it stops and ``_serve`` closes the workers and returns 0. A second SIGTERM,
+    or SIGINT, stops at once (uvicorn's own handling). uvicorn re-raises the signals it caught
+    once it stopped, which would kill the process before the workers are closed: a drained
+    SIGTERM is not re-raised."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig != signal.SIGTERM or self.should_exit:
+                super().handle_exit(sig, frame)
+            elif self.draining:  # a second SIGTERM: stop now
+                self.should_exit = True
+            else:
+                self.draining = True
+                threading.Thread(target=self._drain, name="walkserve-drain", daemon=True).start()
+
+        def _drain(self) -> None:
+            print(
+                f"walkserve: SIGTERM: draining (new requests get 503; {grace_s:g} s for the "
+                "requests in flight)",
+                flush=True,
+            )
+            done = server.drain(grace_s)
+            if not done:
+                print("walkserve: the grace period ended with requests in flight", flush=True)
+            time.sleep(0.2)  # the last responses' final bytes leave
+            self.should_exit = True
+
+    return DrainingServer(config)
 
 
 def _stop_when_fatal(server: Any, http: Any) -> None:

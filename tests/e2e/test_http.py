@@ -41,7 +41,7 @@ IMAGE = ByteTokenizer(default.IMAGE_VOCAB)
 
 @pytest.fixture(scope="module")
 def base_url(walkserve_serve: Any) -> Iterator[str]:
-    with walkserve_serve("--api-key", KEY, "--max-queued", "2") as server:
+    with walkserve_serve("--api-key", KEY, "--max-queued", "4") as server:
         health = httpx.get(f"{server.url}/health", timeout=5).json()
         pids = [r["pid"] for r in health["ranks"].values()]
         yield server.url
@@ -526,11 +526,25 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it(base_url: str, ref: 
 
 
 def test_health_is_503_when_a_worker_dies(base_url: str) -> None:
-    """Must stay last: it kills the only worker."""
+    """Must stay last: it kills the only worker (which is then started again)."""
     ranks = httpx.get(f"{base_url}/health", timeout=30).json()["ranks"]
     os.kill(ranks["0"]["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 20
     while (r := httpx.get(f"{base_url}/health", timeout=30)).status_code != 503:
         assert time.monotonic() < deadline, r.text
         time.sleep(0.2)
-    assert r.json()["ranks"]["0"]["status"] == "dead"
+    assert r.json()["ranks"]["0"]["status"] in ("dead", "restarting", "starting")
+    assert r.headers["retry-after"]
+    body = {"model": MODEL, "prompt": "again", "max_tokens": 4}
+    meanwhile = httpx.post(f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    if meanwhile.status_code != 200:  # not back yet (it usually is not: a start takes seconds)
+        assert meanwhile.status_code == 503 and meanwhile.headers["retry-after"], meanwhile.text
+        assert "restarting" in meanwhile.json()["error"]["message"]
+    # The rank comes back (restarted with its weights and plan) and serves again.
+    deadline = time.monotonic() + 120
+    while (r := httpx.get(f"{base_url}/health", timeout=30)).status_code != 200:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    assert r.json()["ranks"]["0"]["restarts"] == 1
+    again = httpx.post(f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert again.status_code == 200, again.text

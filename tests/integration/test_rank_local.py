@@ -7,35 +7,19 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable
 
 import pytest
 import torch
+from waiting import settled, wait_for
 
 from walkserve.adapters.registry import capture_model
 from walkserve.lowering.placement import Placement
-from walkserve.runtime.server import RequestFailed, Server, serve
+from walkserve.runtime.config import PoolConfig, SupervisionConfig
+from walkserve.runtime.server import RequestFailed, serve
 from walkserve.testing import assert_outputs_match
 
 MODEL = "rank_local_models:two_stage"
 MIB = 1 << 20
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def settled(server: Server) -> bool:
-    stats = server.stats()
-    return (
-        stats.live_requests == 0 and stats.live_values == 0 and server.pool.shm_stats().in_use == 0
-    )
 
 
 def test_a_value_between_two_ranks_never_passes_through_the_server() -> None:
@@ -99,7 +83,8 @@ def test_a_killed_rank_fails_its_region_runs_and_the_other_rank_serves_on() -> N
     nodes = {f"looped:{n}": [1] for n in ("widen", "cycle/step", "reduce")}
     nodes |= {f"direct:{n}": [0] for n in ("widen", "reduce")}
     placement = Placement.from_dict({"ranks": 2, "nodes": nodes})
-    with serve(captured, placement) as server:
+    no_restart = PoolConfig(supervision=SupervisionConfig(restart=False))  # test_restart's
+    with serve(captured, placement, pool_config=no_restart) as server:
         handle = server.submit({"x": torch.randn(1, 4), "steps": 1_000_000}, "looped")
         assert wait_for(
             lambda: server.stats().ranks.get(1) is not None and server.stats().ranks[1].runs == 1

@@ -19,7 +19,7 @@ from walkserve import capture
 from walkserve.adapters.examples import EXAMPLES, example_placement
 from walkserve.adapters.registry import load_model
 from walkserve.lowering.placement import Placement
-from walkserve.runtime.config import SchedulingConfig
+from walkserve.runtime.config import PoolConfig, SchedulingConfig, SupervisionConfig
 from walkserve.runtime.server import RequestFailed, Server, serve
 from walkserve.testing import assert_outputs_match, mixed_requests
 
@@ -125,7 +125,8 @@ def test_killed_worker_fails_its_requests_and_others_go_on() -> None:
     captured, sample = reference("example-cfg-image")
     # Everything on rank 0 except the edit walk's image encoder.
     placement = Placement.from_dict({"ranks": 2, "nodes": {"edit:image_encoder": [1]}})
-    with serve("example-cfg-image", placement) as server:
+    no_restart = PoolConfig(supervision=SupervisionConfig(restart=False))  # test_restart's
+    with serve("example-cfg-image", placement, pool_config=no_restart) as server:
         pid = server.pool.pid(1)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)

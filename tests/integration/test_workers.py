@@ -10,6 +10,7 @@ workers; one test forbids it in this process during a full round trip too.
 from __future__ import annotations
 
 import _pickle
+import dataclasses
 import os
 import pickle
 import signal
@@ -31,6 +32,7 @@ from walkserve.lowering.batched import build_callables
 from walkserve.lowering.lower import lower
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.lowering.split import fuse_elementwise
+from walkserve.runtime.config import SupervisionConfig
 from walkserve.runtime.messages import ObjectRef, Seq
 from walkserve.runtime.pool import (
     BatchError,
@@ -372,7 +374,8 @@ def test_no_pickle_in_a_full_round_trip(
 def test_killed_worker_is_reported_and_cleaned_up_then_restart_is_clean() -> None:
     captured, plan = prepare("example-cfg-image")
     big = torch.arange(20_000, dtype=torch.int64).view(1, -1)
-    pool = WorkerPool("example-cfg-image", 0, captured, plan, 2, THREADS, CONFIG)
+    config = dataclasses.replace(CONFIG, supervision=SupervisionConfig(restart=False))
+    pool = WorkerPool("example-cfg-image", 0, captured, plan, 2, THREADS, config)
     pids = [pool.pid(r) for r in pool.ranks]
     try:
         # Rank 1 writes an output segment, so there is something of its own to clean up.

@@ -1,7 +1,12 @@
-"""``--max-queued``: how many HTTP requests are admitted at once. A request over the limit gets
-503 with ``Retry-After``; an admitted one holds a ``Ticket`` until its response ends."""
+"""``--max-queued``: how many requests are admitted at once, counted by what they run (a
+completion with ``n`` choices counts ``n``). A request over the limit gets 503 with
+``Retry-After``; an admitted one holds a ``Ticket`` until its response ends. So does
+one that arrives while the server cannot serve it (``gate``: ``Server.unavailable``: a rank
+restarting or failed, the server draining on SIGTERM or stopped)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from walkserve.api.errors import ApiError
 
@@ -10,26 +15,52 @@ class Admission:
     """Counts admitted requests. Runs on the event loop only, so check-and-increment is
     atomic (no await in between)."""
 
-    def __init__(self, limit: int | None) -> None:
+    def __init__(
+        self,
+        limit: int | None,
+        gate: Callable[[], str | None] = lambda: None,
+        retry_after_s: int = 1,
+    ) -> None:
         self.limit = limit
         self.active = 0
+        self.gate = gate
+        self.retry_after_s = retry_after_s
 
-    def admit(self) -> Ticket:
-        if self.limit is not None and self.active >= self.limit:
+    def admit(self, weight: int = 1) -> Ticket:
+        """Admit a request that runs ``weight`` requests on the server (a completion's ``n``
+        choices: each is a walk of its own), or raise: 503 when the server is unavailable or
+        full, 400 when ``weight`` alone is over the limit (it could never be admitted)."""
+        reason = self.gate()
+        if reason is not None:
+            raise ApiError(
+                503,
+                f"the server cannot take requests now: {reason}; retry later",
+                "server_unavailable",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+        if self.limit is not None and weight > self.limit:
+            raise ApiError(
+                400,
+                f"n={weight} choices are more than this server runs at once "
+                f"(--max-queued {self.limit}); ask for at most {self.limit}",
+                param="n",
+            )
+        if self.limit is not None and self.active + weight > self.limit:
             raise ApiError(
                 503,
                 f"the server is at its limit of {self.limit} queued requests; retry later",
                 "server_busy",
             )
-        self.active += 1
-        return Ticket(self)
+        self.active += weight
+        return Ticket(self, weight)
 
 
 class Ticket:
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, weight: int = 1) -> None:
         self._admission: Admission | None = admission
+        self.weight = weight
 
     def release(self) -> None:
         if self._admission is not None:
-            self._admission.active -= 1
+            self._admission.active -= self.weight
             self._admission = None

@@ -58,7 +58,8 @@ class ApiContext:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.admission = Admission(self.config.max_queued)
+        gate = getattr(self.server, "unavailable", lambda: None)  # a test's stand-in may lack it
+        self.admission = Admission(self.config.max_queued, gate, self.config.retry_after_s)
         self.names = self.config.served_names or (self.profile.name,)
         self.metrics = Metrics(self.names[0])
 

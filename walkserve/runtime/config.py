@@ -5,6 +5,7 @@
     LaunchConfig    how worker processes are started: spawned here, or Ray actors
     PoolConfig      the server's side of the worker pool: start/stop deadlines, heartbeats,
                     the control sockets' address, shared memory, KV pool sizes, other hosts
+    SupervisionConfig  how the pool watches its ranks: the hang deadline, restarts, crash loops
     WorkerConfig    one worker process's settings (JSON on its spawn command line)
     ShmPoolConfig   one shared-memory pool: slot size classes, slots per class, exhaustion
 
@@ -29,6 +30,7 @@ __all__ = [
     "PoolConfig",
     "SchedulingConfig",
     "ShmPoolConfig",
+    "SupervisionConfig",
     "WorkerConfig",
     "default_threads",
     "routing_id",
@@ -80,13 +82,42 @@ class ShmPoolConfig:
 
 
 @dataclass(frozen=True)
+class SupervisionConfig:
+    """How the pool supervises its spawned ranks (``runtime.supervisor``).
+
+    ``hang_deadline_s``: a ready rank that sends nothing (heartbeats come every
+    ``PoolConfig.heartbeat_s``) for longer than this is killed (SIGKILL) and treated as dead;
+    None: never. ``restart``: a dead rank is started again with the same setup (weights, plan);
+    its requests in flight fail, they are not retried. A rank that dies more than
+    ``max_restarts`` times within ``restart_window_s`` is not restarted again: it is
+    ``failed``. The n-th restart within the window waits ``restart_backoff_s * 2**(n - 2)``
+    (the first is at once)."""
+
+    hang_deadline_s: float | None = 10.0
+    restart: bool = True
+    max_restarts: int = 3
+    restart_window_s: float = 60.0
+    restart_backoff_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.hang_deadline_s is not None and not self.hang_deadline_s > 0:
+            raise ValueError(f"hang_deadline_s must be > 0 or None, got {self.hang_deadline_s}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        for name in ("restart_window_s", "restart_backoff_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class PoolConfig:
     """``address``: ``"ipc"`` (a socket file in a private temporary directory) or ``"tcp"``
     (127.0.0.1, a free port). ``unresponsive_after_s``: a ready worker silent for this long is
     reported ``unresponsive`` (heartbeats come every ``heartbeat_s``). ``forbid_pickle``: make
     pickle raise inside the workers after their setup. ``shm`` configures this process's pool;
     ``worker_shm_slots_per_class`` the slots per size class of each worker's own pool (which
-    holds every node output a worker sends until its reader acks it)."""
+    holds every node output a worker sends until its reader acks it). ``supervision``: hang
+    deadlines and restarts of the spawned ranks."""
 
     start_timeout_s: float = 120.0
     stop_timeout_s: float = 10.0
@@ -109,6 +140,7 @@ class PoolConfig:
     remote_ranks: tuple[int, ...] = ()
     keys_dir: str | None = None
     remote_data: Literal["inline", "mooncake"] = "inline"
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
 
     def __post_init__(self) -> None:
         if self.kv_page_size is not None and self.kv_page_size < 1:
@@ -154,9 +186,12 @@ def default_threads(ranks: int) -> int:
     return max(1, cores // max(1, ranks))
 
 
-def routing_id(rank: int) -> bytes:
-    """The ZeroMQ identity of both of rank ``rank``'s sockets."""
-    return f"walkserve-rank-{rank}".encode()
+def routing_id(rank: int, generation: int = 0) -> bytes:
+    """The ZeroMQ identity of both of rank ``rank``'s sockets; ``generation``: how many times
+    the rank was restarted (a stale process of an earlier generation is not heard)."""
+    if generation == 0:
+        return f"walkserve-rank-{rank}".encode()
+    return f"walkserve-rank-{rank}-g{generation}".encode()
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -178,6 +213,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     curve_server_key: str = ""
     curve_public_key: str = ""
     curve_secret_key: str = ""
+    generation: int = 0  # restarts of this rank before this process (its routing id)
 
     def __post_init__(self) -> None:
         if self.threads < 1:

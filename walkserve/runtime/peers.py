@@ -22,7 +22,8 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -136,14 +137,21 @@ class PeerClient:
         peers: dict[int, str],
         reader: ShmReader,
         timeout_s: float = 60.0,
+        on_wait: Callable[[], object] = lambda: None,
+        wait_slice_s: float = 0.1,
     ) -> None:
+        """``on_wait``: called every ``wait_slice_s`` while an answer is awaited (the worker
+        keeps its heartbeats going: a dead or stopped producer must not make this rank look
+        hung)."""
         self._ctx = ctx
+        self._on_wait = on_wait
+        self._slice_ms = max(1, int(wait_slice_s * 1000))
         self.rank = rank
         self.peers = peers
         self._reader = reader
         self._timeout_ms = int(timeout_s * 1000)
         self._socks: dict[int, zmq.Socket[bytes]] = {}
-        self._attached: set[str] = set()
+        self._attached: dict[int, str] = {}  # rank -> the pool of its answers
         self._seq = itertools.count()
         self.bytes_in = 0
 
@@ -167,17 +175,23 @@ class PeerClient:
             seq = next(self._seq)
             sock.send(encode(Fetch(seq, request_id, keys)))
             reply = None
+            deadline = time.monotonic() + self._timeout_ms / 1000
             while reply is None:
-                if not sock.poll(self._timeout_ms):
-                    raise PeerError(f"rank {rank} did not answer a fetch in time")
+                while not sock.poll(self._slice_ms):
+                    self._on_wait()
+                    if time.monotonic() > deadline:
+                        raise PeerError(f"rank {rank} did not answer a fetch in time")
                 msg = decode(sock.recv())
                 if isinstance(msg, Fetched) and msg.seq == seq:
                     reply = msg
             if reply.error is not None:
                 raise PeerError(f"rank {rank}: {reply.error}")
-            if reply.pool is not None and reply.pool.pool_id not in self._attached:
+            if reply.pool is not None and self._attached.get(rank) != reply.pool.pool_id:
+                old = self._attached.get(rank)
+                if old is not None:  # the rank was restarted: its old pool is gone
+                    self._reader.forget(old)
                 self._reader.add(reply.pool)
-                self._attached.add(reply.pool.pool_id)
+                self._attached[rank] = reply.pool.pool_id
             handles = []
             for key, payload in zip(keys, reply.values):
                 if isinstance(payload, Inline):

@@ -27,8 +27,15 @@ futures complete on the io thread (callbacks added to them should not block). In
 released when the worker acks them, and at the latest when its reply (or its death) arrives.
 
 A dead worker: its in-flight futures fail with ``WorkerDied`` naming the rank, the input slots
-it held are released, its pool's segments are unlinked (a killed process cannot), and
-``health()`` reports it ``dead``; the other ranks keep serving. There is no restart yet.
+it held are released, its pool's segments are unlinked (a killed process cannot); the other
+ranks keep serving. Supervision (``pool.supervision``: ``poolsupervision`` acting on the
+policy of ``supervisor``, set by ``PoolConfig.supervision``): a ready rank silent past
+``hang_deadline_s`` is killed (SIGKILL) and dies the same way, its error saying it hung. A
+dead spawned rank is started again with the same ``WorkerSetup`` (weights, plan; a fresh KV
+pool and output pool), one generation later: its sockets' routing id names the
+generation, so a stale process (SIGCONT of a stopped one) is not heard. While it restarts,
+commands for it wait (``RankState.backlog``) and go out on its Hello; a crash loop ends in
+``failed`` (``health()``), and then what waited fails. In-flight requests are not retried.
 ``close()`` sends ``Shutdown``, waits ``stop_timeout_s``, kills what is left, reaps every
 process (no zombies) and removes its sockets' directory.
 
@@ -45,6 +52,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import tempfile
 import threading
@@ -52,8 +60,10 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from multiprocessing.process import BaseProcess
 from typing import Any
 
+import msgspec
 import zmq
 
 from walkserve.capture.model import CapturedModel
@@ -90,6 +100,7 @@ from walkserve.runtime.net.link import PROBE_SIZES, LinkModel, fit_link
 from walkserve.runtime.net.remote import INLINE_ALL, RemoteProcess
 from walkserve.runtime.poolregions import RegionTraffic
 from walkserve.runtime.poolstate import (
+    GONE,
     BatchError,
     BatchResult,
     DataPath,
@@ -105,8 +116,10 @@ from walkserve.runtime.poolstate import (
     fail_future,
     reap,
     recv_multipart,
+    sweep_stale_dirs,
     unlink_segments,
 )
+from walkserve.runtime.poolsupervision import RankSupervision
 from walkserve.runtime.shm import (
     PoolStats,
     ShmError,
@@ -179,6 +192,8 @@ class WorkerPool:
         self._ctx = zmq.Context()
         self._on_listening = on_listening
         self._remote_data: dict[int, DataPath] = {}  # remote rank -> data path, when not config's
+        self.supervision = RankSupervision(self)
+        self._serving = False  # every rank started once: from now on a dead one restarts
         try:
             self._start(ranks)
         except BaseException:
@@ -201,7 +216,9 @@ class WorkerPool:
         if self.config.bind is not None:
             commands, curve = self._secure_tcp(ranks)
         elif self.config.address == "ipc" and zmq.has("ipc"):
-            self._tmpdir = tempfile.mkdtemp(prefix="walkserve-")  # mode 0700: ours alone
+            sweep_stale_dirs(tempfile.gettempdir())  # of servers that were killed
+            # mode 0700: ours alone; the pid in its name lets a later server sweep it
+            self._tmpdir = tempfile.mkdtemp(prefix=f"walkserve-{os.getpid()}-")
             weakref.finalize(self, shutil.rmtree, self._tmpdir, True)  # if never closed
             self.address = f"ipc://{self._tmpdir}/reports"
             self._reports.bind(self.address)
@@ -253,19 +270,12 @@ class WorkerPool:
             self._remote_transport = MooncakeTransport(
                 engine, inline_max_bytes=self.config.inline_max_bytes
             )
-        spawn = mp.get_context("spawn")
-        config_json = worker_config.to_json()
+        self._worker_config = worker_config
         for rank in range(ranks):
             if rank in self.config.remote_ranks:
                 self._ranks[rank] = self._remote_rank(rank)
                 continue
-            process = spawn.Process(
-                target=worker_main,
-                args=(rank, self.address, config_json),
-                name=f"walkserve-worker-{rank}",
-                daemon=True,
-            )
-            process.start()
+            process = self._spawn(rank, 0)
             self._ranks[rank] = RankState(rank, process, routing_id(rank), pid=process.pid)
         self._by_identity = {r.identity: r for r in self._ranks.values()}
         self._handlers: dict[type, Callable[[RankState, Any], None]] = {
@@ -296,9 +306,21 @@ class WorkerPool:
         if failed:
             reasons = "; ".join(f"rank {s.rank}: {self._start_failure(s)}" for s in failed)
             raise WorkerStartError(f"workers did not start: {reasons}", failed[0].rank)
+        self._serving = True
         for rank in self.config.remote_ranks:
             self.links[rank] = self.measure_link(rank)
             log.info("link to remote rank %d: %s", rank, self.links[rank])
+
+    def _spawn(self, rank: int, generation: int) -> BaseProcess:
+        config = msgspec.structs.replace(self._worker_config, generation=generation)
+        process = mp.get_context("spawn").Process(
+            target=worker_main,
+            args=(rank, self.address, config.to_json()),
+            name=f"walkserve-worker-{rank}",
+            daemon=True,
+        )
+        process.start()
+        return process
 
     def _secure_tcp(self, ranks: int) -> tuple[str, tuple[str, str, str]]:
         """Bind both ROUTERs at ``config.bind`` as CURVE servers (``net.auth``); returns the
@@ -463,7 +485,7 @@ class WorkerPool:
             with self._lock:
                 if self._closed:
                     raise WorkerPoolClosed("the worker pool is closed", rank)
-                if state.status in ("dead", "closed"):
+                if state.status in GONE:
                     raise WorkerDied(
                         f"worker rank {rank} is dead ({describe_exit(state.exitcode)})", rank
                     )
@@ -499,13 +521,18 @@ class WorkerPool:
         each drops the objects it keeps for it (a KV cache), which frees their memory."""
         data = encode(Cancel(request_id))
         with self._lock:
-            live = [s for s in self._ranks.values() if s.status not in ("dead", "closed")]
+            live = [s for s in self._ranks.values() if s.status not in GONE]
         for state in live:
             with contextlib.suppress(zmq.ZMQError):  # a dead worker holds nothing any more
                 self._send(state, data)
 
-    def _send(self, state: RankState, data: bytes) -> None:
+    def _send(self, state: RankState, data: bytes, *, now: bool = False) -> None:
+        """Send a command to ``state``'s process; while the rank restarts it waits in its
+        backlog (``now``: its setup and ``Shutdown``, which are for the new process itself)."""
         with self._send_lock:
+            if state.waiting and not now:
+                state.backlog.append(data)
+                return
             self._commands.send_multipart([state.identity, data], zmq.NOBLOCK)
 
     def health(self) -> dict[int, RankHealth]:
@@ -526,7 +553,15 @@ class WorkerPool:
                     status = "unresponsive"
                 pool_id = None if s.spec is None else s.spec.pool_id
                 out[rank] = RankHealth(
-                    rank, s.pid, status, s.exitcode, seen, in_flight.get(rank, 0), s.error, pool_id
+                    rank,
+                    s.pid,
+                    status,
+                    s.exitcode,
+                    seen,
+                    in_flight.get(rank, 0),
+                    s.error,
+                    pool_id,
+                    s.generation,
                 )
             return out
 
@@ -538,9 +573,9 @@ class WorkerPool:
                 return
             self._closed = True
         for s in self._ranks.values():
-            if s.status not in ("dead", "closed") and hasattr(self, "_commands"):
+            if s.status not in GONE and hasattr(self, "_commands"):
                 with contextlib.suppress(zmq.ZMQError):
-                    self._send(s, encode(Shutdown()))
+                    self._send(s, encode(Shutdown()), now=True)
         deadline = time.monotonic() + self.config.stop_timeout_s
         for s in self._ranks.values():
             reap(s.process, deadline - time.monotonic())
@@ -553,6 +588,11 @@ class WorkerPool:
             self._wake.send(b"stop")
             if threading.current_thread() is not self._io:  # close() from a future callback
                 self._io.join()
+        for s in self._ranks.values():  # one started again while the pool closed
+            with contextlib.suppress(ValueError):
+                if s.process.exitcode is None:
+                    s.process.kill()
+                    reap(s.process, 5.0)
         for s in self._ranks.values():
             self._on_exit(s, closing=True)
             with contextlib.suppress(ValueError):
@@ -593,14 +633,16 @@ class WorkerPool:
     # ------------------------------------------------------------------ io thread
 
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._reports, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
-        sentinels = {s.process.sentinel: s for s in self._ranks.values()}
+        sentinels = self._sentinels = {s.process.sentinel: s for s in self._ranks.values()}
         for fd in sentinels:
             poller.register(fd, zmq.POLLIN)
+        deadline = self.config.supervision.hang_deadline_s
+        tick = 1000 if deadline is None else max(10, min(1000, int(deadline * 250)))
         while True:
-            for sock, _ in poller.poll(5 if self._setups_due else 1000):
+            for sock, _ in poller.poll(5 if self._setups_due or self.supervision.due else tick):
                 if sock is self._reports:
                     while (frames := recv_multipart(self._reports)) is not None:
                         self._dispatch(frames)
@@ -613,6 +655,7 @@ class WorkerPool:
             for rank, setup in list(self._setups_due.items()):
                 self._send_setup(self._ranks[rank], setup)
             self.regions.flush()
+            self.supervision.tick()
 
     def _drain_reports(self, wait_ms: int = 20) -> None:
         """Dispatch what the workers sent so far, waiting up to ``wait_ms`` for stragglers."""
@@ -625,7 +668,7 @@ class WorkerPool:
         """Send a worker its setup once its command socket is connected (its ``Join`` came
         over the other one, so it may not be yet)."""
         try:
-            self._send(state, setup)
+            self._send(state, setup, now=True)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
@@ -709,8 +752,23 @@ class WorkerPool:
         if msg.pid != state.process.pid or state.spec is None:
             log.warning("rank %d: unexpected Hello", state.rank)
             return
-        with self._lock:
-            state.status = "ready"
+        with self._send_lock:  # what waited for a restarted rank goes first, in order
+            with self._lock:
+                state.status = "ready"
+                if state.generation > 0:
+                    state.error = None
+            backlog, state.backlog = state.backlog, []
+            for data in backlog:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._commands.send_multipart([state.identity, data], zmq.NOBLOCK)
+        if state.generation > 0:
+            log.warning(
+                "worker rank %d is back (pid %s, restart %d, %d commands waited)",
+                state.rank,
+                state.pid,
+                state.generation,
+                len(backlog),
+            )
         state.settled.set()
 
     def _on_fatal(self, state: RankState, msg: Fatal) -> None:
@@ -797,21 +855,33 @@ class WorkerPool:
     def _on_exit(self, state: RankState, closing: bool) -> None:
         """A worker process ended (or the pool closed): settle its state, free what it held,
         then fail its batches (so that whoever sees the failure finds everything released)."""
-        if state.status in ("dead", "closed"):
+        if state.status in GONE:
+            return
+        if state.status == "restarting":  # no process: the pool closed before its restart
+            with self._lock:
+                state.status = "closed"
+            self.supervision.fail_waiting(
+                state, f"the pool closed while rank {state.rank} restarted"
+            )
             return
         reap(state.process, 5.0)  # no zombie
-        with self._lock:
-            if state.status in ("dead", "closed"):
+        with self._send_lock, self._lock:
+            if state.status in GONE:
                 return
             state.exitcode = state.process.exitcode
             clean = closing and state.exitcode == 0
             state.status = "closed" if clean else "dead"
             if not clean:
                 exit_ = describe_exit(state.exitcode)
-                state.error = state.error or f"the process exited ({exit_})"
+                killed = None if state.hung is None else f"killed: it {state.hung}"
+                state.error = killed or state.error or f"the process exited ({exit_})"
             mine = [b for b, p in self._pending.items() if p.rank == state.rank]
+            state.backlog.clear()  # their batches fail below
+        died = f"died ({describe_exit(state.exitcode)})"
+        if state.hung is not None:
+            died = f"was killed: it {state.hung}"
         if not clean:
-            log.error("worker rank %d died (%s)", state.rank, describe_exit(state.exitcode))
+            log.error("worker rank %d %s", state.rank, died)
             if state.spec is not None and state.rank not in self.config.remote_ranks:
                 unlink_segments(state.spec)
         for batch in mine:
@@ -825,8 +895,7 @@ class WorkerPool:
                 )
             else:
                 error = WorkerDied(
-                    f"worker rank {state.rank} (pid {state.pid}) died "
-                    f"({describe_exit(state.exitcode)}) with {what} in flight",
+                    f"worker rank {state.rank} (pid {state.pid}) {died} with {what} in flight",
                     state.rank,
                 )
             fail_future(pending.future, error)
@@ -835,11 +904,15 @@ class WorkerPool:
                 state.rank, f"the pool closed with region runs on rank {state.rank}"
             )
         else:
-            self.regions.fail_rank(
-                state.rank,
-                f"worker rank {state.rank} (pid {state.pid}) died ({describe_exit(state.exitcode)})",
-            )
+            self.regions.fail_rank(state.rank, f"worker rank {state.rank} (pid {state.pid}) {died}")
         state.settled.set()
+        if (
+            not clean
+            and not closing
+            and self._serving
+            and state.rank not in self.config.remote_ranks
+        ):
+            self.supervision.after_death(state)
 
     def _release(self, handle: Token) -> None:
         try:

@@ -43,7 +43,7 @@ from walkserve.runtime.messages import (
     Value,
     encode,
 )
-from walkserve.runtime.poolstate import RankState, describe_exit
+from walkserve.runtime.poolstate import GONE, RankState, describe_exit
 from walkserve.runtime.transport import Token, shm_handles
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class RegionTraffic:
             transport.release(handles)
             raise
         with self.pool._lock:
-            dead = self.pool._closed or state.status in ("dead", "closed")
+            dead = self.pool._closed or state.status in GONE
             if not dead:
                 self._regions.setdefault(rank, {}).update({s.item: s.request_id for s in wire})
                 for h in handles:
@@ -131,14 +131,14 @@ class RegionTraffic:
         with self.pool._lock:
             for h in handles:
                 self._region_handles[h] = rank
-        if state.status not in ("dead", "closed"):
+        if state.status not in GONE:
             with contextlib.suppress(zmq.ZMQError):
                 self.pool._send(state, data)
 
     def grant(self, rank: int, item: int, channel: str, items: int) -> None:
         """Producer region item ``item`` on ``rank`` may commit ``channel`` up to ``items``."""
         state = self.pool._rank(rank)
-        if state.status not in ("dead", "closed"):
+        if state.status not in GONE:
             with contextlib.suppress(zmq.ZMQError):
                 self.pool._send(state, encode(GrantCredit(item, channel, items)))
 
@@ -148,7 +148,7 @@ class RegionTraffic:
         with self.pool._lock:
             live = self._regions.get(rank, {})
             items = [i for i in items if live.pop(i, None) is not None]
-        if items and state.status not in ("dead", "closed"):
+        if items and state.status not in GONE:
             with contextlib.suppress(zmq.ZMQError):
                 self.pool._send(state, encode(DropRuns(list(items))))
 

@@ -1,7 +1,7 @@
 """The worker pool's bookkeeping: errors, results, each rank's state, process helpers.
 
-``RankState`` is what the pool knows of one rank (its process, status, last message, output
-pool, KV figures); ``Pending`` one batch in flight. ``BatchResult`` and ``RankHealth`` are what
+``RankState`` is what the pool knows of one rank (its process and generation, status, last
+message, output pool, KV figures, commands held while it restarts); ``Pending`` one batch in flight. ``BatchResult`` and ``RankHealth`` are what
 the pool's callers read. The helpers reap processes, describe exit codes and unlink a dead
 worker's shared memory.
 """
@@ -29,7 +29,9 @@ log = logging.getLogger("walkserve.pool")
 
 Item = tuple[int, str, Mapping[str, Any]]  # (item id, request id, {input name: value})
 DataPath = Literal["shm", "inline", "mooncake"]  # how tensors reach a worker
-Status = Literal["starting", "ready", "unresponsive", "dead", "closed"]
+Status = Literal["starting", "ready", "unresponsive", "restarting", "dead", "failed", "closed"]
+# No process serves the rank and none will (a dead rank restarts: ``restarting``, ``starting``)
+GONE: frozenset[Status] = frozenset({"dead", "failed", "closed"})
 
 
 class WorkerError(RuntimeError):
@@ -83,6 +85,7 @@ class RankHealth:
     in_flight: int  # batches sent and not answered
     error: str | None
     shm_pool: str | None  # pool id of its output pool (segments ``wsp_<id>_<i>``)
+    restarts: int = 0  # times its process was started again (``supervisor``)
 
 
 @dataclass(eq=False)
@@ -109,6 +112,15 @@ class RankState:
     spec: ShmPoolSpec | None = None
     kv: list[KVStats] = field(default_factory=list)  # from its last heartbeat
     settled: threading.Event = field(default_factory=threading.Event)  # ready, or never will be
+    generation: int = 0  # restarts so far; in the routing id of its sockets
+    started: float = field(default_factory=time.monotonic)  # its process's start
+    hung: str | None = None  # why the pool killed it ("sent nothing for 12.0 s (deadline 10 s)")
+    backlog: list[bytes] = field(default_factory=list)  # commands held while it restarts
+
+    @property
+    def waiting(self) -> bool:
+        """Restarting: commands wait in ``backlog`` until the new process says Hello."""
+        return self.status == "restarting" or (self.status == "starting" and self.generation > 0)
 
 
 def fail_future(future: Future[BatchResult], error: BaseException) -> None:
@@ -143,6 +155,31 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def sweep_stale_dirs(parent: str) -> None:
+    """Remove the socket directories (``walkserve-<pid>-*`` in ``parent``) of servers whose
+    process is gone: a SIGKILLed server cannot remove its own (its workers try, as they exit)."""
+    import os
+    import shutil
+
+    for entry in os.scandir(parent):
+        parts = entry.name.split("-")
+        if len(parts) < 3 or parts[0] != "walkserve" or not parts[1].isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+                continue
+            pid = int(parts[1])
+            try:
+                os.kill(pid, 0)
+                continue  # its server lives
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            log.info("removed %s, left by server process %d", entry.path, pid)
 
 
 def unlink_segments(spec: ShmPoolSpec) -> None:

@@ -7,6 +7,7 @@ process per rank, requests in, outputs and streamed items out.
     for item in handle.stream(): ...                       # StreamItem as iterations commit
     handle.result(); handle.cancel()
     server.health(); server.stats(); server.close()        # also a context manager
+    server.drain(grace_s=30)                               # stop admitting, let requests end
 
 The conductor loop (one thread, the only one touching the conductor)::
 
@@ -18,8 +19,12 @@ The conductor loop (one thread, the only one touching the conductor)::
 
 Planning overlaps execution: while batches are out on the workers, the loop keeps taking
 newly ready items (the next iteration of another request, another branch) and dispatching
-them. A worker that dies fails the requests whose batches it held, with an error naming the
-rank; requests that need only other ranks go on (there is no restart yet).
+them. A worker that dies (or hangs past its deadline and is killed) fails the requests whose
+batches it held, with an error naming the rank; requests that need only other ranks go on.
+The pool restarts it (``supervisor``); work sent to it meanwhile waits for it. No request is
+retried: a failed one is the client's to send again. ``unavailable()`` says why new work
+would not be served now (a rank restarting or failed, draining, the loop stopped): the HTTP
+layer answers 503 with Retry-After then.
 """
 
 from __future__ import annotations
@@ -239,6 +244,7 @@ class Server:
         pool.regions.on_regions = self._region_events
         self._closed = False
         self.fatal: str | None = None  # why the conductor loop stopped, if it did
+        self.draining: str | None = None  # why new requests are refused (``drain``)
         self.cross_host_edges: list[Any] = []  # runtime.net.link.CrossHostEdge
         self.closers: list[Callable[[], None]] = []  # run after the pool closed (a launcher)
         self._thread = threading.Thread(target=self._loop, name="walkserve-conductor", daemon=True)
@@ -280,6 +286,8 @@ class Server:
             raise RuntimeError("the server is closed")
         if self.fatal is not None:
             raise RuntimeError(f"the server stopped: {self.fatal}")
+        if self.draining is not None:
+            raise RuntimeError(self.draining)
         rid = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(rid, self)
         done: Future[RequestHandle] = Future()
@@ -312,6 +320,32 @@ class Server:
 
     def health(self) -> dict[int, RankHealth]:
         return self.pool.health()
+
+    def unavailable(self) -> str | None:
+        """Why a new request would not be served now (None: it would): the server drains or
+        stopped, or a rank restarts (its work waits) or failed for good. A rank ``dead`` with
+        restarts off is not a reason: requests that need it fail, naming it; others go on."""
+        if self.fatal is not None:
+            return f"the server stopped: {self.fatal}"
+        if self.draining is not None:
+            return self.draining
+        for rank, h in sorted(self.pool.health().items()):
+            if h.status == "failed":
+                return f"worker rank {rank} failed: {h.error}"
+            if h.status in ("restarting", "starting"):
+                return f"worker rank {rank} is restarting (restart {h.restarts})"
+        return None
+
+    def drain(self, grace_s: float, poll_s: float = 0.05) -> bool:
+        """Refuse new requests from now on and wait up to ``grace_s`` for the admitted ones
+        to finish; True if they all did. ``close()`` then fails whatever is left."""
+        self.draining = self.draining or "the server is shutting down"
+        deadline = time.monotonic() + grace_s
+        while self._handles or not self._inbox.empty():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
 
     def kv_stats(self) -> dict[int, list[KVStats]]:
         """Paged KV pools per rank, as of each worker's last heartbeat."""

@@ -428,6 +428,13 @@ class ShmReader:
     def add(self, spec: ShmPoolSpec) -> None:
         self._specs[spec.pool_id] = spec
 
+    def forget(self, pool_id: str) -> None:
+        """Stop reading pool ``pool_id`` (its owner died) and unmap its segments."""
+        with self._lock:
+            self._specs.pop(pool_id, None)
+            for key in [k for k in self._maps if k[0] == pool_id]:
+                self._maps.pop(key).close()
+
     def read(self, handle: ShmHandle, *, copy: bool = True) -> torch.Tensor:
         """The tensor ``handle`` names. ``copy=True``: a new tensor, safe to keep after the
         ack. ``copy=False``: a zero-copy view into the slot, valid only until this reader

@@ -49,12 +49,18 @@ the rest of walkserve are imported inside functions. If the parent's ``__main__`
 imports torch at its top, spawn re-imports that module in the child first and the variable
 comes too late for OpenMP's start-up, but ``torch.set_num_threads`` still applies.
 
-Signals: SIGINT is ignored (Ctrl-C reaches the whole process group; the conductor decides),
-SIGTERM stops the worker cleanly. A worker whose parent process is gone exits by itself.
+Signals: a spawned worker leads a process group of its own, so that signals meant for the
+server's group (Ctrl-C, SIGTERM from a supervisor) reach the server only, which drains and
+then stops its workers (``Shutdown``). SIGINT is ignored all the same (the conductor decides),
+SIGTERM sent to the worker itself stops it cleanly. A worker whose parent process is gone exits by itself (it
+checks at each heartbeat) and removes the conductor's socket directory. Its sockets' routing
+id carries ``WorkerConfig.generation``: a restarted rank's new process is heard, the old one
+(if it still runs) is not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -135,6 +141,10 @@ def worker_main(rank: int, conductor_addr: str, config: str | WorkerConfig) -> N
     a second, and by then the worker has released everything it owns (its pool is unlinked,
     its sockets closed, logs flushed)."""
     cfg = config if isinstance(config, WorkerConfig) else WorkerConfig.from_json(config)
+    # A process group of its own: a signal to the server's group (a terminal's Ctrl-C, a
+    # supervisor's SIGTERM) reaches the server alone, which drains, then stops its workers.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
     import torch
 
@@ -166,6 +176,8 @@ class Worker:
         self._kv_last: dict[str, KVStats] = {}
         self.peer_server: PeerServer | None = None
         self.peers: PeerClient | None = None
+        self._orphaned = False  # the conductor process died: clean what it left
+        self._next_beat = 0.0  # when the io thread sends the next heartbeat
 
     def run(self) -> int:
         import zmq
@@ -175,13 +187,13 @@ class Worker:
         ctx = self._ctx = zmq.Context()
         rx = ctx.socket(zmq.DEALER)  # commands; the io thread's alone once it runs
         rx.setsockopt(zmq.LINGER, 0)
-        rx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
+        rx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.config.generation))
         self._secure(rx)
         rx.connect(self.config.commands_addr)
         self._tx = ctx.socket(zmq.DEALER)  # reports; any thread, under _tx_lock
         self._tx.setsockopt(zmq.LINGER, 1000)  # let the last replies out
         self._tx.setsockopt(zmq.SNDTIMEO, 10_000)  # never block forever on a gone conductor
-        self._tx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank))
+        self._tx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.config.generation))
         self._secure(self._tx)
         self._tx.connect(self.address)
         built = False
@@ -218,6 +230,20 @@ class Worker:
             rx.close()
             self._tx.close()
             ctx.term()
+            if self._orphaned:
+                self._clean_after_conductor()
+
+    def _clean_after_conductor(self) -> None:
+        """The conductor process is gone (killed): remove its private socket directory, which
+        it cannot any more (every worker tries; the first one wins). Shared memory needs
+        nothing: the segments are unlinked by multiprocessing's resource tracker once the last
+        process registered with it exits."""
+        import shutil
+
+        if self.address.startswith("ipc://"):
+            directory = os.path.dirname(self.address[len("ipc://") :])
+            if os.path.basename(directory).startswith("walkserve-"):
+                shutil.rmtree(directory, ignore_errors=True)
 
     def _secure(self, sock: zmq.Socket[bytes]) -> None:
         """A CURVE client of the conductor when the config names keys (``runtime.net``)."""
@@ -315,7 +341,9 @@ class Worker:
                 self.reader,
                 self.config.inline_max_bytes,
             )
-            self.peers = PeerClient(self._ctx, self.rank, dict(setup.peers), self.reader)
+            self.peers = PeerClient(
+                self._ctx, self.rank, dict(setup.peers), self.reader, on_wait=self._beat
+            )
         scheduler = RankScheduler(
             region_walks(captured, plan, self.rank),
             speculate=setup.speculate,
@@ -356,7 +384,6 @@ class Worker:
             DropRuns,
             FeedStream,
             GrantCredit,
-            Heartbeat,
             MessageError,
             Probe,
             Release,
@@ -380,11 +407,10 @@ class Worker:
             Shutdown: lambda m: self._stop(),
             Probe: self._on_probe,
         }
-        beat = self.config.heartbeat_s
-        next_beat = time.monotonic()
+        self._next_beat = time.monotonic()
         try:
             while not self._stopping.is_set():
-                rx.poll(int(max(0.0, next_beat - time.monotonic()) * 1000) + 1)
+                rx.poll(int(max(0.0, self._next_beat - time.monotonic()) * 1000) + 1)
                 while not self._stopping.is_set() and (data := _recv(rx)) is not None:
                     try:
                         msg: Message = decode(data)
@@ -396,15 +422,26 @@ class Worker:
                         log.warning("rank %d: unexpected %s", self.rank, type(msg).__name__)
                     else:
                         handler(msg)
-                now = time.monotonic()
-                if now >= next_beat:
-                    self._send(Heartbeat(self.rank, now, self._kv_stats()))
-                    next_beat = now + beat
-                    if os.getppid() != self._ppid:
-                        log.error("rank %d: the conductor process is gone; exiting", self.rank)
-                        break
+                self._beat()
+                if os.getppid() != self._ppid:  # a cheap syscall
+                    log.error("rank %d: the conductor process is gone; exiting", self.rank)
+                    self._orphaned = True
+                    break
         finally:
             self._stop()
+
+    def _beat(self) -> bool:
+        """Send a heartbeat if one is due (True then): from the io thread's loop, and while it
+        waits for a peer's answer (a peer that died or stopped must not make this rank look
+        hung too)."""
+        from walkserve.runtime.messages import Heartbeat
+
+        now = time.monotonic()
+        if now < self._next_beat:
+            return False
+        self._send(Heartbeat(self.rank, now, self._kv_stats()))
+        self._next_beat = now + self.config.heartbeat_s
+        return True
 
     def _kv_stats(self) -> list[KVStats]:
         """The paged pools this worker allocated (a busy pool keeps its last figures)."""

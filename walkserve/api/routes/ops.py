@@ -1,4 +1,5 @@
-"""Operations routes: ``/health`` (per-rank status; 503 when a worker is dead; no auth),
+"""Operations routes: ``/health`` (per-rank status and restarts; 503 while a rank is not
+ready (restarting, failed) or the server drains or stopped; no auth),
 ``/v1/models`` (the served names) and ``/metrics`` (Prometheus text)."""
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ async def health(request: Request) -> JSONResponse:
     body: dict[str, Any] = {
         "status": "ok",
         "ranks": {
-            str(r): {"status": h.status, "pid": h.pid, "in_flight": h.in_flight, "error": h.error}
+            str(r): {
+                "status": h.status,
+                "pid": h.pid,
+                "in_flight": h.in_flight,
+                "error": h.error,
+                "restarts": h.restarts,
+                "shm_pool": h.shm_pool,
+            }
             for r, h in ranks.items()
         },
     }
@@ -30,9 +38,13 @@ async def health(request: Request) -> JSONResponse:
         body["status"] = "unavailable"
         body["conductor"] = {"status": "stopped", "error": fatal}
         return JSONResponse(body, 503)
-    if any(h.status in ("dead", "closed") for h in ranks.values()):
-        body["status"] = "unavailable"
-        return JSONResponse(body, 503)
+    draining = getattr(ctx.server, "draining", None)
+    if draining is not None:
+        body["status"] = "draining"
+        return JSONResponse(body, 503, headers={"Retry-After": str(ctx.config.retry_after_s)})
+    if any(h.status not in ("ready", "unresponsive") for h in ranks.values()):
+        body["status"] = "unavailable"  # a rank restarting (Retry-After) or failed for good
+        return JSONResponse(body, 503, headers={"Retry-After": str(ctx.config.retry_after_s)})
     return JSONResponse(body)
 
 

@@ -291,7 +291,7 @@ async def run_text(
     body: TextBody,
     shape: Shape,
 ) -> Response:
-    ticket = ctx.admission.admit()
+    ticket = ctx.admission.admit(len(plan.choices))  # each choice runs as a request
     t0 = time.perf_counter()
     handles: list[RequestHandle] = []
     try:
