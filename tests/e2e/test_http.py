@@ -27,7 +27,7 @@ from walkserve.adapters import default  # noqa: E402
 from walkserve.adapters.hf_causal_lm import sample_request  # noqa: E402
 from walkserve.adapters.registry import capture_model  # noqa: E402
 from walkserve.adapters.tokenizer import ByteTokenizer  # noqa: E402
-from walkserve.api import media  # noqa: E402
+from walkserve.api import imagecodec, media  # noqa: E402
 from walkserve.api.metrics import read_metric  # noqa: E402
 from walkserve.api.profile import plain_chat  # noqa: E402
 
@@ -37,6 +37,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 TEXT = ByteTokenizer(default.TEXT_VOCAB)
 SPEECH = ByteTokenizer(default.SPEECH_VOCAB)
 IMAGE = ByteTokenizer(default.IMAGE_VOCAB)
+PIXELS = 1 << 20  # the pixel limit of the test's own decodes
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +262,7 @@ def test_image_edit_matches_the_reference(client: Any, ref: Any) -> None:
     noise = torch.randn((1, *default.NOISE_SHAPE), generator=torch.Generator().manual_seed(0))
     inputs = {
         "prompt_ids": torch.tensor([IMAGE.encode("make it blue")]),
-        "image": media.read_png(upload)[None],  # the pixels the server saw
+        "image": imagecodec.decode(upload, PIXELS)[None],  # the pixels the server saw
         "noise": noise,
     }
     want = media.image_to_uint8(ref.run(inputs, walk="edit")["image"][0]).to(torch.int32)

@@ -1,5 +1,5 @@
 """Operations routes: ``/health`` (per-rank status; 503 when a worker is dead; no auth),
-``/v1/models`` (the served names) and ``/metrics`` (Prometheus text)."""
+``/v1/models`` (the served names, their tasks and walks, the image sizes and media formats) and ``/metrics`` (Prometheus text)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from walkserve.api import audiocodec, imagecodec
 from walkserve.api.context import context
+from walkserve.api.routes.images import image_sizes
 
 router = APIRouter()
 
@@ -40,9 +42,15 @@ async def health(request: Request) -> JSONResponse:
 async def models(request: Request) -> dict[str, Any]:
     ctx = context(request)
     profile = ctx.profile
-    kinds = ("text", "speech", "image", "chat_audio")
+    kinds = ("text", "speech", "image", "chat_audio", "transcription")
     tasks = [t for t in kinds if getattr(profile, t) is not None]
     walks = ctx.server.captured.graph.entry_walks()
+    media_fields: dict[str, Any] = {}
+    if profile.image is not None:  # what size and output_format take
+        media_fields["image_sizes"] = image_sizes(profile.image)
+        media_fields["image_formats"] = list(imagecodec.IMAGE_FORMATS)
+    if profile.speech is not None:
+        media_fields["speech_formats"] = list(audiocodec.SPEECH_FORMATS)
     return {
         "object": "list",
         "data": [
@@ -57,6 +65,7 @@ async def models(request: Request) -> dict[str, Any]:
                 else None,
                 "tasks": tasks,
                 "walks": walks,
+                **media_fields,
             }
             for name in ctx.names
         ],
