@@ -115,6 +115,7 @@ class AudioEncoder:
         self._stream: Any = self._container.add_stream(
             codec, rate=_codec_rate(codec, sample_rate), layout="mono"
         )
+        self._stream.codec_context.open()  # now: its frame size is known before the first feed
 
     @property
     def frame_size(self) -> int:
@@ -164,6 +165,18 @@ class AudioEncoder:
 
     def _take(self) -> bytes:
         return self._out.take() if isinstance(self._out, _Sink) else b""
+
+
+def leading_samples(fmt: SpeechFormat, streamed: bool) -> int:
+    """Samples a decoder plays before the first one encoded, because the stream cannot say
+    how many to skip (see the module docstring); a client that wants the exact audio drops
+    them. The end is padded to the codec frame, and a streamed mp3 also holds LAME's flush of
+    up to one more frame."""
+    if fmt == "aac":
+        return AAC_PRIMING
+    if fmt == "mp3" and streamed:
+        return MP3_DELAY
+    return 0
 
 
 def encode(waveform: torch.Tensor, fmt: SpeechFormat, sample_rate: int) -> bytes:
