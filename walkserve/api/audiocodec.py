@@ -61,12 +61,7 @@ UPLOAD_ACCEPTED = "wav, mp3, flac, ogg (opus, vorbis), m4a or webm audio"
 
 
 def speech_format(value: str) -> SpeechFormat:
-    for fmt in SPEECH_FORMATS:
-        if value == fmt:
-            return fmt
-    raise ValueError(
-        f"response_format {value!r} is not supported: use one of {list(SPEECH_FORMATS)}"
-    )
+    return media.one_of(value, SPEECH_FORMATS, "response_format")
 
 
 class _Sink:

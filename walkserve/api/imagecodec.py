@@ -31,10 +31,7 @@ DEFAULT_QUALITY = 90  # JPEG / WebP quality when output_compression is not given
 
 
 def image_format(value: str) -> ImageFormat:
-    for fmt in IMAGE_FORMATS:
-        if value == fmt:
-            return fmt
-    raise ValueError(f"output_format {value!r} is not supported: use one of {list(IMAGE_FORMATS)}")
+    return media.one_of(value, IMAGE_FORMATS, "output_format")
 
 
 def decode(data: bytes, max_pixels: int) -> torch.Tensor:

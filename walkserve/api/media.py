@@ -7,12 +7,23 @@ from __future__ import annotations
 
 import struct
 import zlib
+from typing import TypeVar
 
 import torch
+
+F = TypeVar("F", bound=str)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 WAV_OPEN_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a stream whose length is not known yet
+
+
+def one_of(value: str, options: tuple[F, ...], field: str) -> F:
+    """``value`` as one of a route's format names; ``ValueError`` naming ``field`` and them."""
+    for option in options:
+        if value == option:
+            return option
+    raise ValueError(f"{field} {value!r} is not supported: use one of {list(options)}")
 
 
 def pcm16(waveform: torch.Tensor) -> bytes:
