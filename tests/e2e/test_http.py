@@ -442,7 +442,7 @@ ERRORS = [
         {"model": MODEL, "input": "hi", "response_format": "ogg"},
         "'mp3', 'opus'",
     ),
-    ("/v1/audio/speech", {"model": MODEL, "input": "hi", "speed": 2}, "speed 2"),
+    ("/v1/audio/speech", {"model": MODEL, "input": "hi", "speed": 5}, "speed: Input should be"),
     ("/v1/audio/speech", {"model": MODEL, "input": "hi", "max_tokens": 999}, "too large"),
     ("/v1/images/generations", {"model": MODEL, "prompt": "a", "size": "512x512"}, "16x16"),
     ("/v1/images/generations", {"model": MODEL, "prompt": "a", "n": 2}, "n=2"),

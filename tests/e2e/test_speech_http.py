@@ -230,23 +230,23 @@ def speech_bytes(client: Any, fmt: str, **extra: Any) -> bytes:
         return b"".join(response.iter_bytes())
 
 
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac"])  # wav: the tests above
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 def test_each_speech_format_decodes_to_the_served_samples(
-    client: Any, formats_ref: torch.Tensor, streamed: bool
+    client: Any, formats_ref: torch.Tensor, streamed: bool, fmt: str
 ) -> None:
     """Decoded (PyAV) back, each format holds the reference's samples within one codec frame
     (a streamed mp3: two, LAME's flush), after the codec delay a format cannot signal (AAC's
     priming; a streamed mp3's LAME delay); FLAC holds the very samples."""
     n = formats_ref.shape[0]
-    for fmt in ("mp3", "opus", "aac", "flac"):  # wav: test_speech_wav_equals_the_reference...
-        data = speech_bytes(client, fmt, **({"stream": True} if streamed else {}))
-        back = audiocodec.decode(data, omni_http.SAMPLE_RATE, 60.0)
-        lead = audiocodec.leading_samples(fmt, streamed)
-        frame = audiocodec.AudioEncoder(fmt, omni_http.SAMPLE_RATE).frame_size
-        slack = 2 * frame if fmt == "mp3" and streamed else frame  # LAME's flush, streamed
-        assert 0 <= back.shape[0] - lead - n < slack, (fmt, back.shape[0], n)
-        if fmt == "flac":
-            assert_pcm_close(media.pcm16(back), formats_ref)
+    data = speech_bytes(client, fmt, **({"stream": True} if streamed else {}))
+    back = audiocodec.decode(data, omni_http.SAMPLE_RATE, 60.0)
+    lead = audiocodec.leading_samples(fmt, streamed)  # type: ignore[arg-type]
+    frame = audiocodec.AudioEncoder(fmt, omni_http.SAMPLE_RATE).frame_size  # type: ignore[arg-type]
+    slack = 2 * frame if fmt == "mp3" and streamed else frame  # LAME's flush, streamed
+    assert 0 <= back.shape[0] - lead - n < slack, (fmt, back.shape[0], n)
+    if fmt == "flac":
+        assert_pcm_close(media.pcm16(back), formats_ref)
 
 
 def test_speech_sse_events_as_openai_documents_them(client: Any, formats_ref: torch.Tensor) -> None:
@@ -278,9 +278,20 @@ def test_speech_sse_events_as_openai_documents_them(client: Any, formats_ref: to
     assert mp3.count(b"speech.audio.delta") >= 1 and b"speech.audio.done" in mp3
 
 
-def test_speed_and_unknown_formats_are_400s_naming_the_field(client: Any) -> None:
-    with pytest.raises(openai.BadRequestError, match=r"speed 1.5 is not supported") as info:
-        client.audio.speech.create(model=OMNI, voice="ethan", input="x", speed=1.5).read()
+def test_speed_time_stretches_the_reference(client: Any, ref: Any) -> None:
+    """``speed``: the reference waveform through the same atempo filter, whole or streamed
+    (the filter's samples do not depend on the chunks)."""
+    waveform = ref_speech(ref, "Good day", "ethan", 40)["waveform"]
+    for speed, fmt, stream in ((2.0, "wav", False), (0.5, "pcm", True)):
+        tempo = audiocodec.Tempo(speed, omni_http.SAMPLE_RATE)
+        want = ref_pcm(torch.cat([tempo.feed(waveform), tempo.close()]))
+        data = speech_bytes(client, fmt, speed=speed, **({"stream": True} if stream else {}))
+        assert_pcm_close(data[44:] if fmt == "wav" else data, want)
+
+
+def test_bad_speed_and_unknown_formats_are_400s_naming_the_field(client: Any) -> None:
+    with pytest.raises(openai.BadRequestError, match=r"less than or equal to 4") as info:
+        client.audio.speech.create(model=OMNI, voice="ethan", input="x", speed=5).read()
     assert info.value.body["param"] == "speed"
     with pytest.raises(openai.BadRequestError, match=r"'ogg' is not supported.*'mp3'") as info:
         client.audio.speech.create(

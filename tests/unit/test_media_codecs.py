@@ -101,6 +101,18 @@ def test_bad_uploads_are_value_errors(data: bytes, message: str) -> None:
         audiocodec.decode(data, 16000, 1.0)
 
 
+@pytest.mark.parametrize("speed", [0.25, 0.5, 1.5, 4.0])
+def test_tempo_stretches_to_the_length_whatever_the_chunks(speed: float) -> None:
+    whole = audiocodec.Tempo(speed, RATE)
+    once = torch.cat([whole.feed(WAVE), whole.close()])
+    chunked = audiocodec.Tempo(speed, RATE)
+    parts = torch.cat([*[chunked.feed(c) for c in WAVE.split(1000)], chunked.close()])
+    assert torch.equal(once, parts)
+    filters = 2 if speed < 0.5 else 1
+    window = audiocodec.Tempo.WINDOW_S * RATE * filters
+    assert abs(once.shape[0] - WAVE.shape[0] / speed) < window
+
+
 def test_unknown_speech_format_names_the_formats() -> None:
     with pytest.raises(ValueError, match=r"'ogg' is not supported.*'mp3', 'opus', 'aac'"):
         audiocodec.speech_format("ogg")

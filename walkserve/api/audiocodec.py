@@ -26,6 +26,8 @@ What crosses the boundary: waveform tensors in, bytes out; bytes in, a float32 t
 from __future__ import annotations
 
 import io
+import itertools
+from fractions import Fraction
 from typing import Any, Literal
 
 import numpy as np
@@ -160,6 +162,64 @@ class AudioEncoder:
 
     def _take(self) -> bytes:
         return self._out.take() if isinstance(self._out, _Sink) else b""
+
+
+class Tempo:
+    """Audio played ``speed`` times faster at the same pitch: FFmpeg's ``atempo`` filter (a
+    WSOLA time-stretch), fed chunk by chunk; what it returns so far is [samples] float32, the
+    same samples however the input is chunked. The stretched length is the input's / ``speed``
+    within atempo's window (60 ms) per chained filter (two below speed 0.5)."""
+
+    MIN_FACTOR = 0.5  # atempo's least factor; slower speeds chain two filters
+    WINDOW_S = 0.06  # atempo's default window
+
+    def __init__(self, speed: float, sample_rate: int) -> None:
+        import av.filter
+
+        factors = []
+        while speed < self.MIN_FACTOR:
+            factors.append(self.MIN_FACTOR)
+            speed /= self.MIN_FACTOR
+        factors.append(speed)
+        self.sample_rate, self.pts = sample_rate, 0
+        self.graph: Any = av.filter.Graph()
+        nodes = [
+            self.graph.add_abuffer(
+                format="flt",
+                sample_rate=sample_rate,
+                layout="mono",
+                time_base=Fraction(1, sample_rate),
+            ),
+            *[self.graph.add("atempo", f"{f:.6f}") for f in factors],
+            self.graph.add("abuffersink"),
+        ]
+        for a, b in itertools.pairwise(nodes):
+            a.link_to(b)
+        self.graph.configure()
+
+    def feed(self, waveform: torch.Tensor) -> torch.Tensor:  # [..., samples] -> [samples']
+        import av
+
+        samples = waveform.detach().float().reshape(1, -1).clamp(-1.0, 1.0).numpy()
+        frame = av.AudioFrame.from_ndarray(samples, format="flt", layout="mono")
+        frame.sample_rate, frame.time_base = self.sample_rate, Fraction(1, self.sample_rate)
+        frame.pts, self.pts = self.pts, self.pts + samples.shape[1]
+        self.graph.push(frame)
+        return self._pull()
+
+    def close(self) -> torch.Tensor:
+        self.graph.push(None)
+        return self._pull()
+
+    def _pull(self) -> torch.Tensor:
+        import av
+
+        parts = [np.zeros(0, np.float32)]
+        while True:
+            try:
+                parts.append(self.graph.pull().to_ndarray().reshape(-1))
+            except (av.BlockingIOError, av.EOFError):
+                return torch.from_numpy(np.concatenate(parts))
 
 
 def leading_samples(fmt: SpeechFormat, streamed: bool) -> int:

@@ -8,7 +8,8 @@ length, ``max_tokens``, image size, the vocabulary) are checked by the routes ag
 
 Extensions beyond OpenAI's fields (vLLM's, where vLLM has one): ``top_k``, ``min_tokens``,
 ``ignore_eos``, ``repetition_penalty``, ``return_token_ids``, ``guided_json``,
-``guided_regex``, ``guided_choice``; ``stream``, ``max_tokens`` on speech; ``seed`` on images.
+``guided_regex``, ``guided_choice``; ``stream``, ``max_tokens`` on speech; ``seed`` on images
+(a random one when absent).
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ class SpeechRequest(_Body):
     input: str = Field(min_length=1)
     voice: str | dict[str, Any] | None = None
     response_format: str = "wav"  # any string here: a 400 names the formats (api.audiocodec)
-    speed: float = Field(default=1.0, gt=0.0)
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)  # OpenAI's range; time-stretched
     stream_format: Literal["audio", "sse"] | None = None  # "sse": OpenAI's speech events
     max_tokens: int | None = Field(default=None, ge=1)  # extension: the audio tokens
     stream: bool = False  # extension: raw chunks as produced

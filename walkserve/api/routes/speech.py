@@ -8,7 +8,8 @@ opus, aac, flac, wav, pcm: ``api.audiocodec``); ``voice`` picks one of the model
     SSE          stream_format "sse" (OpenAI's): ``speech.audio.delta`` events, each with
                  base64 bytes of the same stream, then one ``speech.audio.done`` with usage
 
-``speed`` other than 1 is refused (no time-stretch is applied)."""
+``speed`` (0.25 to 4) other than 1 time-stretches the audio at the same pitch (FFmpeg's
+``atempo``, ``audiocodec.Tempo``), streamed chunk by chunk as well."""
 
 from __future__ import annotations
 
@@ -40,12 +41,6 @@ async def speech(request: Request) -> Response:
     if task is None:
         raise bad(f"model {ctx.name!r} has no speech generation")
     ctx.need_output(task.walk, task.waveform_channel, "speech output")
-    if body.speed != 1.0:
-        raise bad(
-            f"speed {body.speed} is not supported: audio is not time-stretched; send 1.0 or"
-            " leave it out",
-            "speed",
-        )
     try:
         fmt = audiocodec.speech_format(body.response_format)
     except ValueError as e:
@@ -75,7 +70,11 @@ async def speech(request: Request) -> Response:
             except RequestFailed as e:
                 raise ApiError(500, f"the request failed: {e}", "server_error") from None
             waveform = outputs[task.waveform_channel]
-            data = audiocodec.encode(waveform, fmt, task.sample_rate)
+            played = waveform
+            if body.speed != 1.0:
+                tempo = audiocodec.Tempo(body.speed, task.sample_rate)
+                played = torch.cat([tempo.feed(waveform), tempo.close()])
+            data = audiocodec.encode(played, fmt, task.sample_rate)
             elapsed = time.perf_counter() - t0
             metrics.observe_latency(task.walk, elapsed)
             metrics.observe_real_time_factor(elapsed, waveform.shape[-1] / task.sample_rate)
@@ -89,15 +88,20 @@ async def speech(request: Request) -> Response:
 
     async def chunks() -> AsyncIterator[bytes]:
         encoder = audiocodec.AudioEncoder(fmt, task.sample_rate, streamed=True)
+        tempo = None if body.speed == 1.0 else audiocodec.Tempo(body.speed, task.sample_rate)
+
+        def encode(waveform: torch.Tensor) -> bytes:
+            return encoder.feed(waveform if tempo is None else tempo.feed(waveform))
+
         watch = AudioWatch(metrics, task.sample_rate, t0)
         async for item in stream_items(handle):
-            if item.channel == task.waveform_channel and (
-                data := encoder.feed(watch.chunk(item.value))
-            ):
+            if item.channel == task.waveform_channel and (data := encode(watch.chunk(item.value))):
                 yield data
         outputs = await ctx.finish(handle)
         rest = watch.rest(outputs.get(task.waveform_channel))
-        if rest is not None and (data := encoder.feed(watch.chunk(rest))):
+        if rest is not None and (data := encode(watch.chunk(rest))):
+            yield data
+        if tempo is not None and (data := encoder.feed(tempo.close())):
             yield data
         if data := encoder.close():
             yield data
