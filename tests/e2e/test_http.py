@@ -282,6 +282,9 @@ def test_images_without_a_seed_differ_and_come_in_each_format(client: Any) -> No
         return imagecodec.decode(base64.b64decode(out.data[0].b64_json), PIXELS)
 
     assert not torch.equal(pixels(), pixels())  # a random seed each time
+    drawn = client.images.generate(model=MODEL, prompt="a red square").data[0]
+    again = pixels(extra_body={"seed": drawn.model_extra["seed"]})  # the answer says its seed
+    assert torch.equal(again, imagecodec.decode(base64.b64decode(drawn.b64_json), PIXELS))
     seeded = pixels(extra_body={"seed": 3})
     for fmt in ("jpeg", "webp"):
         out = client.images.generate(

@@ -1,7 +1,8 @@
 """``POST /v1/images/generations`` (JSON) and ``POST /v1/images/edits`` (multipart: a PNG, JPEG
 or WebP image and a prompt, decoded by ``api.imagecodec`` under the pixel limit): one b64_json
 image per request (``output_format`` png, jpeg or webp), from the profile's image walks and
-noise seeded by the request's ``seed``, or by a random one when it gives none."""
+noise seeded by the request's ``seed``, or by a random one when it gives none (each image
+says its seed)."""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ async def run_image(
     return JSONResponse(
         {
             "created": int(time.time()),
-            "data": [{"b64_json": base64.b64encode(data).decode("ascii")}],
+            # seed (an extension): the one drawn, so that a client can make the image again
+            "data": [{"b64_json": base64.b64encode(data).decode("ascii"), "seed": seed}],
             "output_format": fmt,
             "size": image_sizes(task)[0],
         }
