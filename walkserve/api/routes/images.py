@@ -94,7 +94,7 @@ async def run_image(
         image = (image - low) * (2.0 / (high - low)) - 1.0
     ctx.metrics.observe_latency(walk, time.perf_counter() - t0)
     fmt = imagecodec.image_format(body.output_format)
-    data = imagecodec.encode(image, fmt, body.output_compression)
+    data = await run_in_threadpool(imagecodec.encode, image, fmt, body.output_compression)
     return JSONResponse(
         {
             "created": int(time.time()),

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from walkserve.api import audiocodec
 from walkserve.api.audio import AudioWatch, b64
@@ -30,6 +31,16 @@ from walkserve.api.sse import ClosingStream, sse
 from walkserve.runtime.server import RequestFailed
 
 router = APIRouter()
+
+
+def whole_file(
+    waveform: torch.Tensor, fmt: audiocodec.SpeechFormat, speed: float, sample_rate: int
+) -> bytes:
+    """A whole answer: the waveform, time-stretched when ``speed`` is not 1, as one file."""
+    if speed != 1.0:
+        tempo = audiocodec.Tempo(speed, sample_rate)
+        waveform = torch.cat([tempo.feed(waveform), tempo.close()])
+    return audiocodec.encode(waveform, fmt, sample_rate)
 
 
 @router.post("/v1/audio/speech")
@@ -70,11 +81,7 @@ async def speech(request: Request) -> Response:
             except RequestFailed as e:
                 raise ApiError(500, f"the request failed: {e}", "server_error") from None
             waveform = outputs[task.waveform_channel]
-            played = waveform
-            if body.speed != 1.0:
-                tempo = audiocodec.Tempo(body.speed, task.sample_rate)
-                played = torch.cat([tempo.feed(waveform), tempo.close()])
-            data = audiocodec.encode(played, fmt, task.sample_rate)
+            data = await run_in_threadpool(whole_file, waveform, fmt, body.speed, task.sample_rate)
             elapsed = time.perf_counter() - t0
             metrics.observe_latency(task.walk, elapsed)
             metrics.observe_real_time_factor(elapsed, waveform.shape[-1] / task.sample_rate)
@@ -93,17 +100,21 @@ async def speech(request: Request) -> Response:
         def encode(waveform: torch.Tensor) -> bytes:
             return encoder.feed(waveform if tempo is None else tempo.feed(waveform))
 
+        def finish() -> bytes:
+            return (b"" if tempo is None else encoder.feed(tempo.close())) + encoder.close()
+
         watch = AudioWatch(metrics, task.sample_rate, t0)
+        # The codecs run on the pool's threads (PyAV releases the GIL), not on the loop.
         async for item in stream_items(handle):
-            if item.channel == task.waveform_channel and (data := encode(watch.chunk(item.value))):
+            if item.channel == task.waveform_channel and (
+                data := await run_in_threadpool(encode, watch.chunk(item.value))
+            ):
                 yield data
         outputs = await ctx.finish(handle)
         rest = watch.rest(outputs.get(task.waveform_channel))
-        if rest is not None and (data := encode(watch.chunk(rest))):
+        if rest is not None and (data := await run_in_threadpool(encode, watch.chunk(rest))):
             yield data
-        if tempo is not None and (data := encoder.feed(tempo.close())):
-            yield data
-        if data := encoder.close():
+        if data := await run_in_threadpool(finish):
             yield data
         watch.done()
         metrics.observe_latency(task.walk, time.perf_counter() - t0)
