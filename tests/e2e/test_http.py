@@ -6,6 +6,7 @@ and inputs. The last test kills a worker, so it must stay last."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import signal
@@ -27,7 +28,7 @@ from walkserve.adapters import default  # noqa: E402
 from walkserve.adapters.hf_causal_lm import sample_request  # noqa: E402
 from walkserve.adapters.registry import capture_model  # noqa: E402
 from walkserve.adapters.tokenizer import ByteTokenizer  # noqa: E402
-from walkserve.api import media  # noqa: E402
+from walkserve.api import imagecodec, media  # noqa: E402
 from walkserve.api.metrics import read_metric  # noqa: E402
 from walkserve.api.profile import plain_chat  # noqa: E402
 
@@ -37,6 +38,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 TEXT = ByteTokenizer(default.TEXT_VOCAB)
 SPEECH = ByteTokenizer(default.SPEECH_VOCAB)
 IMAGE = ByteTokenizer(default.IMAGE_VOCAB)
+PIXELS = 1 << 20  # the pixel limit of the test's own decodes
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +91,11 @@ def assert_pcm_close(got: bytes, want: torch.Tensor) -> None:
 
 
 def test_models_lists_the_default_model(client: Any) -> None:
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    extra = models[0].model_extra
+    assert extra["image_sizes"] == ["16x16"] and extra["image_formats"] == ["png", "jpeg", "webp"]
+    assert extra["speech_formats"] == ["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
 
 def test_completion_matches_the_reference(client: Any, ref: Any) -> None:
@@ -256,12 +262,13 @@ def test_image_edit_matches_the_reference(client: Any, ref: Any) -> None:
         size="16x16",
         n=1,
         response_format="b64_json",
+        extra_body={"seed": 0},
     )
     pixels = png_pixels(base64.b64decode(out.data[0].b64_json)).to(torch.int32)
     noise = torch.randn((1, *default.NOISE_SHAPE), generator=torch.Generator().manual_seed(0))
     inputs = {
         "prompt_ids": torch.tensor([IMAGE.encode("make it blue")]),
-        "image": media.read_png(upload)[None],  # the pixels the server saw
+        "image": imagecodec.decode(upload, PIXELS)[None],  # the pixels the server saw
         "noise": noise,
     }
     want = media.image_to_uint8(ref.run(inputs, walk="edit")["image"][0]).to(torch.int32)
@@ -269,14 +276,75 @@ def test_image_edit_matches_the_reference(client: Any, ref: Any) -> None:
     assert (pixels - want).abs().max().item() <= 1
 
 
+def test_images_without_a_seed_differ_and_come_in_each_format(client: Any) -> None:
+    def pixels(**kw: Any) -> torch.Tensor:
+        out = client.images.generate(model=MODEL, prompt="a red square", size="16x16", **kw)
+        return imagecodec.decode(base64.b64decode(out.data[0].b64_json), PIXELS)
+
+    assert not torch.equal(pixels(), pixels())  # a random seed each time
+    drawn = client.images.generate(model=MODEL, prompt="a red square").data[0]
+    again = pixels(extra_body={"seed": drawn.model_extra["seed"]})  # the answer says its seed
+    assert torch.equal(again, imagecodec.decode(base64.b64decode(drawn.b64_json), PIXELS))
+    seeded = pixels(extra_body={"seed": 3})
+    for fmt in ("jpeg", "webp"):
+        out = client.images.generate(
+            model=MODEL, prompt="a red square", output_format=fmt, extra_body={"seed": 3}
+        )
+        assert out.output_format == fmt
+        # the seeded image's pixels, written by the same Pillow as the server's
+        assert base64.b64decode(out.data[0].b64_json) == imagecodec.encode(seeded, fmt)
+
+
+def _pillow(fmt: str, image: torch.Tensor, **kw: Any) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(media.image_to_uint8(image).numpy()).save(out, format=fmt, **kw)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+def test_image_edit_takes_png_jpeg_and_webp(client: Any, ref: Any, fmt: str) -> None:
+    """Pillow's files (its PNG with per-row filters chosen by zlib's strategy and optimize, a
+    JPEG, a lossy WebP): the edit equals the reference run on the pixels Pillow decodes."""
+    source = torch.rand(3, 16, 16, generator=torch.Generator().manual_seed(8)) * 2 - 1
+    upload = _pillow(fmt, source, **({"optimize": True} if fmt == "PNG" else {"quality": 80}))
+    out = client.images.edit(
+        model=MODEL,
+        image=(f"in.{fmt.lower()}", upload, f"image/{fmt.lower()}"),
+        prompt="make it blue",
+        extra_body={"seed": 5},
+    )
+    pixels = png_pixels(base64.b64decode(out.data[0].b64_json)).to(torch.int32)
+    noise = torch.randn((1, *default.NOISE_SHAPE), generator=torch.Generator().manual_seed(5))
+    inputs = {
+        "prompt_ids": torch.tensor([IMAGE.encode("make it blue")]),
+        "image": imagecodec.decode(upload, PIXELS)[None],
+        "noise": noise,
+    }
+    want = media.image_to_uint8(ref.run(inputs, walk="edit")["image"][0]).to(torch.int32)
+    assert (pixels - want).abs().max().item() <= 1
+
+
+def _bomb() -> bytes:
+    """A PNG whose header claims 50000 x 50000 pixels (over the default limit of 4096^2)."""
+    ihdr = struct.pack(">IIBBBBB", 50_000, 50_000, 8, 2, 0, 0, 0)
+    parts = [(b"IHDR", ihdr), (b"IDAT", zlib.compress(b"")), (b"IEND", b"")]
+    return media.PNG_SIGNATURE + b"".join(
+        struct.pack(">I", len(d)) + k + d + struct.pack(">I", zlib.crc32(k + d)) for k, d in parts
+    )
+
+
 @pytest.mark.parametrize(
     ("image", "size", "message"),
     [
-        (b"GIF89a not a png", "16x16", "accepted: 8-bit RGB PNG"),
+        (b"GIF89a not a png", "16x16", "not a PNG, JPEG or WebP"),
+        (media.png(torch.zeros(3, 16, 16))[:-30], "16x16", "corrupt or truncated"),
+        (_bomb(), "16x16", "the limit is 16777216 pixels"),
         (media.png(torch.zeros(3, 8, 8)), "16x16", "is 8x8 pixels"),
         (media.png(torch.zeros(3, 16, 16)), "32x32", "16x16 images only"),
     ],
-    ids=["malformed", "wrong-image-size", "wrong-size-field"],
+    ids=["malformed", "truncated", "oversized", "wrong-image-size", "wrong-size-field"],
 )
 def test_image_edit_rejects_bad_images(
     base_url: str, image: bytes, size: str, message: str
@@ -372,8 +440,12 @@ ERRORS = [
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [""]}, "non-empty"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x"}]}, "role"),
-    ("/v1/audio/speech", {"model": MODEL, "input": "hi", "response_format": "mp3"}, "wav"),
-    ("/v1/audio/speech", {"model": MODEL, "input": "hi", "speed": 2}, "speed 2"),
+    (
+        "/v1/audio/speech",
+        {"model": MODEL, "input": "hi", "response_format": "ogg"},
+        "'mp3', 'opus'",
+    ),
+    ("/v1/audio/speech", {"model": MODEL, "input": "hi", "speed": 5}, "speed: Input should be"),
     ("/v1/audio/speech", {"model": MODEL, "input": "hi", "max_tokens": 999}, "too large"),
     ("/v1/images/generations", {"model": MODEL, "prompt": "a", "size": "512x512"}, "16x16"),
     ("/v1/images/generations", {"model": MODEL, "prompt": "a", "n": 2}, "n=2"),
@@ -413,6 +485,12 @@ def test_bad_requests_get_400_saying_what_to_fix(
     assert error["type"] == "invalid_request_error" and message in error["message"], error
 
 
+def test_transcriptions_are_404_for_a_model_without_audio_input(client: Any) -> None:
+    with pytest.raises(openai.NotFoundError, match="takes no audio input"):
+        clip = media.wav(torch.zeros(1600), 16000)
+        client.audio.transcriptions.create(model=MODEL, file=("a.wav", clip, "audio/wav"))
+
+
 def test_openai_client_sees_400(client: Any) -> None:
     with pytest.raises(openai.BadRequestError, match="too large"):
         client.completions.create(model=MODEL, prompt="a", n=99)
@@ -426,6 +504,7 @@ ROUTES = [
     ("POST", "/v1/audio/speech"),
     ("POST", "/v1/images/generations"),
     ("POST", "/v1/images/edits"),
+    ("POST", "/v1/audio/transcriptions"),
     ("POST", "/v1/walks/speak"),
 ]
 

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from walkserve import capture
 from walkserve.adapters import diffusers_dit as D
 from walkserve.adapters.registry import capture_model, profile_for
-from walkserve.api import media
+from walkserve.api import imagecodec, media
 from walkserve.api.app import create_app
 from walkserve.runtime.server import Server, serve
 from walkserve.testing import assert_outputs_match
@@ -38,6 +38,8 @@ REQUESTS = [  # prompt, seed, steps, guidance scale
     ("green circle", 4, 1, 2.0),
 ]
 EDITS = [("make it blue", 5, 4, 0.6), ("sharper", 6, 3, 1.0)]  # prompt, seed, steps, strength
+
+PIXELS = 1 << 20  # the pixel limit of the test's own decodes
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_images_generations_route(one_rank: Server, reference: Any) -> None:
     r = client.post("/v1/images/generations", json=body)
     assert r.status_code == 200, r.text
     png = base64.b64decode(r.json()["data"][0]["b64_json"])
-    got = media.image_to_uint8(media.read_png(png))  # [H, W, 3]
+    got = media.image_to_uint8(imagecodec.decode(png, PIXELS))  # [H, W, 3]
     # The route's defaults: negative prompt "", 4 steps, guidance 5, latents from the seed.
     inputs = D.request_inputs(walks, "a cat", seed=9, steps=4, guidance_scale=5.0)
     want = D.pipeline_image(walks, inputs, "a cat", seed=9, steps=4, guidance_scale=5.0)[0]
@@ -117,18 +119,19 @@ def test_images_generations_route(one_rank: Server, reference: Any) -> None:
     assert (got != expected).float().mean().item() < 0.01
     r = client.post("/v1/images/generations", json={**body, "size": "64x64"})
     assert r.status_code == 400 and "32x32" in r.json()["error"]["message"]
-    assert torch.equal(got, media.image_to_uint8(media.read_png(png)))
+    assert torch.equal(got, media.image_to_uint8(imagecodec.decode(png, PIXELS)))
 
 
 def test_images_edits_route(one_rank: Server, reference: Any) -> None:
     walks = reference[0]
     client = TestClient(create_app(one_rank, profile_for(NAME)))
     png = media.png(edit_image(8)[0] * 2 - 1)  # 32x32 RGB
-    image01 = (media.read_png(png)[None] + 1) / 2  # [1, 3, 32, 32]: what the server reads
+    image01 = (imagecodec.decode(png, PIXELS)[None] + 1) / 2  # [1, 3, 32, 32]: the server's
     fields = {"model": NAME, "prompt": "make it blue", "size": "32x32", "seed": "4"}
     r = client.post("/v1/images/edits", data=fields, files={"image": ("in.png", png, "image/png")})
     assert r.status_code == 200, r.text
-    got = media.image_to_uint8(media.read_png(base64.b64decode(r.json()["data"][0]["b64_json"])))
+    out = base64.b64decode(r.json()["data"][0]["b64_json"])
+    got = media.image_to_uint8(imagecodec.decode(out, PIXELS))
     # The route's defaults: negative prompt "", 4 steps, strength 0.6, guidance 5.
     want = D.pipeline_edit_image(
         walks, "make it blue", image01, seed=4, steps=4, strength=0.6, guidance_scale=5.0

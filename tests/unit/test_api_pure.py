@@ -134,46 +134,6 @@ def test_default_model_walks_match_eager(captured: CapturedModel) -> None:
     assert captured.graph.entry_walks() == ["prefill", "prefill_ext", "speak", "generate", "edit"]
 
 
-def test_read_png_reads_what_png_writes() -> None:
-    image = torch.rand(3, 5, 7, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    back = media.read_png(media.png(image))  # [3, 5, 7]
-    assert back.shape == (3, 5, 7)
-    assert torch.equal(media.image_to_uint8(back), media.image_to_uint8(image))
-
-
-def _png_chunk(kind: bytes, data: bytes) -> bytes:
-    crc = zlib.crc32(kind + data) & 0xFFFFFFFF
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
-
-
-@pytest.mark.parametrize(
-    ("data", "why"),
-    [
-        (b"GIF89a", "no PNG signature"),
-        (media.png(torch.zeros(3, 4, 4))[:-20], "truncated"),
-        (
-            media.PNG_SIGNATURE
-            + _png_chunk(b"IHDR", struct.pack(">IIBBBBB", 4, 4, 8, 6, 0, 0, 0))  # RGBA
-            + _png_chunk(b"IDAT", zlib.compress(b"\0" * 17 * 4))
-            + _png_chunk(b"IEND", b""),
-            "colour type 6",
-        ),
-        (
-            media.PNG_SIGNATURE
-            + _png_chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
-            + _png_chunk(b"IDAT", zlib.compress(b"\x01abc"))  # filter 1 (Sub)
-            + _png_chunk(b"IEND", b""),
-            "filter other than 0",
-        ),
-    ],
-    ids=["signature", "truncated", "rgba", "filter"],
-)
-def test_read_png_rejects_other_formats(data: bytes, why: str) -> None:
-    with pytest.raises(ValueError, match=why) as info:
-        media.read_png(data)
-    assert "accepted: 8-bit RGB PNG" in str(info.value)
-
-
 def test_parse_form_splits_fields_and_files() -> None:
     import httpx
 

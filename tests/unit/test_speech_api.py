@@ -281,6 +281,29 @@ def test_checkpoint_profile_uses_its_tokenizer_and_template(
     assert ids == head + want
     assert p.text.decode([72, 105, 251]) == "Hi" and p.text.eos_id == config.im_end_token_id
     assert p.speech.voices is not None and p.speech.voices.default == "ethan"
+    assert p.transcription is None  # no preprocessor_config.json: no feature extractor
+
+
+def test_checkpoint_profile_transcribes_with_its_feature_extractor(tmp_path: Path) -> None:
+    """With the checkpoint's ``preprocessor_config.json``, transcription over ``chat_audio``:
+    its Whisper extractor, the prompt laid out as upstream's processor expands the clip."""
+    from transformers import WhisperFeatureExtractor
+
+    from walkserve.adapters.omni_transcribe import instruction
+
+    fake_checkpoint(tmp_path, None)
+    WhisperFeatureExtractor(feature_size=16).save_pretrained(tmp_path)
+    task = profile_for(str(tmp_path)).transcription
+    assert task is not None and task.walk == "chat_audio" and task.sample_rate == 16000
+    features, mask = task.features(torch.zeros(8000))  # 0.5 s
+    assert features.shape == (1, 16, 50) and mask.dtype == torch.int64 and int(mask.sum()) == 50
+    config = qwen3_omni.tiny_config()
+    thinker = config.thinker_config
+    n = int(qwen3_omni.audio_token_count(50, thinker.audio_config.n_window))
+    clip = [thinker.audio_start_token_id, *[thinker.audio_token_id] * n, thinker.audio_end_token_id]
+    said = list(instruction("fr", "bonjour").encode())
+    want = qwen3_omni.chat_prompt(config, [10, *clip, *said], 10)[0].tolist()
+    assert task.prompt(50, "fr", "bonjour") == want
 
 
 def test_built_in_names_find_the_profiles() -> None:

@@ -1297,11 +1297,16 @@ def tiny_profile(name: str) -> ModelProfile:
         chatml,
         omni_profile,
     )
+    from walkserve.adapters.omni_transcribe import (
+        TINY_AUDIO_SECONDS,
+        tiny_extractor,
+        with_qwen3_transcription,
+    )
 
     walks, _ = tiny()  # its thinker EOS (tiny_eos) depends on the seeded weights
     config = tiny_config()
     tok = TinyChatTokenizer(qwen3_chat_ids(config), TINY_FIRST_SPECIAL)
-    return omni_profile(
+    profile = omni_profile(
         name,
         qwen3_walk_names(),
         TINY_LIMITS,
@@ -1312,6 +1317,8 @@ def tiny_profile(name: str) -> ModelProfile:
         chat=chatml,
         voices=qwen3_voices(config),
     )
+    extractor = tiny_extractor(int(config.thinker_config.audio_config.num_mel_bins))
+    return with_qwen3_transcription(profile, config, extractor, TINY_AUDIO_SECONDS)
 
 
 def checkpoint_profile(path: str, name: str) -> ModelProfile:
@@ -1323,10 +1330,15 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
         checkpoint_text,
         omni_profile,
     )
+    from walkserve.adapters.omni_transcribe import (
+        CHECKPOINT_AUDIO_SECONDS,
+        checkpoint_extractor,
+        with_qwen3_transcription,
+    )
 
     config: Any = Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
     encode, decode, chat = checkpoint_text(path)
-    return omni_profile(
+    profile = omni_profile(
         name,
         qwen3_walk_names(),
         CHECKPOINT_LIMITS,
@@ -1337,6 +1349,8 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
         chat=chat,
         voices=qwen3_voices(config),
     )
+    extractor = checkpoint_extractor(path)
+    return with_qwen3_transcription(profile, config, extractor, CHECKPOINT_AUDIO_SECONDS)
 
 
 def from_env() -> tuple[Qwen3OmniWalks, dict[str, Any]]:

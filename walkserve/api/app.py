@@ -7,10 +7,12 @@ family); what they share is one ``ApiContext`` (``api.context``), built here.
     POST /v1/completions           text (prompt as text or token ids); SSE when stream
     POST /v1/chat/completions      chat; SSE when stream; with modalities ["text", "audio"]
                                    the reply's audio and transcript (``api.audio``)
-    POST /v1/audio/speech          text in, wav or pcm out; chunked as produced when stream;
-                                   ``voice`` picks one of the model's voices
-    POST /v1/images/generations    b64_json PNG
-    POST /v1/images/edits          multipart: PNG image + prompt -> b64_json PNG (edit walk)
+    POST /v1/audio/speech          text in, mp3/opus/aac/flac/wav/pcm out (``api.audiocodec``);
+                                   chunked as encoded when stream; OpenAI's SSE events when
+                                   stream_format "sse"; ``voice`` picks one of the model's voices
+    POST /v1/audio/transcriptions  multipart: an audio file -> its text (models that read audio)
+    POST /v1/images/generations    b64_json PNG, JPEG or WebP
+    POST /v1/images/edits          multipart: PNG/JPEG/WebP image + prompt -> b64_json image
     POST /v1/walks/{walk}          any walk, inputs and outputs as JSON; SSE when stream
     GET  /metrics                  Prometheus text
 

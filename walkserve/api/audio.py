@@ -86,12 +86,7 @@ def resolve_voice(voices: Voices | None, requested: str | dict[str, Any] | None)
 
 
 def chat_audio_format(value: str) -> ChatAudioFormat:
-    for fmt in CHAT_AUDIO_FORMATS:
-        if value == fmt:
-            return fmt
-    raise ValueError(
-        f"audio format {value!r} is not supported: use one of {list(CHAT_AUDIO_FORMATS)}"
-    )
+    return media.one_of(value, CHAT_AUDIO_FORMATS, "audio format")
 
 
 def audio_bytes(waveform: torch.Tensor, fmt: ChatAudioFormat, sample_rate: int) -> bytes:

@@ -34,6 +34,7 @@ class ApiConfig:
     api_key: str | None = None
     max_queued: int | None = None  # admitted requests at once; None: no limit
     max_body_bytes: int = 8 << 20
+    max_image_pixels: int = 4096 * 4096  # an uploaded image's width x height, checked before decode
     retry_after_s: int = 1
     served_names: tuple[str, ...] = ()  # names clients may send as ``model`` (the first is
     # the one answers carry); empty: the profile's name
@@ -42,6 +43,8 @@ class ApiConfig:
     def __post_init__(self) -> None:
         if self.max_queued is not None and self.max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be >= 1, got {self.max_image_pixels}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key:

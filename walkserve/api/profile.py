@@ -165,6 +165,34 @@ class ChatAudioTask:
     extra_inputs: Mapping[str, Any] = field(default_factory=dict)  # e.g. the audio limit
 
 
+#: (feature frames, language, context prompt) -> the walk's prompt ids, holding the audio
+#: placeholders for that many frames (``TranscriptionTask``)
+AudioPrompt = Callable[[int, str | None, str | None], list[int]]
+#: waveform [samples] float at the extractor's rate -> (features [1, mel, T], mask [1, T])
+AudioFeatures = Callable[[Any], tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
+class TranscriptionTask:
+    """``/v1/audio/transcriptions``: a walk that reads one audio clip (the model's own feature
+    extractor's features and frame mask) and a prompt, and writes text tokens. The reply is
+    decoded as the profile's ``TextTask`` does (its tokenizer, EOS)."""
+
+    walk: str
+    prompt_input: str
+    features_input: str  # [1, mel, T] float
+    mask_input: str  # [1, T] int64, 1 = a real frame
+    max_tokens_input: str
+    leads: tuple[str, ...]  # outputs holding the reply's first tokens, before the channel's
+    text_channel: str  # the reply's further tokens, streamed
+    sample_rate: int  # the feature extractor's; uploads are resampled to it
+    features: AudioFeatures
+    prompt: AudioPrompt
+    max_tokens: int  # the reply's tokens at most
+    max_audio_seconds: float
+    extra_inputs: Mapping[str, Any] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class ImageTask:
     walk: str
@@ -194,10 +222,13 @@ class ModelProfile:
     speech: SpeechTask | None = None
     image: ImageTask | None = None
     chat_audio: ChatAudioTask | None = None  # needs text (tokenizer, template) as well
+    transcription: TranscriptionTask | None = None  # needs text (tokenizer) as well
 
     def __post_init__(self) -> None:
         if self.chat_audio is not None and self.text is None:
             raise ValueError(f"{self.name}: chat_audio needs a text task (tokenizer, template)")
+        if self.transcription is not None and self.text is None:
+            raise ValueError(f"{self.name}: transcription needs a text task (tokenizer)")
 
 
 def with_limits(profile: ModelProfile, max_model_len: int) -> ModelProfile:

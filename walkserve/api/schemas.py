@@ -8,7 +8,8 @@ length, ``max_tokens``, image size, the vocabulary) are checked by the routes ag
 
 Extensions beyond OpenAI's fields (vLLM's, where vLLM has one): ``top_k``, ``min_tokens``,
 ``ignore_eos``, ``repetition_penalty``, ``return_token_ids``, ``guided_json``,
-``guided_regex``, ``guided_choice``; ``stream``, ``max_tokens`` on speech; ``seed`` on images.
+``guided_regex``, ``guided_choice``; ``stream``, ``max_tokens`` on speech; ``seed`` on images
+(a random one when absent).
 """
 
 from __future__ import annotations
@@ -253,15 +254,32 @@ class SpeechRequest(_Body):
     model: str
     input: str = Field(min_length=1)
     voice: str | dict[str, Any] | None = None
-    response_format: str = "wav"  # any string here: a 400 names wav and pcm
-    speed: float = Field(default=1.0, gt=0.0)
+    response_format: str = "wav"  # any string here: a 400 names the formats (api.audiocodec)
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)  # OpenAI's range; time-stretched
+    stream_format: Literal["audio", "sse"] | None = None  # "sse": OpenAI's speech events
     max_tokens: int | None = Field(default=None, ge=1)  # extension: the audio tokens
-    stream: bool = False  # extension: chunks as produced
+    stream: bool = False  # extension: raw chunks as produced
     refused: ClassVar[Mapping[str, str]] = {
         "instructions": "the served speech models take no style instructions",
-        "stream_format": 'audio is streamed as raw chunks with stream: true, not as "sse"',
     }
-    neutral: ClassVar[Mapping[str, tuple[Any, ...]]] = {"stream_format": ("audio",)}
+
+
+class TranscriptionRequest(_Body):
+    """The form fields of ``/v1/audio/transcriptions`` (the file part is read apart)."""
+
+    model: str
+    language: str | None = Field(default=None, pattern=r"^[A-Za-z]{2,3}([-_][A-Za-z0-9]{2,8})?$")
+    prompt: str | None = Field(default=None, max_length=4096)
+    response_format: str = "json"  # any string here: a 400 names json, text, verbose_json
+    temperature: float = Field(default=0.0, ge=0.0, le=1.0)  # 0 only: greedy decoding
+    stream: bool = False
+    refused: ClassVar[Mapping[str, str]] = {
+        "timestamp_granularities[]": "no timestamps are computed",
+        "include[]": "logprobs are not returned for transcriptions",
+        "chunking_strategy": "the clip is transcribed whole, in one request",
+        "known_speaker_names[]": "there is no diarization",
+        "known_speaker_references[]": "there is no diarization",
+    }
 
 
 class ImageRequest(_Body):
@@ -270,21 +288,20 @@ class ImageRequest(_Body):
     n: int = Field(default=1, ge=1)
     size: str | None = None
     response_format: str = "b64_json"  # any string here: a 400 names b64_json
-    seed: int = Field(default=0, ge=0, lt=INT64)  # extension
+    output_format: str = "png"  # any string here: a 400 names png, jpeg, webp
+    output_compression: int | None = Field(default=None, ge=0, le=100)  # jpeg / webp quality
+    seed: int | None = Field(default=None, ge=0, lt=INT64)  # extension; None: a random seed
     user: str | None = Field(default=None, max_length=256)
     refused: ClassVar[Mapping[str, str]] = {
         "quality": "the served image models have one quality",
         "style": "the served image models have no styles",
         "background": "the served image models make opaque images",
-        "output_format": "images are PNG",
-        "output_compression": "images are PNG",
         "moderation": "there is no moderation",
         "partial_images": "images are sent whole",
         "stream": "images are sent whole",
     }
     neutral: ClassVar[Mapping[str, tuple[Any, ...]]] = {
         "quality": ("auto", "standard"),
-        "output_format": ("png",),
         "partial_images": (0,),
         "stream": (False,),
         "background": ("auto", "opaque"),

@@ -1,17 +1,22 @@
-"""``POST /v1/images/generations`` (JSON) and ``POST /v1/images/edits`` (multipart: a PNG and a
-prompt): one b64_json PNG per request, from the profile's image walks and seeded noise."""
+"""``POST /v1/images/generations`` (JSON) and ``POST /v1/images/edits`` (multipart: a PNG, JPEG
+or WebP image and a prompt, decoded by ``api.imagecodec`` under the pixel limit): one b64_json
+image per request (``output_format`` png, jpeg or webp), from the profile's image walks and
+noise seeded by the request's ``seed``, or by a random one when it gives none (each image
+says its seed)."""
 
 from __future__ import annotations
 
 import base64
+import secrets
 import time
 from typing import Any
 
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
-from walkserve.api import media
+from walkserve.api import imagecodec
 from walkserve.api.context import ApiContext, context, unless_gone, validate
 from walkserve.api.errors import ApiError, bad
 from walkserve.api.form import parse_form
@@ -20,6 +25,11 @@ from walkserve.api.schemas import ImageRequest
 from walkserve.runtime.server import RequestHandle
 
 router = APIRouter()
+
+
+def image_sizes(task: ImageTask) -> list[str]:
+    """The sizes (``WIDTHxHEIGHT``) the model makes, as ``size`` takes them."""
+    return [f"{task.size}x{task.size}"]
 
 
 def check_image_request(ctx: ApiContext, task: ImageTask, body: ImageRequest) -> list[int]:
@@ -35,16 +45,31 @@ def check_image_request(ctx: ApiContext, task: ImageTask, body: ImageRequest) ->
             f"response_format {body.response_format!r} is not supported: use 'b64_json'",
             "response_format",
         )
+    try:
+        imagecodec.image_format(body.output_format)
+    except ValueError as e:
+        raise bad(str(e), "output_format") from None
+    if body.output_format == "png" and body.output_compression not in (None, 100):
+        raise bad(
+            "output_compression applies to jpeg and webp only; PNG is written lossless",
+            "output_compression",
+        )
     ids = task.encode(body.prompt)
     ctx.check_ids(ids, task.vocab_size, task.max_prompt_tokens, "prompt")
     return ids
 
 
 async def run_image(
-    ctx: ApiContext, request: Request, task: ImageTask, walk: str, inputs: dict[str, Any], seed: int
+    ctx: ApiContext,
+    request: Request,
+    task: ImageTask,
+    walk: str,
+    inputs: dict[str, Any],
+    body: ImageRequest,
 ) -> JSONResponse:
     """Run an image walk on ``inputs`` plus seeded noise (or the seed itself, for walks that
-    take one); answer with one b64 PNG."""
+    take one); answer with one b64 image in the requested format."""
+    seed = secrets.randbits(63) if body.seed is None else body.seed
     ticket = ctx.admission.admit()
     t0 = time.perf_counter()
     handle: RequestHandle | None = None
@@ -68,8 +93,17 @@ async def run_image(
     if (low, high) != (-1.0, 1.0):  # media.png takes [-1, 1]
         image = (image - low) * (2.0 / (high - low)) - 1.0
     ctx.metrics.observe_latency(walk, time.perf_counter() - t0)
-    png = base64.b64encode(media.png(image)).decode("ascii")
-    return JSONResponse({"created": int(time.time()), "data": [{"b64_json": png}]})
+    fmt = imagecodec.image_format(body.output_format)
+    data = await run_in_threadpool(imagecodec.encode, image, fmt, body.output_compression)
+    return JSONResponse(
+        {
+            "created": int(time.time()),
+            # seed (an extension): the one drawn, so that a client can make the image again
+            "data": [{"b64_json": base64.b64encode(data).decode("ascii"), "seed": seed}],
+            "output_format": fmt,
+            "size": image_sizes(task)[0],
+        }
+    )
 
 
 @router.post("/v1/images/generations")
@@ -82,7 +116,7 @@ async def images(request: Request) -> Response:
         raise bad(f"model {ctx.name!r} has no image generation")
     ids = check_image_request(ctx, task, body)
     inputs = {task.prompt_input: torch.tensor([ids], dtype=torch.int64)}
-    return await run_image(ctx, request, task, task.walk, inputs, body.seed)
+    return await run_image(ctx, request, task, task.walk, inputs, body)
 
 
 @router.post("/v1/images/edits")
@@ -104,13 +138,16 @@ async def image_edits(request: Request) -> Response:
         raise bad("mask is not supported: this model edits the whole image; leave it out", "mask")
     upload = form.files.get("image")
     if upload is None:
-        raise bad("send the image to edit as the multipart file field 'image' (a PNG)", "image")
+        raise bad(
+            f"send the image to edit as the multipart file field 'image' ({imagecodec.ACCEPTED})",
+            "image",
+        )
     fields = {k: v for k, v in form.fields.items() if k != "image"}
     body = validate(fields, ImageRequest, strict=False)
     ctx.check_model(body.model)
     ids = check_image_request(ctx, task, body)
     try:
-        image = media.read_png(upload.data)  # [3, H, W] in [-1, 1]
+        image = await run_in_threadpool(imagecodec.decode, upload.data, ctx.config.max_image_pixels)
     except ValueError as e:
         raise bad(str(e), "image") from None
     if image.shape[1:] != (task.size, task.size):
@@ -123,4 +160,4 @@ async def image_edits(request: Request) -> Response:
         task.prompt_input: torch.tensor([ids], dtype=torch.int64),
         task.image_input: image[None],  # [1, 3, H, W]
     }
-    return await run_image(ctx, request, task, task.edit_walk, inputs, body.seed)
+    return await run_image(ctx, request, task, task.edit_walk, inputs, body)

@@ -1,6 +1,7 @@
 """Operations routes: ``/health`` (per-rank status and restarts; 503 while a rank is not
-ready (restarting, failed) or the server drains or stopped; no auth),
-``/v1/models`` (the served names) and ``/metrics`` (Prometheus text)."""
+ready (restarting, failed) or the server drains or stopped; no auth), ``/v1/models`` (the
+served names, their tasks and walks, the image sizes and media formats) and ``/metrics``
+(Prometheus text)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from walkserve.api import audiocodec, imagecodec
 from walkserve.api.context import context
+from walkserve.api.routes.images import image_sizes
 
 router = APIRouter()
 
@@ -52,9 +55,15 @@ async def health(request: Request) -> JSONResponse:
 async def models(request: Request) -> dict[str, Any]:
     ctx = context(request)
     profile = ctx.profile
-    kinds = ("text", "speech", "image", "chat_audio")
+    kinds = ("text", "speech", "image", "chat_audio", "transcription")
     tasks = [t for t in kinds if getattr(profile, t) is not None]
     walks = ctx.server.captured.graph.entry_walks()
+    media_fields: dict[str, Any] = {}
+    if profile.image is not None:  # what size and output_format take
+        media_fields["image_sizes"] = image_sizes(profile.image)
+        media_fields["image_formats"] = list(imagecodec.IMAGE_FORMATS)
+    if profile.speech is not None:
+        media_fields["speech_formats"] = list(audiocodec.SPEECH_FORMATS)
     return {
         "object": "list",
         "data": [
@@ -69,6 +78,7 @@ async def models(request: Request) -> dict[str, Any]:
                 else None,
                 "tasks": tasks,
                 "walks": walks,
+                **media_fields,
             }
             for name in ctx.names
         ],
