@@ -22,7 +22,7 @@ def test_trace_text(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "trace", "--model", "example-cfg-image", "--walk", "generate")
     assert code == 0
     assert "walk generate(prompt_ids, noise) -> image" in out
-    assert "loop euler_step x49" in out
+    assert "loop euler_step x19" in out
     assert out.count("= component denoiser(") == 3
 
 

@@ -60,7 +60,7 @@ def test_cfg_image_structure() -> None:
     cap, _, _ = captured("example-cfg-image")
     for walk in ("generate", "edit"):
         (loop,) = only(cap.walk(walk).body, ir.LoopNode)
-        assert not loop.dynamic and loop.trips == ir.FixedTrips(49)  # 49 updates, 50 grid points
+        assert not loop.dynamic and loop.trips == ir.FixedTrips(19)  # 19 updates, 20 grid points
         roles = {p.name.split("/")[-1]: p.role for p in loop.params}
         assert isinstance(roles["z"], ir.Carried)  # the latent is carried
         assert [n for n, r in roles.items() if isinstance(r, ir.Carried)] == ["z"]
@@ -186,4 +186,4 @@ def test_capture_runs_components_only_a_few_times() -> None:
         lambda *_: calls.__setitem__("denoiser", calls["denoiser"] + 1)
     )
     capture.trace(model, sample)
-    assert calls["denoiser"] == 2 * 3 * 2  # 2 walks x 3 branches x 2 recorded iterations (not 49)
+    assert calls["denoiser"] == 2 * 3 * 2  # 2 walks x 3 branches x 2 recorded iterations (not 19)

@@ -4,7 +4,7 @@ mixed shapes, against the reference interpreter run per request.
 Equality: integer outputs (tokens, codes) must be identical. Float outputs are compared as
 ``max|batched - reference| <= 1e-5 * max|reference|``, not bitwise: a batched matmul sums in
 a different order than a batch-1 matmul (a single denoiser call on 4 stacked requests already
-differs from 4 separate calls by ~7e-7), and 49 guided Euler steps carry that along. Batches of
+differs from 4 separate calls by ~7e-7), and 19 guided Euler steps carry that along. Batches of
 one request call the component exactly as the interpreter does, and are checked bitwise."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ Printed form of the CFG example's ``generate`` walk (``walkserve trace``, glue a
       parallel
         text_encoder = component text_encoder(prompt_ids)
         text_encoder_1 = component text_encoder(full_like)
-      loop euler_step x49
+      loop euler_step x19
         carried     z <- noise, next add_2
         per step    t = self.sigmas[i], t_next = self.sigmas[1 + i]
         invariant   text_ctx = text_encoder, img_ctx = expand, ...

@@ -6,12 +6,12 @@ Two walks share one Euler loop body:
     edit(prompt_ids, image, noise)     -> image     instruction-guided edit of ``image``
 
 Flow matching: ``z_t = (1 - t) * x + t * noise`` and the denoiser predicts the velocity
-``dz/dt``. The schedule is a grid of ``NUM_GRID_POINTS = 50`` noise levels ``sigmas`` from 1
-(pure noise) down to 0 (image); sampling makes ``NUM_EULER_UPDATES = 49`` Euler updates, one
+``dz/dt``. The schedule is a grid of ``NUM_GRID_POINTS = 20`` noise levels ``sigmas`` from 1
+(pure noise) down to 0 (image); sampling makes ``NUM_EULER_UPDATES = 19`` Euler updates, one
 between each pair of consecutive grid points:
 
-    sigmas:  s0=1.0   s1      s2     ...   s48     s49=0.0        (50 grid points)
-    updates:     \\_0_/  \\_1_/   ...   \\_48_/                     (49 Euler updates)
+    sigmas:  s0=1.0   s1      s2     ...   s18     s19=0.0        (20 grid points)
+    updates:     \\_0_/  \\_1_/   ...   \\_18_/                     (19 Euler updates)
     update k: z <- z + (s{k+1} - s{k}) * v(z, s{k})
 
 Each update calls the denoiser three times, as independent branches of the graph:
@@ -43,8 +43,8 @@ from walkserve.adapters.examples.blocks import (
 )
 from walkserve.capture.api import component, loop, walk
 
-NUM_GRID_POINTS = 50  # noise levels in the schedule, 1.0 .. 0.0
-NUM_EULER_UPDATES = NUM_GRID_POINTS - 1  # 49: one update between consecutive grid points
+NUM_GRID_POINTS = 20  # noise levels in the schedule, 1.0 .. 0.0
+NUM_EULER_UPDATES = NUM_GRID_POINTS - 1  # 19: one update between consecutive grid points
 VOCAB = 64
 PAD_ID = 0
 IMAGE_SIZE = 16
@@ -148,7 +148,7 @@ class CFGImageModel(nn.Module):
         self.denoiser = Denoiser(DENOISER_CONFIG)
         self.decoder = Decoder()
         self.no_image = nn.Parameter(torch.zeros(1, NUM_IMAGE_TOKENS, DIM))  # [1, M, D]
-        self.register_buffer("sigmas", torch.linspace(1.0, 0.0, NUM_GRID_POINTS))  # [50]
+        self.register_buffer("sigmas", torch.linspace(1.0, 0.0, NUM_GRID_POINTS))  # [20]
         self.text_guidance = TEXT_GUIDANCE
         self.image_guidance = IMAGE_GUIDANCE
 
