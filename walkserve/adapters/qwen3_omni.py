@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from walkserve.adapters.qwen3_omni_pool import PredictorOnPool, TalkerOnPool, ThinkerOnPool
 from walkserve.adapters.speech_sampling import SamplingDefaults, TokenSampler
 from walkserve.capture import (
     FixedChunk,
@@ -69,6 +70,7 @@ from walkserve.capture import (
     stream,
     walk,
 )
+from walkserve.runtime.kv.paged_lm import PagedLMConfig
 
 if TYPE_CHECKING:
     from walkserve.api.profile import ModelProfile
@@ -406,13 +408,16 @@ class Qwen3OmniWalks(nn.Module):
         chunk_size: int = 300,
         left_context: int = 25,
         first_chunk: int | None = None,
+        pool: PagedLMConfig | None = None,
     ) -> None:
+        """``pool``: each decoder's KV pool (tokens, page size; the server's pool settings
+        override it)."""
         super().__init__()
         if not getattr(model, "has_talker", False):
             raise ValueError("the model has no talker: load it with enable_audio_output=True")
-        register_component(type(model.thinker), engine="kv_cache")
-        register_component(type(model.talker), engine="kv_cache", speculative=False)
-        register_component(type(model.talker.code_predictor), engine="kv_cache", speculative=False)
+        register_component(ThinkerOnPool, engine="kv_cache")
+        register_component(TalkerOnPool, engine="kv_cache", speculative=False)
+        register_component(PredictorOnPool, engine="kv_cache", speculative=False)
         register_component(type(model.code2wav), engine="stateless")
         for cls in (
             TalkerText,
@@ -468,6 +473,11 @@ class Qwen3OmniWalks(nn.Module):
         suppressed[self.tokens.codec_eos] = False
         self.suppressed: Tensor
         self.register_buffer("suppressed", suppressed, persistent=False)
+        # The three decoders on the paged pool (after the upstream modules, so that these keep
+        # their paths: talker.model.codec_embedding is a component of its own).
+        self.thinker_lm = ThinkerOnPool(model.thinker, pool)
+        self.talker_lm = TalkerOnPool(model.talker, pool)
+        self.predictor_lm = PredictorOnPool(model.talker.code_predictor, pool)
         self.thinker_sampler = TokenSampler(stream=0)
         self.talker_sampler = TokenSampler(stream=1)
         self.predictor_sampler = TokenSampler(stream=2)
@@ -553,7 +563,7 @@ class Qwen3OmniWalks(nn.Module):
             extra["position_ids"] = positions[0]  # [4, B, P]
         if hidden:
             extra["output_hidden_states"] = True
-        out = self.thinker(input_ids=input_ids, use_cache=True, **extra)
+        out = self.thinker_lm(input_ids=input_ids, use_cache=True, **extra)
         cache = _read_now(out.cache)
         accepted = out.hidden_states[self.accept_layer] if hidden else None  # [B, P, D]
         first = token = self.thinker_sampler(out.logits[:, -1:], 0, *sampling)  # [B, 1]: t0
@@ -590,7 +600,7 @@ class Qwen3OmniWalks(nn.Module):
         top_k: int,
         seed: int,
     ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        out = self.thinker(input_ids=token, cache=cache, use_cache=True, position_ids=positions)
+        out = self.thinker_lm(input_ids=token, cache=cache, use_cache=True, position_ids=positions)
         cache = _read_now(out.cache)
         logits = out.logits[:, -1:]  # [B, 1, V]
         token = self.thinker_sampler(logits, count, temperature, top_p, top_k, seed)  # [B, 1]
@@ -743,9 +753,11 @@ class Qwen3OmniWalks(nn.Module):
         if media is not None and "image_grid_thw" in media:  # the talker's own mrope positions
             positions = self.talker_positions(input_ids, media["image_grid_thw"])
             extra["position_ids"] = positions[0]  # [4, B, U + 9]
-        out = self.talker(inputs_embeds=prompt, use_cache=True, output_hidden_states=True, **extra)
+        out = self.talker_lm(
+            inputs_embeds=prompt, use_cache=True, output_hidden_states=True, **extra
+        )
         cache = _read_now(out.cache)
-        hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]: last layer, last position
+        hidden = out.hidden_states[-1][:, -1:]  # [B, 1, D]: last layer, last position
         # The codes generate() penalizes (talker repetition_penalty): each one generated (the
         # talker gets no prompt ids upstream). seen: [B, V_talker] bool
         seen = torch.zeros_like(out.logits[:, -1], dtype=torch.bool)
@@ -843,7 +855,7 @@ class Qwen3OmniWalks(nn.Module):
         predictor_sampling = (predictor_temperature, predictor_top_p, predictor_top_k, seed)
         frame = self.predict_residuals(hidden, code, count, predictor_sampling)  # [B, G, 1]
         embeds = self.step_input(frame, feed)  # [B, 1, D]
-        out = self.talker(
+        out = self.talker_lm(
             inputs_embeds=embeds,
             cache=cache,
             use_cache=True,
@@ -852,7 +864,7 @@ class Qwen3OmniWalks(nn.Module):
             generation_step=0,  # only echoed back (+1) by the upstream forward
         )
         cache = _read_now(out.cache)
-        hidden = out.hidden_states[0][-1][:, -1:]  # [B, 1, D]
+        hidden = out.hidden_states[-1][:, -1:]  # [B, 1, D]
         sampling = (temperature, top_p, top_k, seed, repetition_penalty)
         code = self._pick_code(out.logits[:, -1:], count, sampling, seen)
         count = count + 1
@@ -868,8 +880,7 @@ class Qwen3OmniWalks(nn.Module):
         request) -> the frame [B, G, 1]. ``sampling``: ``(temperature, top_p, top_k, seed)``;
         draw ``g`` of frame ``f`` is the predictor sampler's step ``f * G + g``."""
         first = self.first_code_embed(code)  # [B, 1, D]
-        predictor = self.talker.code_predictor
-        out = predictor(inputs_embeds=torch.cat([hidden, first], dim=1), use_cache=True)
+        out = self.predictor_lm(inputs_embeds=torch.cat([hidden, first], dim=1), use_cache=True)
         cache = _read_now(out.cache)
         base = frame_index * self.groups  # [B, 1]
         residual = self.predictor_sampler(out.logits[:, -1:], base, *sampling)  # [B, 1]: group 1
@@ -892,9 +903,7 @@ class Qwen3OmniWalks(nn.Module):
         top_k: int,
         seed: int,
     ) -> tuple[Any, Tensor]:
-        out = self.talker.code_predictor(
-            input_ids=residual, cache=cache, use_cache=True, generation_steps=g
-        )
+        out = self.predictor_lm(input_ids=residual, cache=cache, use_cache=True, generation_steps=g)
         cache = _read_now(out.cache)
         logits = out.logits[:, -1:]  # [B, 1, V]
         return cache, self.predictor_sampler(logits, base + g, temperature, top_p, top_k, seed)
