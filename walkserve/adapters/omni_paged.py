@@ -118,6 +118,7 @@ class _State(DeferredRelease):
             )
             self.runner = PagedCausalLMRunner(decoder, self.pool)
         self.live: dict[SeqId, bool] = {}  # sequence -> holds pages
+        self.calls = 0  # requests' calls run
         self.forwards = 0
         self.tokens = 0
 
@@ -311,6 +312,7 @@ class PagedDecoder(nn.Module):
                     torch.stack([h[0, a:b] for a, b in spans]) for h in out.hidden_states
                 )
             results.append(StackOutput(self.head(last, p), cache, hidden))
+        state.calls += len(units)
         state.forwards += 1
         state.tokens += total
         return results
@@ -333,6 +335,12 @@ class PagedDecoder(nn.Module):
                 self._attention = probe_attention(self.decoder, embeds=True)
         itemsize = next(self.decoder.parameters()).element_size()
         return pool_nbytes(self._attention, self.config_kv, itemsize, tensor_parallel)
+
+    def packing(self) -> tuple[int, int]:
+        """(calls run, forwards run) in this process: more calls than forwards is requests
+        sharing forwards."""
+        state = self._state
+        return (0, 0) if state is None else (state.calls, state.forwards)
 
     def kv_stats(self, wait: bool = True) -> PagedLMStats | None:
         state = self._state
