@@ -60,3 +60,38 @@ def test_eight_mixed_speech_requests_share_forwards_and_equal_upstream_generate(
     shared = sum(n for size, n in sizes.items() if size > 1)
     assert shared > 10, sizes  # steps of several requests, not one request per forward
     assert stats.live_requests == 0 and stats.live_values == 0
+
+
+def test_eight_qwen25_omni_speech_requests_share_forwards_and_equal_upstream_generate() -> None:
+    """Qwen2.5-Omni (text input: its walks take no media): thinker text and talker codes of
+    each of eight concurrent requests equal ``generate()``'s, the waveform its waveform under
+    the request's seed."""
+    from walkserve.adapters import qwen25_omni
+
+    walks, sample = qwen25_omni.tiny()
+    users = [[10, 11, 12, 13], [5, 6, 7], [44, 45], [120, 7], [9], [30, 31, 32], [77, 3], [8, 8]]
+    requests = [
+        {
+            **sample,
+            "input_ids": q.chat_prompt(qwen25_omni._Ids(), user),
+            "max_new_tokens": 6 + 2 * i,
+            "max_audio_tokens": 12 + 3 * i,
+            "text_bos_id": qwen25_omni.TINY_SPEAKER_BOS,
+            "seed": 100 + i,
+        }
+        for i, user in enumerate(users)
+    ]
+    placement = PLACEMENT.parent / "qwen25-omni.2ranks.yaml"
+    with serve("walkserve.adapters.qwen25_omni:tiny", placement) as server:
+        handles = [server.submit(r, "speak") for r in requests]
+        outs = [h.result(timeout=300) for h in handles]
+        sizes = server.batch_sizes
+    for i, (r, got) in enumerate(zip(requests, outs)):
+        text, codes, waveform = qwen25_omni.upstream_speech(walks, r, seed=r["seed"])
+        mine = torch.cat([got["first_token"], got["second_token"], got["text_tokens"]], dim=1)
+        assert torch.equal(mine, text), i
+        assert torch.equal(torch.cat([got["first_code"], got["codes"]], dim=1), codes), i
+        # The worker's threads may sum the DiT's products in another order than this process.
+        scale = 1e-5 * waveform.abs().max()
+        torch.testing.assert_close(got["waveform"][0, 0], waveform, rtol=0, atol=scale)
+    assert sum(n for size, n in sizes.items() if size > 1) > 10, sizes

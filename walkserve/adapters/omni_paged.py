@@ -66,7 +66,7 @@ from walkserve.runtime.kv.paged_lm import (
 )
 from walkserve.runtime.kv.pool import SeqId
 
-__all__ = ["PagedDecoder", "PagedStackKV", "Prepared", "StackOutput"]
+__all__ = ["PagedDecoder", "PagedStackKV", "PagedThinker", "Prepared", "StackOutput"]
 
 Call = tuple[Sequence[Any], dict[str, Any]]
 
@@ -361,6 +361,31 @@ class PagedDecoder(nn.Module):
             )
         finally:
             state.lock.release()
+
+
+class PagedThinker(PagedDecoder):
+    """An Omni thinker (``thinker.model.language_model`` under ``thinker.lm_head``) fed the
+    embeddings of its text input; the Qwen3-Omni one adds its media (``qwen3_omni_pool``)."""
+
+    def __init__(self, thinker: Any, config: PagedLMConfig | None = None) -> None:
+        super().__init__(thinker.model.language_model, config)
+        self.thinker = thinker
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: Any = None,
+        use_cache: bool = True,
+        output_hidden_states: bool = False,
+    ) -> StackOutput:
+        return self._call(locals())
+
+    def prepare(self, args: dict[str, Any], context: int) -> Prepared:
+        return Prepared(self.thinker.get_input_embeddings()(args["input_ids"]))
+
+    def head(self, hidden: Tensor, prepared: Prepared) -> Tensor:
+        logits: Tensor = self.thinker.lm_head(hidden)
+        return logits
 
 
 def _rope(p: Prepared) -> int:

@@ -23,20 +23,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from walkserve.adapters.omni_paged import PagedDecoder, Prepared, StackOutput
+from walkserve.adapters.omni_paged import PagedDecoder, PagedThinker, Prepared, StackOutput
 from walkserve.runtime.kv.paged_lm import PagedLMConfig
 
 __all__ = ["PredictorOnPool", "TalkerOnPool", "ThinkerOnPool"]
 
 
-class ThinkerOnPool(PagedDecoder):
-    """An upstream ``Qwen3OmniMoeThinkerForConditionalGeneration`` on the pool."""
+class ThinkerOnPool(PagedThinker):
+    """An upstream ``Qwen3OmniMoeThinkerForConditionalGeneration`` on the pool, with media."""
 
-    def __init__(self, thinker: Any, config: PagedLMConfig | None = None) -> None:
-        super().__init__(thinker.model.language_model, config)
-        self.thinker = thinker
-
-    def forward(
+    def forward(  # type: ignore[override]
         self,
         input_ids: Tensor,
         cache: Any = None,
@@ -73,10 +69,6 @@ class ThinkerOnPool(PagedDecoder):
             visual = mask[..., 0]  # [B, T]
             deepstack = [torch.cat(f, dim=0) for f in image.deepstack_features]
         return Prepared(embeds, args.get("position_ids"), visual, deepstack)
-
-    def head(self, hidden: Tensor, prepared: Prepared) -> Tensor:
-        logits: Tensor = self.thinker.lm_head(hidden)
-        return logits
 
 
 class TalkerOnPool(PagedDecoder):
