@@ -19,7 +19,7 @@ from walkserve.runtime.server import serve
 pytest.importorskip("transformers")
 
 FACTORY = "walkserve.adapters.qwen3_omni:tiny"
-PLACEMENT = Path(q.__file__).parent / "placements_omni" / "qwen3-omni.2ranks.yaml"
+PLACEMENT = Path(q.__file__).parents[1] / "placements_omni" / "qwen3-omni.2ranks.yaml"
 
 
 def work(config: Any) -> list[tuple[dict[str, Any], str]]:

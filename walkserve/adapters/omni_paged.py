@@ -365,7 +365,7 @@ class PagedDecoder(nn.Module):
 
 class PagedThinker(PagedDecoder):
     """An Omni thinker (``thinker.model.language_model`` under ``thinker.lm_head``) fed the
-    embeddings of its text input; the Qwen3-Omni one adds its media (``qwen3_omni_pool``)."""
+    embeddings of its text input; the Qwen3-Omni one adds its media (``qwen3_omni.decoders``)."""
 
     def __init__(self, thinker: Any, config: PagedLMConfig | None = None) -> None:
         super().__init__(thinker.model.language_model, config)

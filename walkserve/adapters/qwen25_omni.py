@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from walkserve.adapters.qwen3_omni import _read_now
+from walkserve.adapters.qwen3_omni.inputs import _read_now
 from walkserve.adapters.qwen25_omni_pool import TalkerOnPool, ThinkerOnPool
 from walkserve.adapters.speech_sampling import SamplingDefaults, TokenSampler
 from walkserve.capture import (

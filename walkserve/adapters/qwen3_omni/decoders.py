@@ -23,7 +23,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from walkserve.adapters.omni_paged import PagedDecoder, PagedThinker, Prepared, StackOutput
+from walkserve.adapters.omni_paged import (
+    PagedDecoder,
+    PagedThinker,
+    Prepared,
+    StackOutput,
+)
 from walkserve.runtime.kv.paged_lm import PagedLMConfig
 
 __all__ = ["PredictorOnPool", "TalkerOnPool", "ThinkerOnPool"]
