@@ -14,6 +14,11 @@ Reported per level and way:
                          delivered before them has finished playing (playback starts at the
                          first chunk)
 
+    audio_s_per_cpu_s    audio seconds / CPU seconds (user + system) of the processes doing the
+                         work (walkserve: this process and its workers; generate: its
+                         process): on a machine shared with other load, wall time measures the
+                         load as much as the server, CPU time much less
+
 Audio seconds are counted at the real model's frame rate (12.5 codec frames per second, 80 ms
 each), not from the tiny codec's sample count (its 16 samples per frame would make every
 request a few milliseconds long). Writes ``benchmarks/results/speech_omni.json``. Timings on a
@@ -68,19 +73,42 @@ def workload(n: int, max_new: int, max_audio: int, seed: int) -> list[dict[str, 
     ]
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process and its live descendants, from
+    Linux ``/proc`` (``stat`` fields 14 and 15, after the command name)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    procs: dict[int, tuple[int, float]] = {}  # pid -> (parent pid, CPU seconds)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        procs[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    tree, grown = {os.getpid()}, True
+    while grown:
+        more = {pid for pid, (parent, _) in procs.items() if parent in tree} - tree
+        tree |= more
+        grown = bool(more)
+    return sum(procs[pid][1] for pid in tree if pid in procs)
+
+
 def run_generate(work: list[dict[str, Any]]) -> dict[str, Any]:
-    """Upstream generate() per request: (seconds, frames) of each."""
+    """Upstream generate() per request: (seconds, CPU seconds, frames) of each."""
     from walkserve.adapters import qwen3_omni as q
 
     walks, _ = q.tiny()
     q.upstream_speech(walks, work[0])  # first-call costs stay out of the timing
-    seconds, frames = [], []
+    seconds, cpu, frames = [], [], []
     for r in work:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         _, codes, _ = q.upstream_speech(walks, r)
         seconds.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         frames.append(int(codes.shape[-1]))
-    return {"seconds": seconds, "frames": frames}
+    return {"seconds": seconds, "cpu_s": cpu, "frames": frames}
 
 
 def _waveform_arrivals(handle: Any) -> list[tuple[float, int]]:
@@ -99,10 +127,10 @@ def run_walkserve(work: list[dict[str, Any]], levels: list[int]) -> dict[str, An
     with serve(FACTORY, PLACEMENT) as server:
         server.run(work[0], "speak", timeout=600)  # warm-up
         for c in levels:
-            ttfa, viable, chunks, frames, wall = [], 0, 0, 0, 0.0
+            ttfa, viable, chunks, frames, wall, cpu = [], 0, 0, 0, 0.0, 0.0
             for wave in range(WAVES):
                 reqs = work[wave * c : (wave + 1) * c]
-                start = time.monotonic()
+                start, start_cpu = time.monotonic(), tree_cpu_s()
                 handles = [server.submit(r, "speak") for r in reqs]
                 # One reader per request, so that each chunk's arrival time is its own (read
                 # one after another, later requests' chunks would wait for earlier streams).
@@ -110,6 +138,7 @@ def run_walkserve(work: list[dict[str, Any]], levels: list[int]) -> dict[str, An
                     arrivals = list(readers.map(_waveform_arrivals, handles))
                 results = [h.result(timeout=600) for h in handles]
                 wall += time.monotonic() - start
+                cpu += tree_cpu_s() - start_cpu
                 for got, res in zip(arrivals, results):
                     n_frames = int(res["codes"].shape[-1])
                     frames += n_frames
@@ -124,8 +153,10 @@ def run_walkserve(work: list[dict[str, Any]], levels: list[int]) -> dict[str, An
             out[str(c)] = {
                 "ttfa_s": sum(ttfa) / len(ttfa),
                 "audio_s_per_wall_s": frames * FRAME_SECONDS / wall,
+                "audio_s_per_cpu_s": frames * FRAME_SECONDS / cpu,
                 "viability": viable / max(1, chunks),
                 "wall_s": wall,
+                "cpu_s": cpu,
                 "frames": frames,
             }
     return out
@@ -158,6 +189,7 @@ def main() -> None:
     for c in levels:
         n = WAVES * c
         seconds, frames = base["seconds"][:n], base["frames"][:n]
+        cpu = base["cpu_s"][:n]
         # Requests one after another: request k of a wave waits for the k before it.
         ttfa = []
         for wave in range(WAVES):
@@ -168,6 +200,7 @@ def main() -> None:
         native[str(c)] = {
             "ttfa_s": sum(ttfa) / len(ttfa),
             "audio_s_per_wall_s": sum(frames) * FRAME_SECONDS / sum(seconds),
+            "audio_s_per_cpu_s": sum(frames) * FRAME_SECONDS / sum(cpu),
         }
     served = run_walkserve(work, levels)
     for c in levels:
@@ -175,7 +208,8 @@ def main() -> None:
         print(
             f"c={c}: walkserve ttfa {w['ttfa_s']:.3f} s, {w['audio_s_per_wall_s']:.2f} audio s/s, "
             f"viability {w['viability']:.0%} | generate ttfa {b['ttfa_s']:.3f} s, "
-            f"{b['audio_s_per_wall_s']:.2f} audio s/s"
+            f"{b['audio_s_per_wall_s']:.2f} audio s/s | per CPU s: walkserve "
+            f"{w['audio_s_per_cpu_s']:.2f}, generate {b['audio_s_per_cpu_s']:.2f}"
         )
     summary = {
         "benchmark": "speech_omni",
@@ -193,6 +227,9 @@ def main() -> None:
         },
         "throughput_ratio_walkserve_over_generate": {
             c: served[c]["audio_s_per_wall_s"] / native[c]["audio_s_per_wall_s"] for c in served
+        },
+        "cpu_throughput_ratio_walkserve_over_generate": {
+            c: served[c]["audio_s_per_cpu_s"] / native[c]["audio_s_per_cpu_s"] for c in served
         },
     }
     write_result(args.out, summary, load_before)

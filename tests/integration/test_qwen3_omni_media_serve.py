@@ -21,7 +21,7 @@ from walkserve.testing import assert_outputs_match
 pytest.importorskip("transformers")
 
 FACTORY = "walkserve.adapters.qwen3_omni:tiny"
-PLACEMENT = Path(q.__file__).parent / "placements_omni" / "qwen3-omni.2ranks.yaml"
+PLACEMENT = Path(q.__file__).parents[1] / "placements_omni" / "qwen3-omni.2ranks.yaml"
 MEDIA_KEYS = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw")
 CHAT_KEYS = ("input_ids", "input_features", "feature_attention_mask", "max_new_tokens")
 

@@ -23,7 +23,7 @@ from walkserve.testing import assert_outputs_match
 pytest.importorskip("transformers")
 
 FACTORY = "walkserve.adapters.qwen3_omni:tiny"
-PLACEMENTS = Path(q.__file__).parent / "placements_omni"
+PLACEMENTS = Path(q.__file__).parents[1] / "placements_omni"
 
 
 def requests(config: Any, n: int) -> list[dict[str, Any]]:

@@ -30,32 +30,7 @@ def upstream_generate(
     walks: q.Qwen25OmniWalks, r: dict[str, Any], seed: int, speaker: str = "Chelsie"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(new text tokens [1, n], talker tokens [1, m], waveform [samples]) of greedy generate()."""
-    model = walks.upstream
-    seen: dict[str, torch.Tensor] = {}
-    talker_generate = model.talker.generate
-
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        seen["codes"] = out = talker_generate(*args, **kwargs)
-        return out
-
-    model.talker.generate = spy
-    try:
-        torch.manual_seed(seed)
-        sequences, waveform = model.generate(
-            r["input_ids"],
-            speaker=speaker,
-            thinker_max_new_tokens=r["max_new_tokens"],
-            thinker_eos_token_id=walks.eos,
-            thinker_do_sample=False,
-            talker_max_new_tokens=r["max_audio_tokens"],
-            talker_do_sample=False,
-            talker_repetition_penalty=1.0,
-            talker_eos_token_id=list(walks.codec_eos),
-        )
-    finally:
-        del model.talker.generate
-    prompt = r["input_ids"].shape[1]
-    return sequences[:, prompt:], seen["codes"][:, prompt + 2 :], waveform
+    return q.upstream_speech(walks, r, seed, speaker)
 
 
 def test_speech_walk_equals_upstream_generate_token_for_token(tiny: Any) -> None:

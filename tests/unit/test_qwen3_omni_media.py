@@ -204,7 +204,12 @@ def test_requests_of_different_media_run_together(tiny: Any, kind: str) -> None:
         requests = [audio(walks, i) for i in (2, 0, 3)]
     else:
         requests = [image(walks, i) for i in (0, 1, 2)]
+    decoders = (walks.thinker_lm, walks.talker_lm, walks.predictor_lm)
+    before = [d.packing() for d in decoders]
     outs = runner.run(requests, f"speak_{kind}")
+    for d, (calls, forwards) in zip(decoders, before):  # the paged pool packs their steps
+        calls, forwards = d.packing()[0] - calls, d.packing()[1] - forwards
+        assert forwards < calls <= 3 * forwards, (type(d).__name__, calls, forwards)
     for r, got in zip(requests, outs):
         text, codes, _ = upstream_generate(walks, r)
         assert torch.equal(text_of(got), text)

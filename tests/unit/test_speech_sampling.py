@@ -62,9 +62,9 @@ def test_the_samplers_are_glue_that_runs_with_the_forward_before_them(q3_tiny: A
     _, _, captured = q3_tiny
     plan = lower(captured, q3.tiny()[1], check_capture=False)
     walk = plan.walks["chat"].nodes
-    assert [n.name for n in walk if isinstance(n, NodePlan)] == ["thinker"]
+    assert [n.name for n in walk if isinstance(n, NodePlan)] == ["thinker_lm"]
     step = next(n for n in walk if isinstance(n, LoopPlan))
-    assert [n.name for n in step.body.nodes] == ["think_step/thinker"]
+    assert [n.name for n in step.body.nodes] == ["think_step/thinker_lm"]
     first = step.body.nodes[0]
     assert isinstance(first, NodePlan)
     assert any("sample_tokens" in op for op in first.ops)

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from walkserve.adapters.qwen3_omni import _read_now
+from walkserve.adapters.qwen3_omni.inputs import _read_now
+from walkserve.adapters.qwen25_omni_pool import TalkerOnPool, ThinkerOnPool
 from walkserve.adapters.speech_sampling import SamplingDefaults, TokenSampler
 from walkserve.capture import (
     FixedChunk,
@@ -53,6 +54,7 @@ from walkserve.capture import (
     walk,
 )
 from walkserve.capture.api import component
+from walkserve.runtime.kv.paged_lm import PagedLMConfig
 
 if TYPE_CHECKING:
     from walkserve.api.profile import ModelProfile
@@ -138,10 +140,12 @@ class Qwen25OmniWalks(nn.Module):
     """Walks ``speak`` (thinker -> talker) around an upstream
     ``Qwen2_5OmniForConditionalGeneration``."""
 
-    def __init__(self, model: Any, thinker_eos_id: int) -> None:
+    def __init__(self, model: Any, thinker_eos_id: int, pool: PagedLMConfig | None = None) -> None:
+        """``pool``: the thinker's and the talker's KV pools (the server's settings override
+        it)."""
         super().__init__()
-        register_component(type(model.thinker), engine="kv_cache")
-        register_component(type(model.talker), engine="kv_cache", speculative=False)
+        register_component(ThinkerOnPool, engine="kv_cache")
+        register_component(TalkerOnPool, engine="kv_cache", speculative=False)
         object.__setattr__(self, "upstream", model)  # for reference runs; not a submodule
         self.thinker: Any = model.thinker
         self.talker: Any = model.talker
@@ -162,6 +166,9 @@ class Qwen25OmniWalks(nn.Module):
         self.thinker_sampler = TokenSampler(stream=0)
         self.talker_sampler = TokenSampler(stream=1)
         self.token2wav = SeededToken2Wav(model.token2wav, model.speaker_map, self.codec_eos)
+        # The decoders on the paged pool: concurrent requests share their forwards.
+        self.thinker_lm = ThinkerOnPool(model.thinker, pool)
+        self.talker_lm = TalkerOnPool(model.talker, pool)
 
     @walk(inputs={"input_ids": Input(dims={1: "dynamic"})})
     def speak(
@@ -183,11 +190,13 @@ class Qwen25OmniWalks(nn.Module):
         talker_sampling: tuple[Any, ...] = (talker_temperature, talker_top_p, talker_top_k, seed)
         talker_sampling += (talker_repetition_penalty,)
         # 1. thinker prefill, and the step feeding t0 (its hidden state primes the talker).
-        out = self.thinker(input_ids=input_ids, use_cache=True, output_hidden_states=True)
+        out = self.thinker_lm(input_ids=input_ids, use_cache=True, output_hidden_states=True)
         cache = _read_now(out.cache)
         prompt_part = out.hidden_states[-1] + out.hidden_states[0]  # [B, P, D]
         first = self.thinker_sampler(out.logits[:, -1:], 0, *thinker_sampling)  # [B, 1]: t0
-        out = self.thinker(input_ids=first, cache=cache, use_cache=True, output_hidden_states=True)
+        out = self.thinker_lm(
+            input_ids=first, cache=cache, use_cache=True, output_hidden_states=True
+        )
         cache = _read_now(out.cache)
         reply0 = out.hidden_states[-1] + out.hidden_states[0]  # [B, 1, D]
         token = second = self.thinker_sampler(out.logits[:, -1:], 1, *thinker_sampling)  # t1
@@ -212,7 +221,7 @@ class Qwen25OmniWalks(nn.Module):
         prompt = torch.cat([prompt_part, bos_embed, reply0], dim=1)  # [B, P + 2, D]
         # generate() gives the talker no attention mask: default positions, and no codec
         # bos / pad embeddings added by the forward (it adds them only with a mask).
-        talk = self.talker(inputs_embeds=prompt, use_cache=True)
+        talk = self.talker_lm(inputs_embeds=prompt, use_cache=True)
         talk_cache = _read_now(talk.cache)
         # The codec ids generate() penalizes (talker repetition_penalty): its talker prompt's
         # (codec mask, pad, bos), then each generated one. seen: [B, V_talker] bool
@@ -269,7 +278,9 @@ class Qwen25OmniWalks(nn.Module):
         top_k: int,
         seed: int,
     ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
-        out = self.thinker(input_ids=token, cache=cache, use_cache=True, output_hidden_states=True)
+        out = self.thinker_lm(
+            input_ids=token, cache=cache, use_cache=True, output_hidden_states=True
+        )
         cache = _read_now(out.cache)
         reply = out.hidden_states[-1] + out.hidden_states[0]  # [B, 1, D]: of the token fed
         logits = out.logits[:, -1:]  # [B, 1, V]
@@ -332,7 +343,7 @@ class Qwen25OmniWalks(nn.Module):
         reply, last = item[..., :-1], item[..., -1:] > 0  # [B, 1, D], [B, 1, 1]
         after = torch.where(k.unsqueeze(-1) == 1, eos_embed, pad_embed)  # [B, 1, D]
         feed = torch.where(k.unsqueeze(-1) == 0, reply, after)
-        out = self.talker(input_ids=code, thinker_reply_part=feed, cache=cache, use_cache=True)
+        out = self.talker_lm(input_ids=code, thinker_reply_part=feed, cache=cache, use_cache=True)
         cache = _read_now(out.cache)
         sampling = (temperature, top_p, top_k, seed, repetition_penalty)
         code = self._pick_code(out.logits[:, -1:], n_codes, sampling, seen)
@@ -486,6 +497,40 @@ def tiny(seed: int = 0) -> tuple[Qwen25OmniWalks, dict[str, Any]]:
         "text_bos_id": TINY_SPEAKER_BOS,
     }
     return walks, sample
+
+
+def upstream_speech(
+    walks: Qwen25OmniWalks, request: Mapping[str, Any], seed: int, speaker: str = "Chelsie"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The reference for a ``speak`` request: greedy upstream ``generate()`` after
+    ``torch.manual_seed(seed)`` -> (new text tokens [1, n], talker tokens [1, m], waveform
+    [samples])."""
+    model: Any = walks.upstream
+    seen: dict[str, Tensor] = {}
+    talker_generate = model.talker.generate
+
+    def spy(*args: Any, **kwargs: Any) -> Tensor:
+        seen["codes"] = out = talker_generate(*args, **kwargs)
+        return out
+
+    model.talker.generate = spy
+    try:
+        torch.manual_seed(seed)
+        sequences, waveform = model.generate(
+            request["input_ids"],
+            speaker=speaker,
+            thinker_max_new_tokens=request["max_new_tokens"],
+            thinker_eos_token_id=walks.eos,
+            thinker_do_sample=False,
+            talker_max_new_tokens=request["max_audio_tokens"],
+            talker_do_sample=False,
+            talker_repetition_penalty=1.0,
+            talker_eos_token_id=list(walks.codec_eos),
+        )
+    finally:
+        del model.talker.generate
+    prompt = request["input_ids"].shape[1]
+    return sequences[:, prompt:], seen["codes"][:, prompt + 2 :], waveform
 
 
 class _Ids:

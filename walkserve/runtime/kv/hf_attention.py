@@ -360,9 +360,10 @@ PROBE_TOKENS = 5
 
 
 @torch.no_grad()
-def probe_attention(model: nn.Module) -> ModelAttention:
+def probe_attention(model: nn.Module, embeds: bool = False) -> ModelAttention:
     """Run ``model`` (loaded with ``attn_implementation=ATTN_IMPLEMENTATION``) on a short prompt
-    and return what each of its attention layers asked for. Raises ``UnsupportedAttention`` if a
+    and return what each of its attention layers asked for; with ``embeds``, the prompt is
+    seeded random ``inputs_embeds`` (a base decoder fed embeddings: no token table of its own). Raises ``UnsupportedAttention`` if a
     layer asks for what the pool cannot give, if some decoder layer never called the attention
     interface (recurrent or linear-attention layers, or attention computed by the model itself),
     or if a layer called it more than once per forward."""
@@ -376,10 +377,15 @@ def probe_attention(model: nn.Module) -> ModelAttention:
     param = next(model.parameters())
     ids = (torch.arange(PROBE_TOKENS) * 7 + 1) % vocab
     probe = Probe()
+    inputs: dict[str, torch.Tensor] = {"input_ids": ids.unsqueeze(0).to(param.device)}
+    if embeds:
+        g = torch.Generator().manual_seed(0)
+        noise = torch.randn(1, PROBE_TOKENS, int(config.hidden_size), generator=g)
+        inputs = {"inputs_embeds": noise.to(param.device, param.dtype)}
     try:
         with attention_context(probe):
             model(
-                input_ids=ids.unsqueeze(0).to(param.device),
+                **inputs,
                 attention_mask=torch.ones(1, PROBE_TOKENS, dtype=torch.long, device=param.device),
                 position_ids=torch.arange(PROBE_TOKENS, device=param.device).unsqueeze(0),
                 use_cache=False,

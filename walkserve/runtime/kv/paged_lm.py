@@ -77,7 +77,16 @@ from walkserve.runtime.kv.pool import PoolExhausted, SeqId
 from walkserve.runtime.kv.row_sampling import RowState, TextSampler, vocab_size
 from walkserve.runtime.kv.sampling import seeded_token, step_seed
 
-__all__ = ["PagedKV", "PagedLM", "PagedLMConfig", "PagedLMStats", "seeded_token", "step_seed"]
+__all__ = [
+    "DeferredRelease",
+    "PagedKV",
+    "PagedLM",
+    "PagedLMConfig",
+    "PagedLMStats",
+    "pool_nbytes",
+    "seeded_token",
+    "step_seed",
+]
 
 Call = tuple[Sequence[Any], dict[str, Any]]
 
@@ -153,23 +162,14 @@ class _Unit:
         return min(r.arrived for r in self.rows)
 
 
-class _State:
-    """The pool and the live sequences of one ``PagedLM`` in one process."""
+class DeferredRelease:
+    """A pool's lock and the releases of dropped caches: ``release`` frees now when the pool is
+    idle, else queues for ``drain`` at the next forward; never blocks (a finalizer may run on
+    any thread). Subclasses say how to free (``_free``, lock held)."""
 
-    def __init__(
-        self, model: nn.Module, config: PagedLMConfig, attention: ModelAttention | None
-    ) -> None:
-        self.pool: GroupedKVPool = pool_for(
-            model, config.num_pages, config.page_size, attention=attention
-        )
-        self.runner = PagedCausalLMRunner(model, self.pool)
-        self.rows: dict[SeqId, _Row] = {}
+    def __init__(self) -> None:
         self.lock = threading.Lock()
         self.pending: deque[list[SeqId]] = deque()  # releases that found the lock taken
-        self.clock = itertools.count(1)
-        self.evictions = 0
-        self.forwards = 0
-        self.tokens = 0
 
     def release(self, seqs: list[SeqId]) -> None:
         """Free ``seqs`` (a dropped ``PagedKV``): now if the pool is idle, else at the next
@@ -186,6 +186,27 @@ class _State:
     def drain(self) -> None:  # lock held
         while self.pending:
             self._free(self.pending.popleft())
+
+    def _free(self, seqs: list[SeqId]) -> None:  # lock held
+        raise NotImplementedError
+
+
+class _State(DeferredRelease):
+    """The pool and the live sequences of one ``PagedLM`` in one process."""
+
+    def __init__(
+        self, model: nn.Module, config: PagedLMConfig, attention: ModelAttention | None
+    ) -> None:
+        super().__init__()
+        self.pool: GroupedKVPool = pool_for(
+            model, config.num_pages, config.page_size, attention=attention
+        )
+        self.runner = PagedCausalLMRunner(model, self.pool)
+        self.rows: dict[SeqId, _Row] = {}
+        self.clock = itertools.count(1)
+        self.evictions = 0
+        self.forwards = 0
+        self.tokens = 0
 
     def _free(self, seqs: list[SeqId]) -> None:  # lock held
         for seq in seqs:
@@ -470,17 +491,11 @@ class PagedLM(nn.Module):
         ``runtime.tp.heads`` splits them). Allocates nothing; probes the model's attention
         once (a short forward) unless it was given."""
         from walkserve.runtime.kv.hf_attention import probe_attention
-        from walkserve.runtime.tp.heads import split_heads
 
         if self._attention is None:
             self._attention = probe_attention(self.lm)
         itemsize = next(self.lm.parameters()).element_size()
-        slots = self.config_kv.num_pages * self.config_kv.page_size
-        total = 0
-        for a in self._attention.layers:
-            kv = split_heads(a.num_heads, a.kv_heads, tensor_parallel).kv_heads
-            total += slots * kv * (a.head_dim + a.v_head_dim) * itemsize
-        return total
+        return pool_nbytes(self._attention, self.config_kv, itemsize, tensor_parallel)
 
     def release_kv(self) -> None:
         """Drop the pool (a process that only captured or checked the model); live caches of
@@ -508,6 +523,21 @@ class PagedLM(nn.Module):
             )
         finally:
             state.lock.release()
+
+
+def pool_nbytes(
+    attention: ModelAttention, config: PagedLMConfig, itemsize: int, tensor_parallel: int = 1
+) -> int:
+    """Bytes of a pool of ``config``'s size for these attention layers, one of
+    ``tensor_parallel`` ranks holding its share of each layer's KV heads."""
+    from walkserve.runtime.tp.heads import split_heads
+
+    slots = config.num_pages * config.page_size
+    total = 0
+    for a in attention.layers:
+        kv = split_heads(a.num_heads, a.kv_heads, tensor_parallel).kv_heads
+        total += slots * kv * (a.head_dim + a.v_head_dim) * itemsize
+    return total
 
 
 def _shape(x: Any) -> str:

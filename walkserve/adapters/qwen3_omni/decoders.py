@@ -1,0 +1,137 @@
+"""Qwen3-Omni's thinker, talker and code predictor on the paged KV pool (``omni_paged``): each
+takes the keyword arguments the walks gave the upstream module and builds the decoder input as
+upstream's forward does, then runs its base decoder packed with the batch's other calls.
+
+    ThinkerOnPool    input_ids [B, T] (+ input_features / feature_attention_mask, or
+                     pixel_values / image_grid_thw at a prefill) -> text embeddings with the
+                     audio / image features at their placeholders (upstream
+                     ``get_audio_features``, ``get_image_features``, ``get_placeholder_mask``),
+                     DeepStack visual features for the first layers; ``lm_head``
+    TalkerOnPool     inputs_embeds [B, T, D] -> ``codec_head``
+    PredictorOnPool  a frame's prefill inputs_embeds [B, 2, D] (head 0), then input_ids [B, 1]
+                     of residual group g through ``codec_embedding[g - 1]`` (head g)
+
+Rotary positions: a call's ``position_ids`` [4, B, T] (text row, then t / h / w) when the walk
+gives them (images, and every decode step), else ``context ..`` in all rows, as upstream's text
+model makes them for text and audio prompts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from walkserve.adapters.omni_paged import (
+    PagedDecoder,
+    PagedThinker,
+    Prepared,
+    StackOutput,
+)
+from walkserve.runtime.kv.paged_lm import PagedLMConfig
+
+__all__ = ["PredictorOnPool", "TalkerOnPool", "ThinkerOnPool"]
+
+
+class ThinkerOnPool(PagedThinker):
+    """An upstream ``Qwen3OmniMoeThinkerForConditionalGeneration`` on the pool, with media."""
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: Tensor,
+        cache: Any = None,
+        use_cache: bool = True,
+        position_ids: Tensor | None = None,
+        input_features: Tensor | None = None,
+        feature_attention_mask: Tensor | None = None,
+        pixel_values: Tensor | None = None,
+        image_grid_thw: Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> StackOutput:
+        return self._call(locals())
+
+    def prepare(self, args: dict[str, Any], context: int) -> Prepared:
+        model = self.thinker.model  # Qwen3OmniMoeThinkerModel: its forward's merging steps
+        ids = args["input_ids"]
+        embeds = model.get_input_embeddings()(ids)  # [B, T, D]
+        if args.get("input_features") is not None:
+            audio = model.get_audio_features(
+                args["input_features"], args.get("feature_attention_mask"), None, return_dict=True
+            ).last_hidden_state
+            _, _, mask = model.get_placeholder_mask(ids, inputs_embeds=embeds)
+            embeds = embeds.masked_scatter(mask, audio.to(embeds.device, embeds.dtype))
+        visual = deepstack = None
+        if args.get("pixel_values") is not None:
+            image = model.get_image_features(
+                args["pixel_values"], args.get("image_grid_thw"), return_dict=True
+            )
+            features = torch.cat(image.pooler_output, dim=0).to(embeds.device, embeds.dtype)
+            mask, _, _ = model.get_placeholder_mask(
+                ids, inputs_embeds=embeds, image_features=features
+            )
+            embeds = embeds.masked_scatter(mask, features)
+            visual = mask[..., 0]  # [B, T]
+            deepstack = [torch.cat(f, dim=0) for f in image.deepstack_features]
+        return Prepared(embeds, args.get("position_ids"), visual, deepstack)
+
+
+class TalkerOnPool(PagedDecoder):
+    """An upstream ``Qwen3OmniMoeTalkerForConditionalGeneration`` (its text model and codec
+    head) on the pool; the walks run the code predictor themselves."""
+
+    def __init__(self, talker: Any, config: PagedLMConfig | None = None) -> None:
+        super().__init__(talker.model, config)
+        self.codec_head = talker.codec_head
+
+    def forward(
+        self,
+        inputs_embeds: Tensor,
+        cache: Any = None,
+        use_cache: bool = True,
+        position_ids: Tensor | None = None,
+        output_hidden_states: bool = False,
+        generation_step: int | None = None,  # accepted as upstream's, unused
+    ) -> StackOutput:
+        return self._call(locals())
+
+    def prepare(self, args: dict[str, Any], context: int) -> Prepared:
+        return Prepared(args["inputs_embeds"], args.get("position_ids"))
+
+    def head(self, hidden: Tensor, prepared: Prepared) -> Tensor:
+        logits: Tensor = self.codec_head(hidden)
+        return logits
+
+
+class PredictorOnPool(PagedDecoder):
+    """An upstream ``Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration`` on the
+    pool: one short sequence per frame (its prefill and ``G - 2`` steps)."""
+
+    def __init__(self, predictor: Any, config: PagedLMConfig | None = None) -> None:
+        super().__init__(predictor.model, config)
+        self.predictor = predictor
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool = True,
+        generation_steps: int | None = None,
+    ) -> StackOutput:
+        return self._call(locals())
+
+    def prepare(self, args: dict[str, Any], context: int) -> Prepared:
+        embeds = args.get("inputs_embeds")
+        if embeds is not None and embeds.shape[1] > 1:  # a frame's prefill: hidden, code 0
+            return Prepared(embeds, head=int(embeds.shape[1]) - 2)
+        given = args.get("generation_steps")
+        step = -1 if given is None else int(given)
+        if step < 1:
+            raise ValueError(f"a code predictor step needs generation_steps >= 1, got {given!r}")
+        table = self.predictor.model.get_input_embeddings()[step - 1]
+        return Prepared(table(args["input_ids"]), head=step)
+
+    def head(self, hidden: Tensor, prepared: Prepared) -> Tensor:
+        logits: Tensor = self.predictor.lm_head[prepared.head](hidden)
+        return logits
