@@ -11,6 +11,7 @@ captured model (``build.callables``) and this plan.
           LoopPlan   a loop of the IR; its body is a BlockPlan
       regions: {walk: [RegionPlan]}  runs of items one rank executes by itself
       ranks: {rank: RankPlan}  node names and the memory estimate per rank
+      tp_groups: [TPGroupPlan]  ranks that run components as one tensor-parallel group
 """
 
 from __future__ import annotations
@@ -103,6 +104,15 @@ class MemoryLine(msgspec.Struct, frozen=True):
         return self.weights + self.kv + self.streams + self.workspace
 
 
+class TPGroupPlan(msgspec.Struct, frozen=True):
+    """A tensor-parallel group (``Placement.tp_groups``): its worker ranks, leader first, and
+    the components (paths) it runs sharded. Only the leader is in its nodes' ``ranks``: work
+    is dispatched to it, and it runs each batch with the others in lockstep (``runtime.tp``)."""
+
+    ranks: list[int]
+    components: list[str]
+
+
 class RankPlan(msgspec.Struct):
     nodes: list[str]
     memory: MemoryLine = MemoryLine()
@@ -119,6 +129,7 @@ class ExecutablePlan(msgspec.Struct):
     conductor_values: dict[str, list[str]] = {}
     glue_policy: str = "fuse"
     max_batch: int = 32
+    tp_groups: list[TPGroupPlan] = []
     version: int = PLAN_VERSION
 
     def to_json(self) -> str:
@@ -180,6 +191,11 @@ class ExecutablePlan(msgspec.Struct):
                     f"  region    {region.name:32} rank {region.rank}{where}: "
                     f"{', '.join(region.items)} (runs there by itself)"
                 )
+        for group in self.tp_groups:
+            lines.append(
+                f"tensor-parallel group ranks {group.ranks} (leader {group.ranks[0]}): "
+                f"{', '.join(group.components)}"
+            )
         lines.append("ranks:")
         for rank, rp in sorted(self.ranks.items()):
             m = rp.memory
