@@ -55,6 +55,7 @@ SIGTERM stops the worker cleanly. A worker whose parent process is gone exits by
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
     )
     from walkserve.runtime.peers import PeerClient, PeerServer
     from walkserve.runtime.shm import ShmPool, ShmReader
+    from walkserve.runtime.tp.member import TPMember
     from walkserve.runtime.transport import ObjectStore, ShmTransport
 
 from walkserve.runtime.config import KiB, WorkerConfig, default_threads, routing_id
@@ -166,6 +168,7 @@ class Worker:
         self._kv_last: dict[str, KVStats] = {}
         self.peer_server: PeerServer | None = None
         self.peers: PeerClient | None = None
+        self.tp: TPMember | None = None
 
     def run(self) -> int:
         import zmq
@@ -208,6 +211,8 @@ class Worker:
             self._serve(rx)
             return 0
         finally:
+            if self.tp is not None:
+                self.tp.close()
             if built:
                 if self.peer_server is not None:
                     self.peer_server.close()
@@ -277,8 +282,14 @@ class Worker:
 
         if setup.rank != self.rank:
             raise ValueError(f"setup is for rank {setup.rank}")
+        if setup.tp is not None:  # joined first: the loader loads this rank's shard
+            from walkserve.runtime.tp.member import join_member
+
+            self.tp = join_member(setup.tp, self._tp_broken)
         model, _ = load_source(setup.loader, setup.model, setup.seed)
         self._kv = configure_kv(model, self.config.kv_pool_tokens, self.config.kv_page_size)
+        if self.tp is not None:
+            self.tp.attach(model)
         captured = CapturedModel(from_json(setup.ir), model)
         plan = ExecutablePlan.from_json(setup.plan)
         min_slot = 64 * KiB
@@ -423,6 +434,17 @@ class Worker:
                     stats.prefix_hits,
                 )
         return list(self._kv_last.values())
+
+    def _tp_broken(self, error: BaseException) -> None:
+        """A rank of this worker's TP group died: the group cannot heal, so this rank ends
+        too (the pool sees it dead and fails its requests; other replicas go on)."""
+        log.error("rank %d: its tensor-parallel group broke (%s); exiting", self.rank, error)
+        with contextlib.suppress(Exception):
+            from walkserve.runtime.messages import Fatal
+
+            self._send(Fatal(self.rank, f"tensor-parallel group broke: {error}"))
+        logging.shutdown()
+        os._exit(1)
 
     def _stop(self) -> None:
         self._stopping.set()
