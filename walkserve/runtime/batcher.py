@@ -10,8 +10,10 @@ and tells it when a batch comes back; tests call it with fabricated items::
 Rules:
 
 - node items group by (walk, node, ops, outputs) and rank: one ``RunBatch`` each. A node with
-  replicas sends each batch to the replica with the fewest of that node's batches in flight,
-  ties in turn;
+  replicas (``replicas``) sends an item that reads a value held on one of them (an
+  ``ObjectRef``: a request's KV cache stays on the replica that made it) to that replica;
+  any other item to the least loaded replica: the fewest of that node's batches in flight,
+  then the fewest items sent there, ties in turn;
 - a KV-cache node whose component runs a batch as one forward (``merging``: PagedLM) has at
   most ``max_inflight`` batches out per rank; its items that become ready meanwhile are held
   and leave together with the next batch when one returns, so requests that fell out of step
@@ -29,10 +31,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from walkserve.lowering.plan import NodePlan, RegionPlan
 from walkserve.runtime.conductor import WorkItem
+from walkserve.runtime.messages import ObjectRef
 
 __all__ = ["Batch", "Batcher"]
 
@@ -70,6 +73,8 @@ class Batcher:
         self.merging = frozenset(merging)
         self.max_inflight = max_inflight
         self.sizes: dict[int, int] = {}  # node batch size -> how many were sent
+        self.per_rank: dict[int, int] = {}  # rank -> node batches sent there
+        self._items: dict[int, int] = {}  # rank -> node items sent there
         self._inflight: dict[tuple[int, str, str], int] = {}  # (rank, walk, node) -> batches
         self._held: list[WorkItem] = []
         self._turn = itertools.count()
@@ -106,6 +111,8 @@ class Batcher:
                 continue
             self._inflight[key] = self._inflight.get(key, 0) + 1
             self.sizes[len(group)] = self.sizes.get(len(group), 0) + 1
+            self.per_rank[rank] = self.per_rank.get(rank, 0) + 1
+            self._items[rank] = self._items.get(rank, 0) + len(group)
             out.append(Batch(rank, "node", walk, node, ops, outputs, tuple(group)))
         return out
 
@@ -119,6 +126,29 @@ class Batcher:
         ranks = self.nodes[(item.walk, item.node)].ranks
         if len(ranks) == 1:
             return ranks[0]
-        turn = next(self._turn)  # replicas: the least busy, ties in turn
+        held = _held_on(item, ranks)
+        if held is not None:  # sticky: its state lives there
+            return held
+        turn = next(self._turn)  # replicas: the least loaded, ties in turn
         order = [ranks[(turn + k) % len(ranks)] for k in range(len(ranks))]
-        return min(order, key=lambda r: self._inflight.get((r, item.walk, item.node), 0))
+        return min(
+            order,
+            key=lambda r: (self._inflight.get((r, item.walk, item.node), 0), self._items.get(r, 0)),
+        )
+
+
+def _held_on(item: WorkItem, ranks: Sequence[int]) -> int | None:
+    """The first of ``ranks`` holding a value ``item`` reads, or None."""
+    todo: list[Any] = list(item.env.values())
+    if item.call is not None:
+        todo += [*item.call[0], *item.call[1].values()]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, ObjectRef):
+            if value.rank in ranks:
+                return value.rank
+        elif isinstance(value, (list, tuple)):
+            todo += value
+        elif isinstance(value, dict):
+            todo += value.values()
+    return None
