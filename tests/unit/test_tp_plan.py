@@ -86,3 +86,14 @@ def test_replicas_share_work_and_state_stays_where_it_lives() -> None:
     assert free[0].rank == 0
     assert batcher.per_rank == {0: 2, 2: 4}
     assert batcher.batches([item(30, "d", held=5)])[0].rank in (0, 2)  # not a replica's
+
+
+def test_a_crowd_of_new_requests_spreads_and_a_dead_replica_gets_none() -> None:
+    nodes = {("decode", "step/lm"): NodePlan("step/lm", "component", ["lm"], "lm", [0, 2])}
+    batcher = Batcher(nodes, {})
+    crowd = batcher.batches([item(k, f"r{k}") for k in range(4)])
+    assert sorted((b.rank, len(b.items)) for b in crowd) == [(0, 2), (2, 2)]
+    dead = {0}
+    batcher = Batcher(nodes, {}, alive=lambda rank: rank not in dead)
+    assert {b.rank for b in batcher.batches([item(k, f"r{k}") for k in range(4)])} == {2}
+    assert batcher.batches([item(9, "a", held=0)])[0].rank == 0  # its state is there: it fails

@@ -13,7 +13,9 @@ Rules:
   replicas (``replicas``) sends an item that reads a value held on one of them (an
   ``ObjectRef``: a request's KV cache stays on the replica that made it) to that replica;
   any other item to the least loaded replica: the fewest of that node's batches in flight,
-  then the fewest items sent there, ties in turn;
+  then the fewest node items out there (those chosen in the same call included, so a crowd
+  of new requests spreads over the replicas), ties in turn; a dead replica gets none (its requests
+  with state there fail, the others go on);
 - a KV-cache node whose component runs a batch as one forward (``merging``: PagedLM) has at
   most ``max_inflight`` batches out per rank; its items that become ready meanwhile are held
   and leave together with the next batch when one returns, so requests that fell out of step
@@ -57,7 +59,8 @@ class Batch:
 class Batcher:
     """See the module docstring. ``nodes``: every plan node by (walk, node); ``regions``:
     every region by (walk, region name); ``merging``: the (walk, node) keys held back while
-    ``max_inflight`` of their batches are out on a rank."""
+    ``max_inflight`` of their batches are out on a rank; ``alive``: whether a rank (a
+    replica) may be given new work."""
 
     def __init__(
         self,
@@ -65,6 +68,7 @@ class Batcher:
         regions: Mapping[tuple[str, str], RegionPlan],
         merging: Collection[tuple[str, str]] = (),
         max_inflight: int = 1,
+        alive: Callable[[int], bool] = lambda rank: True,
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -72,9 +76,10 @@ class Batcher:
         self.regions = regions
         self.merging = frozenset(merging)
         self.max_inflight = max_inflight
+        self.alive = alive
         self.sizes: dict[int, int] = {}  # node batch size -> how many were sent
         self.per_rank: dict[int, int] = {}  # rank -> node batches sent there
-        self._items: dict[int, int] = {}  # rank -> node items sent there
+        self._load: dict[int, int] = {}  # rank -> node items out there (or chosen, this call)
         self._inflight: dict[tuple[int, str, str], int] = {}  # (rank, walk, node) -> batches
         self._held: list[WorkItem] = []
         self._turn = itertools.count()
@@ -108,11 +113,11 @@ class Batcher:
             key = (rank, walk, node)
             if (walk, node) in self.merging and self._inflight.get(key, 0) >= self.max_inflight:
                 self._held += group
+                self._load[rank] -= len(group)
                 continue
             self._inflight[key] = self._inflight.get(key, 0) + 1
             self.sizes[len(group)] = self.sizes.get(len(group), 0) + 1
             self.per_rank[rank] = self.per_rank.get(rank, 0) + 1
-            self._items[rank] = self._items.get(rank, 0) + len(group)
             out.append(Batch(rank, "node", walk, node, ops, outputs, tuple(group)))
         return out
 
@@ -121,20 +126,26 @@ class Batcher:
         if batch.kind == "node":
             key = (batch.rank, batch.walk, batch.node)
             self._inflight[key] -= 1
+            self._load[batch.rank] -= len(batch.items)
 
     def _rank(self, item: WorkItem) -> int:
+        """The item's rank; counted in ``_load`` at once, so that the items of one call
+        spread over the replicas."""
         ranks = self.nodes[(item.walk, item.node)].ranks
-        if len(ranks) == 1:
-            return ranks[0]
-        held = _held_on(item, ranks)
-        if held is not None:  # sticky: its state lives there
-            return held
-        turn = next(self._turn)  # replicas: the least loaded, ties in turn
-        order = [ranks[(turn + k) % len(ranks)] for k in range(len(ranks))]
-        return min(
-            order,
-            key=lambda r: (self._inflight.get((r, item.walk, item.node), 0), self._items.get(r, 0)),
-        )
+        rank = ranks[0] if len(ranks) == 1 else _held_on(item, ranks)  # sticky: state there
+        if rank is None:
+            ranks = [r for r in ranks if self.alive(r)] or ranks  # a dead replica gets no more
+            turn = next(self._turn)  # replicas: the least loaded, ties in turn
+            order = [ranks[(turn + k) % len(ranks)] for k in range(len(ranks))]
+            rank = min(
+                order,
+                key=lambda r: (
+                    self._inflight.get((r, item.walk, item.node), 0),
+                    self._load.get(r, 0),
+                ),
+            )
+        self._load[rank] = self._load.get(rank, 0) + 1
+        return rank
 
 
 def _held_on(item: WorkItem, ranks: Sequence[int]) -> int | None:

@@ -233,7 +233,7 @@ class Server:
             and components[node.target].engine == "kv_cache"
         }
         regions = {(w, r.name): r for w, found in plan.regions.items() for r in found}
-        self.batcher = Batcher(nodes, regions, merging, max_inflight)
+        self.batcher = Batcher(nodes, regions, merging, max_inflight, alive=pool.serving)
         self.max_inflight = max_inflight
         self._region_rank: dict[int, int] = {}  # region items out -> their rank
         pool.regions.on_regions = self._region_events
