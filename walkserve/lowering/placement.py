@@ -7,7 +7,8 @@ gives every op node of every walk of a ``CapturedModel`` its rank list. What cro
 boundary: a ``Placement`` and a ``CapturedModel`` in, a ``ResolvedPlacement`` out (frozen
 dataclasses; the runtime's rank map reads it). Memory estimates of a resolved placement live in
 ``walkserve.lowering.memory``. A placement only records choices: it does not shard a model
-(tensor parallelism needs sharded layers in the model) and does not search for a good plan.
+(the runtime's TP groups and the model's loader do, ``runtime.tp``) and does not search for a
+good plan.
 
 File format::
 
