@@ -15,7 +15,7 @@ from walkserve.adapters.examples import build_example
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.lower import lower
 from walkserve.lowering.placement import Placement, PlacementError, tensor_parallel_placement
-from walkserve.lowering.plan import ExecutablePlan, NodePlan
+from walkserve.lowering.plan import ExecutablePlan, NodePlan, RegionPlan
 from walkserve.runtime.batcher import Batcher
 from walkserve.runtime.conductor import WorkItem
 from walkserve.runtime.messages import ObjectRef
@@ -52,8 +52,12 @@ def test_replicas_of_tp_groups_and_plain_replicas(text: Any) -> None:
     plan = plan_for(text, tensor_parallel_placement(text[0], 2, replicas=2))
     assert [g.ranks for g in plan.tp_groups] == [[0, 1], [2, 3]]
     assert node_ranks(plan) == {(0, 2)}
+    assert {r.rank for rs in plan.regions.values() for r in rs} == {0}
+    assert {tuple(r.replicas) for rs in plan.regions.values() for r in rs} == {(0, 2)}
     plan = plan_for(text, tensor_parallel_placement(text[0], 1, replicas=3))
     assert plan.tp_groups == [] and node_ranks(plan) == {(0, 1, 2)}
+    decode = plan.regions["decode"]  # the decode loop: a region of each replica
+    assert [r.ranks for r in decode] == [[0, 1, 2]] and "ranks [0, 1, 2]" in plan.format()
     with pytest.raises(PlacementError, match="--data-parallel-size must be a positive int"):
         tensor_parallel_placement(text[0], 2, replicas=0)
 
@@ -97,3 +101,19 @@ def test_a_crowd_of_new_requests_spreads_and_a_dead_replica_gets_none() -> None:
     batcher = Batcher(nodes, {}, alive=lambda rank: rank not in dead)
     assert {b.rank for b in batcher.batches([item(k, f"r{k}") for k in range(4)])} == {2}
     assert batcher.batches([item(9, "a", held=0)])[0].rank == 0  # its state is there: it fails
+
+
+def test_a_region_of_replicas_goes_where_its_state_is_else_to_the_least_busy() -> None:
+    region = RegionPlan("region0", 0, [], ["step"], ["cache"], ["tokens"], replicas=[0, 1])
+    batcher = Batcher({}, {("decode", "region0"): region})
+
+    def start(i: int, held: int | None = None) -> WorkItem:
+        env = {} if held is None else {"cache": ObjectRef(held, f"k{i}")}
+        return WorkItem(i, f"r{i}", "decode", "region0", "region", (), (), False, env=env)
+
+    assert sorted(b.rank for b in batcher.batches([start(0), start(1)])) == [0, 1]
+    assert [b.rank for b in batcher.batches([start(2, held=1)])] == [1]
+    assert [b.rank for b in batcher.batches([start(3)])] == [0]  # rank 1 runs two now
+    batcher.region_returned(1)
+    batcher.region_returned(1)
+    assert [b.rank for b in batcher.batches([start(4)])] == [1]

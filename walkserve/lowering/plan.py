@@ -69,7 +69,8 @@ class BlockPlan(msgspec.Struct):
 
 class RegionPlan(msgspec.Struct, frozen=True):
     """Consecutive items of one block that rank ``rank`` runs by itself for a request
-    (``lowering.regions``): it is handed the region once and reports at its exit.
+    (``lowering.regions``): it is handed the region once and reports at its exit. With
+    ``replicas``, each of them can, and the batcher picks one per request.
 
     ``path``: the loops enclosing the block, outer to inner (``[]``: the walk body); ``items``:
     the block's plan items (node and loop names) it covers, in order; ``inputs``: values it
@@ -91,6 +92,11 @@ class RegionPlan(msgspec.Struct, frozen=True):
     streamed: list[str] = []
     forwards: list[str] = []
     fed: list[str] = []
+    replicas: list[int] = []  # ranks that each run it (``rank`` the first); empty: ``rank``
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.replicas or [self.rank]
 
 
 class MemoryLine(msgspec.Struct, frozen=True):
@@ -187,8 +193,9 @@ class ExecutablePlan(msgspec.Struct):
                 lines.append(f"  {node.kind:9} {node.name:32} {'; '.join(flags)}")
             for region in self.regions.get(walk, []):
                 where = f" in loop {'/'.join(region.path)}" if region.path else ""
+                on = f"rank {region.rank}" if not region.replicas else f"ranks {region.replicas}"
                 lines.append(
-                    f"  region    {region.name:32} rank {region.rank}{where}: "
+                    f"  region    {region.name:32} {on}{where}: "
                     f"{', '.join(region.items)} (runs there by itself)"
                 )
         for group in self.tp_groups:

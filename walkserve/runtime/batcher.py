@@ -22,7 +22,9 @@ Rules:
   share a forward again. Other nodes' items leave at once: a stateless component costs about
   the same per request batched or not, and a pipeline's stages stay busy;
 - region items (``kind="region"``) group by rank: one message starts them all; they are never
-  held (the rank batches their steps itself, across requests).
+  held (the rank batches their steps itself, across requests). A region of replicas goes to
+  one of them as a node item would (sticky to held values, else the least loaded: its
+  region runs count until ``region_returned``).
 
 Held items that are no longer ``wanted`` (their request was cancelled, their iteration
 discarded) are dropped.
@@ -78,7 +80,7 @@ class Batcher:
         self.max_inflight = max_inflight
         self.alive = alive
         self.sizes: dict[int, int] = {}  # node batch size -> how many were sent
-        self.per_rank: dict[int, int] = {}  # rank -> node batches sent there
+        self.per_rank: dict[int, int] = {}  # rank -> batches sent there (nodes, region starts)
         self._load: dict[int, int] = {}  # rank -> node items out there (or chosen, this call)
         self._inflight: dict[tuple[int, str, str], int] = {}  # (rank, walk, node) -> batches
         self._held: list[WorkItem] = []
@@ -101,14 +103,15 @@ class Batcher:
         starts: dict[int, list[WorkItem]] = {}
         for item in items:
             if item.kind == "region":
-                rank = self.regions[(item.walk, item.node)].rank
-                starts.setdefault(rank, []).append(item)
+                starts.setdefault(self._region_rank(item), []).append(item)
                 continue
             rank = self._rank(item)
             groups.setdefault((rank, item.walk, item.node, item.ops, item.outputs), []).append(item)
         out = [
             Batch(rank, "regions", "", "", (), (), tuple(group)) for rank, group in starts.items()
         ]
+        for rank in starts:
+            self.per_rank[rank] = self.per_rank.get(rank, 0) + 1
         for (rank, walk, node, ops, outputs), group in groups.items():
             key = (rank, walk, node)
             if (walk, node) in self.merging and self._inflight.get(key, 0) >= self.max_inflight:
@@ -128,10 +131,20 @@ class Batcher:
             self._inflight[key] -= 1
             self._load[batch.rank] -= len(batch.items)
 
+    def region_returned(self, rank: int) -> None:
+        """A region item on ``rank`` ended (done, failed or dropped)."""
+        self._load[rank] = self._load.get(rank, 1) - 1
+
+    def _region_rank(self, item: WorkItem) -> int:
+        region = self.regions[(item.walk, item.node)]
+        return self._choose(item, region.ranks, "", "")
+
     def _rank(self, item: WorkItem) -> int:
+        return self._choose(item, self.nodes[(item.walk, item.node)].ranks, item.walk, item.node)
+
+    def _choose(self, item: WorkItem, ranks: Sequence[int], walk: str, node: str) -> int:
         """The item's rank; counted in ``_load`` at once, so that the items of one call
         spread over the replicas."""
-        ranks = self.nodes[(item.walk, item.node)].ranks
         rank = ranks[0] if len(ranks) == 1 else _held_on(item, ranks)  # sticky: state there
         if rank is None:
             ranks = [r for r in ranks if self.alive(r)] or ranks  # a dead replica gets no more
@@ -139,10 +152,7 @@ class Batcher:
             order = [ranks[(turn + k) % len(ranks)] for k in range(len(ranks))]
             rank = min(
                 order,
-                key=lambda r: (
-                    self._inflight.get((r, item.walk, item.node), 0),
-                    self._load.get(r, 0),
-                ),
+                key=lambda r: (self._inflight.get((r, walk, node), 0), self._load.get(r, 0)),
             )
         self._load[rank] = self._load.get(rank, 0) + 1
         return rank
