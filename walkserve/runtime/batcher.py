@@ -12,9 +12,10 @@ Rules:
 - node items group by (walk, node, ops, outputs) and rank: one ``RunBatch`` each. A node with
   replicas (``replicas``) sends an item that reads a value held on one of them (an
   ``ObjectRef``: a request's KV cache stays on the replica that made it) to that replica;
-  any other item to the least loaded replica: the fewest of that node's batches in flight,
-  then the fewest node items out there (those chosen in the same call included, so a crowd
-  of new requests spreads over the replicas), ties in turn; a dead replica gets none (its requests
+  any other item to the least loaded replica: the fewest items and region runs out there
+  (those chosen in the same call included, so a crowd of new requests spreads over the
+  replicas; not batches, or a replica whose batch returned first would take every held
+  item), then the fewest of that node's batches in flight, ties in turn; a dead replica gets none (its requests
   with state there fail, the others go on);
 - a KV-cache node whose component runs a batch as one forward (``merging``: PagedLM) has at
   most ``max_inflight`` batches out per rank; its items that become ready meanwhile are held
@@ -81,6 +82,7 @@ class Batcher:
         self.alive = alive
         self.sizes: dict[int, int] = {}  # node batch size -> how many were sent
         self.per_rank: dict[int, int] = {}  # rank -> batches sent there (nodes, region starts)
+        self.items_per_rank: dict[int, int] = {}  # rank -> items in them
         self._load: dict[int, int] = {}  # rank -> node items out there (or chosen, this call)
         self._inflight: dict[tuple[int, str, str], int] = {}  # (rank, walk, node) -> batches
         self._held: list[WorkItem] = []
@@ -110,8 +112,9 @@ class Batcher:
         out = [
             Batch(rank, "regions", "", "", (), (), tuple(group)) for rank, group in starts.items()
         ]
-        for rank in starts:
+        for rank, group in starts.items():
             self.per_rank[rank] = self.per_rank.get(rank, 0) + 1
+            self.items_per_rank[rank] = self.items_per_rank.get(rank, 0) + len(group)
         for (rank, walk, node, ops, outputs), group in groups.items():
             key = (rank, walk, node)
             if (walk, node) in self.merging and self._inflight.get(key, 0) >= self.max_inflight:
@@ -121,6 +124,7 @@ class Batcher:
             self._inflight[key] = self._inflight.get(key, 0) + 1
             self.sizes[len(group)] = self.sizes.get(len(group), 0) + 1
             self.per_rank[rank] = self.per_rank.get(rank, 0) + 1
+            self.items_per_rank[rank] = self.items_per_rank.get(rank, 0) + len(group)
             out.append(Batch(rank, "node", walk, node, ops, outputs, tuple(group)))
         return out
 
@@ -152,7 +156,7 @@ class Batcher:
             order = [ranks[(turn + k) % len(ranks)] for k in range(len(ranks))]
             rank = min(
                 order,
-                key=lambda r: (self._inflight.get((r, walk, node), 0), self._load.get(r, 0)),
+                key=lambda r: (self._load.get(r, 0), self._inflight.get((r, walk, node), 0)),
             )
         self._load[rank] = self._load.get(rank, 0) + 1
         return rank
