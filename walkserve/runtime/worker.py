@@ -49,6 +49,12 @@ the rest of walkserve are imported inside functions. If the parent's ``__main__`
 imports torch at its top, spawn re-imports that module in the child first and the variable
 comes too late for OpenMP's start-up, but ``torch.set_num_threads`` still applies.
 
+Tensor parallelism: a ``WorkerSetup`` with ``tp`` makes the worker join its group before it
+loads the model (the loader then loads this rank's shard) and hand the group's components to
+``tp.member.TPMember``: on the leader their calls go to every rank of the group; a follower
+runs them on a thread of its own, and its engine loop runs whatever else is placed on it.
+A broken group ends the worker (exit 1).
+
 Signals: SIGINT is ignored (Ctrl-C reaches the whole process group; the conductor decides),
 SIGTERM stops the worker cleanly. A worker whose parent process is gone exits by itself.
 """

@@ -141,9 +141,7 @@ class TPMember:
                 self._follower.join(timeout_s)
         except TPGroupError as e:
             log.warning("%s: closing: %s", self.group, e)
-        clean = self.runner._broken is None and (
-            self._follower is None or not self._follower.is_alive()
-        )
+        clean = not self.runner.broken and (self._follower is None or not self._follower.is_alive())
         if clean:
             self.group.close()
         _current = None
