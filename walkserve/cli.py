@@ -109,6 +109,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         metavar="N",
         help="every component on ranks 0..N-1 as one tensor-parallel group (not with --placement)",
     )
+    sv.add_argument(
+        "--data-parallel-size",
+        type=int,
+        metavar="R",
+        help="R replicas of every component (each of --tensor-parallel-size ranks; not with "
+        "--placement); requests go to the least busy replica",
+    )
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument(
@@ -212,6 +219,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         type=int,
         metavar="N",
         help="every component on ranks 0..N-1 as one tensor-parallel group (not with --placement)",
+    )
+    pl.add_argument(
+        "--data-parallel-size",
+        type=int,
+        metavar="R",
+        help="R replicas of every component (each of --tensor-parallel-size ranks; not with "
+        "--placement); requests go to the least busy replica",
     )
     pl.add_argument(
         "--device", default="cpu", help="cpu or cuda (decides compile and CUDA-graph plans)"
@@ -335,10 +349,13 @@ def _placement(args: argparse.Namespace, captured: Any) -> Any:
     default: everything on rank 0)."""
     from walkserve.lowering.placement import Placement, tensor_parallel_placement
 
-    if args.tensor_parallel_size is not None and args.placement:
-        raise ValueError("give --placement or --tensor-parallel-size, not both")
-    if args.tensor_parallel_size is not None:
-        return tensor_parallel_placement(captured, args.tensor_parallel_size)
+    sizes = (args.tensor_parallel_size, args.data_parallel_size)
+    if sizes != (None, None) and args.placement:
+        raise ValueError(
+            "give --placement or --tensor-parallel-size / --data-parallel-size, not both"
+        )
+    if sizes != (None, None):
+        return tensor_parallel_placement(captured, sizes[0] or 1, sizes[1] or 1)
     return Placement.from_file(args.placement) if args.placement else None
 
 
@@ -409,11 +426,6 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    if (args.tensor_parallel_size or 1) > 1:  # until the workers run TP groups (runtime.tp)
-        raise ValueError(
-            "--tensor-parallel-size: tensor-parallel execution is not wired into the worker "
-            "processes yet; 'walkserve plan --tensor-parallel-size N' shows one shard's memory"
-        )
     names = tuple(args.served_model_name or (model,))
     config = ApiConfig(
         api_key=args.api_key,

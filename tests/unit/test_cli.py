@@ -182,7 +182,11 @@ def test_tensor_parallel_size_plans_every_component_on_n_ranks(
     code, out, err = run(capsys, "plan", *args, "--skip-capture-check")
     assert code == 0, err
     assert "rank 0:" in out and "rank 1:" in out
+    assert "tensor-parallel group ranks [0, 1] (leader 0): lm" in out
+    code, out, err = run(capsys, "plan", *args, "--data-parallel-size", "2", "--skip-capture-check")
+    assert code == 0, err
+    assert "group ranks [0, 1] (leader 0)" in out and "group ranks [2, 3] (leader 2)" in out
     code, _, err = run(capsys, "plan", *args, "--placement", "x.yaml")
     assert code == 2 and "not both" in err
-    code, _, err = run(capsys, "serve", *args)
-    assert code == 2 and "not wired into the worker processes yet" in err
+    code, _, err = run(capsys, "serve", "--data-parallel-size", "0", "--placement", "x.yaml")
+    assert code == 2 and "not both" in err

@@ -242,10 +242,20 @@ def sample_request(input_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
 
 def load_causal_lm(path: str) -> tuple[CausalLMWalks, dict[str, Any]]:
     """A local checkpoint directory (``from_pretrained`` on a path, safetensors) as walks, with
-    sample inputs for capture. The engine is chosen by ``hf_engine.text_engine``."""
+    sample inputs for capture. The engine is chosen by ``hf_engine.text_engine``. In a worker
+    of a tensor-parallel group (``runtime.tp.member.current_group``) only this rank's shard
+    is loaded, through transformers' own TP plan (``runtime.tp.shard``)."""
     from transformers import AutoModelForCausalLM
 
-    lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    from walkserve.runtime.tp.member import current_group
+
+    group = current_group()
+    if group is not None:  # a rank of a tensor-parallel group: its shard only
+        from walkserve.runtime.tp.shard import load_sharded
+
+        lm = load_sharded(path, group, local_files_only=True)
+    else:
+        lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     lm.eval()
     eos = eos_token_id(lm)
     vocabulary = HFVocabulary(path, eos) if has_tokenizer(path) else None

@@ -3,7 +3,8 @@
     analyze      batch dimension of every value (batchdims), sample arguments per op
     split        IR blocks -> plan blocks of dispatch units, glue grouped by policy (split)
     annotate     per component node: argument/result batch dims, batch buckets, compile plan
-    place        ranks per node and memory per rank from the placement (placement)
+    place        ranks per node (a tensor-parallel group's leader for the group), the TP
+                 groups, and memory per rank from the placement (placement)
     regions      the runs of items each rank executes by itself (regions)
 
 Each pass takes its policy as a parameter; the result is an ``ExecutablePlan``.
@@ -20,7 +21,14 @@ from walkserve.lowering.batchdims import BatchAnalysis, analyze
 from walkserve.lowering.compile import check_capturable, compile_plan
 from walkserve.lowering.memory import MemoryLimits, estimate_memory
 from walkserve.lowering.placement import Placement, resolve
-from walkserve.lowering.plan import BlockPlan, ExecutablePlan, MemoryLine, NodePlan, RankPlan
+from walkserve.lowering.plan import (
+    BlockPlan,
+    ExecutablePlan,
+    MemoryLine,
+    NodePlan,
+    RankPlan,
+    TPGroupPlan,
+)
 from walkserve.lowering.regions import conductor_values, find_regions
 from walkserve.lowering.split import POLICIES, GluePolicy, split_block
 from walkserve.lowering.valueflow import node_io, value_readers
@@ -151,9 +159,21 @@ def _place(
         r: RankPlan([], MemoryLine(e.weights, e.kv_pool, e.stream_buffers, e.workspace))
         for r, e in estimates.items()
     }
+    groups = (placement or Placement.default(1)).tp_groups()
+    members = {rank: group for group in groups for rank in group}
+    components: dict[tuple[int, ...], list[str]] = {group: [] for group in groups}
     for walk in plan.walks:
         for node in plan.nodes(walk):
-            node.ranks = sorted(resolved.ranks(walk, node.ops[0]))
-            for r in node.ranks:
+            placed = resolved.node(walk, node.ops[0])
+            for r in placed.ranks:
                 ranks[r].nodes.append(f"{walk}:{node.name}")
+            # a tensor-parallel group is dispatched to through its leader alone
+            node.ranks = sorted(placed.ranks[:: placed.tensor_parallel])
+            if placed.tensor_parallel == 1 or node.kind != "component":
+                continue
+            for leader in node.ranks:
+                group = members[leader]
+                if node.target not in components[group]:
+                    components[group].append(node.target)
     plan.ranks = ranks
+    plan.tp_groups = [TPGroupPlan(list(g), components[g]) for g in groups if components[g]]

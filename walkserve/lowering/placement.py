@@ -7,7 +7,8 @@ gives every op node of every walk of a ``CapturedModel`` its rank list. What cro
 boundary: a ``Placement`` and a ``CapturedModel`` in, a ``ResolvedPlacement`` out (frozen
 dataclasses; the runtime's rank map reads it). Memory estimates of a resolved placement live in
 ``walkserve.lowering.memory``. A placement only records choices: it does not shard a model
-(tensor parallelism needs sharded layers in the model) and does not search for a good plan.
+(the runtime's TP groups and the model's loader do, ``runtime.tp``) and does not search for a
+good plan.
 
 File format::
 
@@ -16,7 +17,8 @@ File format::
       text_encoder: [0]                       #   component path: every call of the component
       generate:euler_step/denoiser: [0]       #   walk:node: one node of one walk (wins)
       generate:euler_step/denoiser_1: [1]
-    tensor_parallel: {decoder: 1}             # optional, per rule key; divides len(ranks)
+    tensor_parallel: {decoder: 1}             # optional, per rule key; divides len(ranks):
+                                              #   groups of N consecutive ranks run it as one
     replicas: {decoder: 1}                    # optional; replicas x tensor_parallel = len(ranks)
     concurrent:                               # optional: branches of one Parallel group
       - [generate:euler_step/denoiser, generate:euler_step/denoiser_1]   # to run at once
@@ -144,7 +146,8 @@ class Placement:
     call of that component) or ``walk:node`` (one node of one walk, which wins over its
     component's rule). Nodes without a rule run on rank 0. ``tensor_parallel`` and
     ``replicas`` are per rule key: a rule's ranks form ``replicas`` groups of
-    ``tensor_parallel`` ranks (recorded and validated; sharding is the model's job).
+    ``tensor_parallel`` ranks (``tp_groups``); work goes to each group's first rank, its
+    leader, and the others run the same batches in lockstep (``runtime.tp``).
     ``concurrent`` lists sets of ``walk:node`` keys that should run at the same time;
     ``memory_budget_bytes`` is a budget per rank (ranks not named are unchecked).
     ``hosts`` names the host of a rank (unnamed: ``LOCAL_HOST``, the conductor's);
@@ -259,6 +262,31 @@ class Placement:
     def replicas_of(self, key: str) -> int:
         return self.replicas.get(key, len(self.rules[key]) // self.tensor_parallel_of(key))
 
+    def tp_groups(self) -> list[tuple[int, ...]]:
+        """The tensor-parallel groups: each rule with ``tensor_parallel`` N > 1 splits its
+        ranks into ``replicas`` groups of N consecutive entries (the first of each, its
+        leader, is the rank work is dispatched to); rules naming the same ranks share a group.
+        Raises ``PlacementError`` when a rank would be in two different groups."""
+        groups: dict[tuple[int, ...], None] = {}
+        owner: dict[int, tuple[str, tuple[int, ...]]] = {}
+        for key, ranks in self.rules.items():
+            degree = self.tensor_parallel_of(key)
+            if degree == 1:
+                continue
+            for start in range(0, len(ranks), degree):
+                members = tuple(ranks[start : start + degree])
+                for rank in members:
+                    other = owner.setdefault(rank, (key, members))
+                    if other[1] != members:
+                        raise PlacementError(
+                            f"rank {rank} is in two tensor-parallel groups: {list(other[1])} "
+                            f"(rule {other[0]!r}) and {list(members)} (rule {key!r}); a rank "
+                            f"belongs to at most one group: give both rules the same ranks or "
+                            f"disjoint ranks"
+                        )
+                groups.setdefault(members, None)
+        return list(groups)
+
     # -------------------------------------------------------------------------- constructors
 
     @classmethod
@@ -341,19 +369,22 @@ class Placement:
             path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def tensor_parallel_placement(captured: CapturedModel, size: int) -> Placement:
-    """``walkserve serve --tensor-parallel-size N``: every component of ``captured`` on ranks
-    0..N-1 as one tensor-parallel group of degree N (N = 1: everything on rank 0)."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise PlacementError(f"--tensor-parallel-size must be a positive int, got {size!r}")
-    if size == 1:
+def tensor_parallel_placement(captured: CapturedModel, size: int, replicas: int = 1) -> Placement:
+    """``walkserve serve --tensor-parallel-size N --data-parallel-size R``: every component of
+    ``captured`` on ranks 0..N*R-1, as R replicas of one tensor-parallel group of degree N
+    each (N = R = 1: everything on rank 0)."""
+    for flag, value in (("--tensor-parallel-size", size), ("--data-parallel-size", replicas)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlacementError(f"{flag} must be a positive int, got {value!r}")
+    if size * replicas == 1:
         return Placement.default(1)
     components = list(captured.graph.components)
-    ranks = list(range(size))
+    ranks = list(range(size * replicas))
     return Placement(
-        ranks=size,
+        ranks=size * replicas,
         rules=dict.fromkeys(components, ranks),
-        tensor_parallel=dict.fromkeys(components, size),
+        tensor_parallel=dict.fromkeys(components, size) if size > 1 else {},
+        replicas=dict.fromkeys(components, replicas) if replicas > 1 else {},
     )
 
 

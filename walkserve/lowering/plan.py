@@ -11,6 +11,7 @@ captured model (``build.callables``) and this plan.
           LoopPlan   a loop of the IR; its body is a BlockPlan
       regions: {walk: [RegionPlan]}  runs of items one rank executes by itself
       ranks: {rank: RankPlan}  node names and the memory estimate per rank
+      tp_groups: [TPGroupPlan]  ranks that run components as one tensor-parallel group
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class BlockPlan(msgspec.Struct):
 
 class RegionPlan(msgspec.Struct, frozen=True):
     """Consecutive items of one block that rank ``rank`` runs by itself for a request
-    (``lowering.regions``): it is handed the region once and reports at its exit.
+    (``lowering.regions``): it is handed the region once and reports at its exit. With
+    ``replicas``, each of them can, and the batcher picks one per request.
 
     ``path``: the loops enclosing the block, outer to inner (``[]``: the walk body); ``items``:
     the block's plan items (node and loop names) it covers, in order; ``inputs``: values it
@@ -90,6 +92,11 @@ class RegionPlan(msgspec.Struct, frozen=True):
     streamed: list[str] = []
     forwards: list[str] = []
     fed: list[str] = []
+    replicas: list[int] = []  # ranks that each run it (``rank`` the first); empty: ``rank``
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.replicas or [self.rank]
 
 
 class MemoryLine(msgspec.Struct, frozen=True):
@@ -101,6 +108,15 @@ class MemoryLine(msgspec.Struct, frozen=True):
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.streams + self.workspace
+
+
+class TPGroupPlan(msgspec.Struct, frozen=True):
+    """A tensor-parallel group (``Placement.tp_groups``): its worker ranks, leader first, and
+    the components (paths) it runs sharded. Only the leader is in its nodes' ``ranks``: work
+    is dispatched to it, and it runs each batch with the others in lockstep (``runtime.tp``)."""
+
+    ranks: list[int]
+    components: list[str]
 
 
 class RankPlan(msgspec.Struct):
@@ -119,6 +135,7 @@ class ExecutablePlan(msgspec.Struct):
     conductor_values: dict[str, list[str]] = {}
     glue_policy: str = "fuse"
     max_batch: int = 32
+    tp_groups: list[TPGroupPlan] = []
     version: int = PLAN_VERSION
 
     def to_json(self) -> str:
@@ -176,10 +193,16 @@ class ExecutablePlan(msgspec.Struct):
                 lines.append(f"  {node.kind:9} {node.name:32} {'; '.join(flags)}")
             for region in self.regions.get(walk, []):
                 where = f" in loop {'/'.join(region.path)}" if region.path else ""
+                on = f"rank {region.rank}" if not region.replicas else f"ranks {region.replicas}"
                 lines.append(
-                    f"  region    {region.name:32} rank {region.rank}{where}: "
+                    f"  region    {region.name:32} {on}{where}: "
                     f"{', '.join(region.items)} (runs there by itself)"
                 )
+        for group in self.tp_groups:
+            lines.append(
+                f"tensor-parallel group ranks {group.ranks} (leader {group.ranks[0]}): "
+                f"{', '.join(group.components)}"
+            )
         lines.append("ranks:")
         for rank, rp in sorted(self.ranks.items()):
             m = rp.memory

@@ -4,8 +4,10 @@ A *region* is a run of consecutive items of one block (plan nodes, and loops who
 nested loops included, sits on the same single rank) that the runtime hands to that rank once
 per request: the rank steps its loops, evaluates their stops, keeps their carried values and
 reports back only at the region's exit (plus the committed items of its streamed channels).
-The conductor never sees its iterations. Everything else (loops whose bodies span ranks, nodes
-with replicas) the conductor drives node by node, and the pass looks inside those loops for
+The conductor never sees its iterations. A run whose nodes all have the same replicas is a
+region of each replica (``RegionPlan.replicas``: the batcher picks one per request, where its
+state lives). Everything else (loops whose bodies span ranks) the conductor drives node by
+node, and the pass looks inside those loops for
 regions of their own::
 
     walk decode (everything on rank 0)             walk generate (branches on ranks 0 and 1)
@@ -67,6 +69,9 @@ class _Finder:
         # Streams between loops of this block: both ends must share a run, else neither is
         # rank-local. Runs depend on which loops are local, so repeat until nothing changes.
         pairs = self._stream_pairs(items)
+        for producer, consumer, _ in pairs:  # replicas: no region streams to another region
+            if len(local[producer] or ()) > 1 or len(local[consumer] or ()) > 1:
+                local[producer] = local[consumer] = None
         while True:  # a stream with one rank-local end: that end is conductor-driven too
             half = {
                 name
@@ -94,12 +99,15 @@ class _Finder:
                 self.block(loop.body, item.body, [*path, item.name], inner)
 
     def _runs(
-        self, body: ir.Block, items: list[NodePlan | LoopPlan], local: dict[str, int | None]
+        self,
+        body: ir.Block,
+        items: list[NodePlan | LoopPlan],
+        local: dict[str, tuple[int, ...] | None],
     ) -> list[list[str]]:
         params = set(body.params)
         runs: list[list[str]] = []
         run: list[str] = []
-        rank: int | None = None
+        rank: tuple[int, ...] | None = None
         made: set[str] = set()
         needs: set[str] = set()
         for item in items:
@@ -131,7 +139,7 @@ class _Finder:
         run: list[str],
         path: list[str],
         pinned: set[str],
-        local: dict[str, int | None],
+        local: dict[str, tuple[int, ...] | None],
     ) -> RegionPlan:
         members = [self._item(items, n) for n in run]
         made: set[str] = set()
@@ -165,11 +173,12 @@ class _Finder:
                     streamed += [ch for ch in node.accumulated if ch in emitted]
         fed = [e.name for _, c, e in self.apart if c in run]
         forwards = list(dict.fromkeys(e.source for p, _, e in self.apart if p in run))
-        rank = local[run[0]]
-        assert rank is not None
+        ranks = local[run[0]]
+        assert ranks is not None
         return RegionPlan(
             name=f"{'/'.join(path) + '/' if path else ''}region{len(self.found)}",
-            rank=rank,
+            rank=ranks[0],
+            replicas=list(ranks) if len(ranks) > 1 else [],
             path=list(path),
             items=list(run),
             inputs=[v for v in inputs if v not in trips],
@@ -182,13 +191,13 @@ class _Finder:
 
     # ------------------------------------------------------------------ items
 
-    def _rank(self, item: NodePlan | LoopPlan) -> int | None:
-        """The one rank an item runs on wholly, or None (replicas, or a body across ranks)."""
+    def _rank(self, item: NodePlan | LoopPlan) -> tuple[int, ...] | None:
+        """The ranks every node of an item runs on (one rank, or the same replicas), or None
+        (a body across ranks)."""
         ranks = {tuple(n.ranks) for n in _plan_nodes(item)}
         if len(ranks) != 1:
             return None
-        only = next(iter(ranks))
-        return only[0] if len(only) == 1 else None
+        return next(iter(ranks))
 
     def _reads(self, item: NodePlan | LoopPlan) -> list[str]:
         """What ``item`` needs from outside itself; a stream between two rank-local loops is

@@ -51,4 +51,10 @@ Modules, by role:
     transport, shm, tensorcodec, peers   how values move: inline, shared memory, rank to rank
     local         the same path in one process (tests, reference runs)
     kv/           the paged KV engine; net/ other hosts; tp/ tensor parallelism
+
+A tensor-parallel group (``ExecutablePlan.tp_groups``) is N worker processes that joined one
+``torch.distributed`` world before loading their shards: the conductor dispatches to its
+leader alone, whose component calls are broadcast to the followers and run in lockstep
+(``tp.member``); only the leader reports. Replicas are ranks of one node that the batcher
+chooses between, a request's KV-carrying calls staying on the replica holding its cache.
 """

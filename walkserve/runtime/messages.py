@@ -212,6 +212,20 @@ class Join(_Msg, frozen=True):
     pid: PosInt
 
 
+class TPJoin(msgspec.Struct, frozen=True):
+    """How a worker joins its tensor-parallel group (``runtime.tp.group.TPSetup``'s fields)
+    and the components the group runs (``ExecutablePlan.tp_groups``)."""
+
+    ranks: list[NonNegInt]
+    rank: NonNegInt
+    store: Literal["tcp", "file"]
+    address: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    backend: Literal["gloo", "nccl"]
+    device: Name
+    timeout_s: float
+    components: list[Name]
+
+
 class WorkerSetup(_Msg, frozen=True):
     """Everything a worker builds its part of the plan from. The worker loads the weights
     itself (``registry.load_model(model, seed)``); ``ir`` is ``serialize.to_json`` of the
@@ -232,6 +246,7 @@ class WorkerSetup(_Msg, frozen=True):
     peers: dict[int, str] = {}  # rank -> its peer socket (``Fetch``); empty: hold nothing
     hold: bool = False  # keep values no one needs the bytes of (the server's conductor asks)
     loader: Name = "walkserve.adapters.registry:load_model"  # module:function(model, seed)
+    tp: TPJoin | None = None  # this rank's tensor-parallel group (joined before loading)
 
 
 class Fatal(_Msg, frozen=True):

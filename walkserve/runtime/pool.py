@@ -90,6 +90,7 @@ from walkserve.runtime.messages import (
     RegionEvents,
     RunBatch,
     Shutdown,
+    TPJoin,
     Value,
     WorkerSetup,
     decode,
@@ -178,6 +179,10 @@ class WorkerPool:
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self._model = (model_name, seed, ir_to_json(captured.graph), plan.to_json())
+        self._rendezvous: Any = None  # runtime.tp.group.Rendezvous, with TP groups
+        self._tp: dict[int, TPJoin] = {}
+        if plan.tp_groups:
+            self._tp = self._tp_joins(plan)
         self._scheduling = (speculate, stream_buffer_limit)
         self.hold = hold
         self.regions = RegionTraffic(self)
@@ -201,6 +206,32 @@ class WorkerPool:
             raise
 
     # ------------------------------------------------------------------ start-up
+
+    def _tp_joins(self, plan: ExecutablePlan) -> dict[int, TPJoin]:
+        """The rendezvous of the plan's TP groups (a TCP store this process binds on a free
+        port of 127.0.0.1, held until ``close``) and each member rank's ``TPJoin``."""
+        from walkserve.runtime.tp.group import Rendezvous, TPGroupSpec
+
+        if self.config.remote_ranks:
+            raise ValueError("tensor-parallel groups run on this host's ranks only")
+        self._rendezvous = Rendezvous.tcp(timeout_s=self.config.start_timeout_s)
+        joins = {}
+        for group in plan.tp_groups:
+            spec = TPGroupSpec(tuple(group.ranks))
+            for rank in group.ranks:
+                device = f"cuda:{rank}" if plan.device.startswith("cuda") else "cpu"
+                setup = self._rendezvous.setup(spec, rank, device, self.config.start_timeout_s)
+                joins[rank] = TPJoin(
+                    list(setup.ranks),
+                    setup.rank,
+                    setup.store,
+                    setup.address,
+                    setup.backend,
+                    setup.device,
+                    setup.timeout_s,
+                    list(group.components),
+                )
+        return joins
 
     def _start(self, ranks: int) -> None:
         # Two ROUTERs: workers report on one (the io thread's alone) and are commanded on the
@@ -430,6 +461,11 @@ class WorkerPool:
     def ranks(self) -> list[int]:
         return sorted(self._ranks)
 
+    def serving(self, rank: int) -> bool:
+        """Whether ``rank`` can take work: alive, and so is every rank of its TP group."""
+        group = self._tp[rank].ranks if rank in self._tp else [rank]
+        return all(self._ranks[r].status not in ("dead", "closed") for r in group)
+
     def pid(self, rank: int) -> int | None:
         return self._rank(rank).pid
 
@@ -617,6 +653,8 @@ class WorkerPool:
                 resource.close()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self._rendezvous is not None:
+            self._rendezvous.close()
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -721,6 +759,7 @@ class WorkerPool:
             limit,
             self._peers(),
             self.hold,
+            tp=self._tp.get(state.rank),
         )
         self._send_setup(state, encode(setup))
 

@@ -55,7 +55,7 @@ def region_walks(captured: CapturedModel, plan: ExecutablePlan, rank: int | None
     for walk_name, found in plan.regions.items():
         walk = captured.graph.walks[walk_name]
         for region in found:
-            if rank is not None and region.rank != rank:
+            if rank is not None and rank not in region.ranks:
                 continue
             name = region_walk_name(walk_name, region.name)
             walks[name], blocks[name] = _region_walk(walk, plan.walks[walk_name], region, name)

@@ -238,7 +238,7 @@ class Server:
             and components[node.target].engine == "kv_cache"
         }
         regions = {(w, r.name): r for w, found in plan.regions.items() for r in found}
-        self.batcher = Batcher(nodes, regions, merging, max_inflight)
+        self.batcher = Batcher(nodes, regions, merging, max_inflight, alive=pool.serving)
         self.max_inflight = max_inflight
         self._region_rank: dict[int, int] = {}  # region items out -> their rank
         pool.regions.on_regions = self._region_events
@@ -469,7 +469,7 @@ class Server:
                         try:
                             self.pool.regions.start(batch.rank, [start])
                         except Exception as e:
-                            self._region_rank.pop(start[0], None)
+                            self._region_over(start[0])
                             self.conductor.fail(start[0], f"its inputs could not be sent: {e}")
                 continue
             payload = [(it.id, it.request, self._inputs(it)) for it in batch.items]
@@ -490,12 +490,20 @@ class Server:
             future.add_done_callback(self._reply_callback(batch))
         by_rank: dict[int, list[int]] = {}
         for item_id in self.conductor.dropped():
-            rank = self._region_rank.pop(item_id, None)
+            rank = self._region_over(item_id)
             if rank is not None:
                 by_rank.setdefault(rank, []).append(item_id)
         for rank, group in by_rank.items():
             self.pool.regions.drop(rank, group)
         self._route_streams()
+
+    def _region_over(self, item: int) -> int | None:
+        """Region item ``item`` is over (done, failed, dropped): its rank, which the batcher
+        counts one fewer run on."""
+        rank = self._region_rank.pop(item, None)
+        if rank is not None:
+            self.batcher.region_returned(rank)
+        return rank
 
     def _route_streams(self) -> None:
         """Streams between regions: items to consumer regions, credit to producer ones."""
@@ -534,10 +542,10 @@ class Server:
                         event.item, event.stream, event.base, event.received, event.closed
                     )
                 elif isinstance(event, RegionDone):
-                    self._region_rank.pop(event.item, None)
+                    self._region_over(event.item)
                     self.conductor.complete(event.item, event.outputs)
                 else:
-                    self._region_rank.pop(event.item, None)
+                    self._region_over(event.item)
                     self.conductor.fail(event.item, event.error)
 
         self._inbox.put(apply)

@@ -49,6 +49,12 @@ the rest of walkserve are imported inside functions. If the parent's ``__main__`
 imports torch at its top, spawn re-imports that module in the child first and the variable
 comes too late for OpenMP's start-up, but ``torch.set_num_threads`` still applies.
 
+Tensor parallelism: a ``WorkerSetup`` with ``tp`` makes the worker join its group before it
+loads the model (the loader then loads this rank's shard) and hand the group's components to
+``tp.member.TPMember``: on the leader their calls go to every rank of the group; a follower
+runs them on a thread of its own, and its engine loop runs whatever else is placed on it.
+A broken group ends the worker (exit 1).
+
 Signals: a spawned worker leads a process group of its own, so that signals meant for the
 server's group (Ctrl-C, SIGTERM from a supervisor) reach the server only, which drains and
 then stops its workers (``Shutdown``). SIGINT is ignored all the same (the conductor decides),
@@ -83,6 +89,7 @@ if TYPE_CHECKING:
     )
     from walkserve.runtime.peers import PeerClient, PeerServer
     from walkserve.runtime.shm import ShmPool, ShmReader
+    from walkserve.runtime.tp.member import TPMember
     from walkserve.runtime.transport import ObjectStore, ShmTransport
 
 from walkserve.runtime.config import KiB, WorkerConfig, default_threads, routing_id
@@ -178,6 +185,7 @@ class Worker:
         self.peers: PeerClient | None = None
         self._orphaned = False  # the conductor process died: clean what it left
         self._next_beat = 0.0  # when the io thread sends the next heartbeat
+        self.tp: TPMember | None = None
 
     def run(self) -> int:
         import zmq
@@ -220,6 +228,8 @@ class Worker:
             self._serve(rx)
             return 0
         finally:
+            if self.tp is not None:
+                self.tp.close()
             if built:
                 if self.peer_server is not None:
                     self.peer_server.close()
@@ -303,8 +313,14 @@ class Worker:
 
         if setup.rank != self.rank:
             raise ValueError(f"setup is for rank {setup.rank}")
+        if setup.tp is not None:  # joined first: the loader loads this rank's shard
+            from walkserve.runtime.tp.member import join_member
+
+            self.tp = join_member(setup.tp, self._tp_broken)
         model, _ = load_source(setup.loader, setup.model, setup.seed)
         self._kv = configure_kv(model, self.config.kv_pool_tokens, self.config.kv_page_size)
+        if self.tp is not None:
+            self.tp.attach(model)
         captured = CapturedModel(from_json(setup.ir), model)
         plan = ExecutablePlan.from_json(setup.plan)
         min_slot = 64 * KiB
@@ -460,6 +476,17 @@ class Worker:
                     stats.prefix_hits,
                 )
         return list(self._kv_last.values())
+
+    def _tp_broken(self, error: BaseException) -> None:
+        """A rank of this worker's TP group died: the group cannot heal, so this rank ends
+        too (the pool sees it dead and fails its requests; other replicas go on)."""
+        log.error("rank %d: its tensor-parallel group broke (%s); exiting", self.rank, error)
+        with contextlib.suppress(Exception):
+            from walkserve.runtime.messages import Fatal
+
+            self._send(Fatal(self.rank, f"tensor-parallel group broke: {error}"))
+        logging.shutdown()
+        os._exit(1)
 
     def _stop(self) -> None:
         self._stopping.set()

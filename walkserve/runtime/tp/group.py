@@ -45,7 +45,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from walkserve.lowering.placement import Placement, PlacementError
+from walkserve.lowering.placement import Placement
 
 __all__ = ["Rendezvous", "TPGroup", "TPGroupSpec", "TPSetup", "tp_groups"]
 
@@ -81,27 +81,9 @@ class TPGroupSpec:
 
 
 def tp_groups(placement: Placement) -> list[TPGroupSpec]:
-    """The TP groups of ``placement``: each rule with ``tensor_parallel`` N > 1 splits its ranks
-    into ``replicas`` groups of N consecutive entries. Rules naming the same ranks share a
-    group. Raises ``PlacementError`` when a rank would be in two different groups."""
-    groups: dict[tuple[int, ...], TPGroupSpec] = {}
-    owner: dict[int, tuple[str, tuple[int, ...]]] = {}
-    for key, ranks in placement.rules.items():
-        degree = placement.tensor_parallel_of(key)
-        if degree == 1:
-            continue
-        for start in range(0, len(ranks), degree):
-            members = tuple(ranks[start : start + degree])
-            for rank in members:
-                other = owner.setdefault(rank, (key, members))
-                if other[1] != members:
-                    raise PlacementError(
-                        f"rank {rank} is in two tensor-parallel groups: {list(other[1])} (rule "
-                        f"{other[0]!r}) and {list(members)} (rule {key!r}); a rank belongs to at "
-                        f"most one group: give both rules the same ranks or disjoint ranks"
-                    )
-            groups.setdefault(members, TPGroupSpec(members))
-    return list(groups.values())
+    """The TP groups of ``placement`` (``Placement.tp_groups``) as specs. Raises
+    ``PlacementError`` when a rank would be in two different groups."""
+    return [TPGroupSpec(ranks) for ranks in placement.tp_groups()]
 
 
 Backend = Literal["gloo", "nccl"]

@@ -149,6 +149,11 @@ class TPRunner:
     def live_objects(self) -> int:
         return len(self._objects)
 
+    @property
+    def broken(self) -> bool:
+        """A collective failed: the group is unusable."""
+        return self._broken is not None
+
     # -------------------------------------------------------------------------- leader
 
     def run(self, calls: Sequence[Call]) -> list[Any]:
