@@ -464,7 +464,7 @@ class WorkerPool:
     def serving(self, rank: int) -> bool:
         """Whether ``rank`` can take work: alive, and so is every rank of its TP group."""
         group = self._tp[rank].ranks if rank in self._tp else [rank]
-        return all(self._ranks[r].status not in ("dead", "closed") for r in group)
+        return all(self._ranks[r].status not in ("dead", "closed", "failed") for r in group)
 
     def pid(self, rank: int) -> int | None:
         return self._rank(rank).pid

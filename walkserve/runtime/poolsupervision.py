@@ -69,9 +69,15 @@ class RankSupervision:
 
     def after_death(self, state: RankState) -> None:
         """A spawned rank died (not at close): schedule its restart, or give it up (restarts
-        off: it stays ``dead``, as without supervision)."""
+        off, or a rank of a tensor-parallel group: it stays ``dead``, as without
+        supervision)."""
         pool = self.pool
         if not pool.config.supervision.restart:
+            return
+        if state.rank in pool._tp:  # a TP group takes no new member: its ranks stay dead
+            log.error(
+                "worker rank %d is a member of a tensor-parallel group: not restarted", state.rank
+            )
             return
         decision = self.policy.died(state.rank)
         with pool._lock:
