@@ -443,6 +443,44 @@ def _net(data: dict[str, Any], src: str) -> list[Row]:
     return [(what, machine(data), "; ".join(parts))]
 
 
+def _loops(data: dict[str, Any], src: str) -> list[Row]:
+    cases = data["results"]
+    parts = []
+    for name, r in cases.items():
+        parts.append(
+            f"{name}: batch 1 served {_secs(r['served_p50_s'])} vs eager {_secs(r['eager_p50_s'])}"
+            f" ({_x(r['served_over_eager'])}, target 1.2x); {r['concurrent']} concurrent"
+            f" {_x(r['throughput_ratio'])} the eager one-by-one throughput (target 4x)"
+        )
+    if data.get("loadavg_before"):
+        parts.append(f"1-min load {data['loadavg_before'][0]:.1f} before")
+    what = (
+        "served loops vs the same loops run eagerly in one process, one rank, torch threads"
+        f" {data.get('torch_threads', '?')} ({_script(data, src, 'bench_loops.py')})"
+    )
+    return [(what, machine(data), "; ".join(parts))]
+
+
+def _soak(data: dict[str, Any], src: str) -> list[Row]:
+    req, args, slope = data["requests"], data["args"], data["slope_per_hour"]
+    parts = [
+        f"{req['total']} requests in {_secs(args['duration'])}: {req['ok']} ok, {req['cancelled']}"
+        f" cancelled, {req['failed_by_kill']} failed by the kills, {req['unanswered']} unanswered",
+        f"rank restarts {' / '.join(_secs(t) for t in data['restart_s'])}",
+        f"server RSS slope {slope['rss_mib:server']:+.1f} MiB/h",
+        f"at the end {data['end']['live_values']} live values, {data['end']['kv_pages_in_use']}"
+        f" KV pages, {data['end']['shm_in_use']} shared-memory slots",
+    ]
+    load = data.get("machine", {}).get("load_average")
+    if load:
+        parts.append(f"1-min load {load[0]:.1f} at the end")
+    what = (
+        f"soak: mixed traffic with random cancels, rank 0 SIGKILLed every"
+        f" {_secs(args['kill_every'])} ({_script(data, src, 'bench_soak.py')})"
+    )
+    return [(what, machine(data.get("machine", data)), "; ".join(parts))]
+
+
 def _generic(data: dict[str, Any], src: str) -> list[Row]:
     numbers = [
         f"{k} {_f(v)}"
@@ -465,6 +503,7 @@ FORMATTERS: dict[str, Callable[[dict[str, Any], str], list[Row]]] = {
     "speech_orpheus": _speech_orpheus,
     "speech_omni": _speech_omni,
     "net": _net,
+    "loops": _loops,
 }
 
 
@@ -480,6 +519,8 @@ def rows_for(data: dict[str, Any], src: str) -> list[Row]:
             return _shm(data, src)
         if name.startswith("per-node dispatch"):
             return _dispatch(data, src)
+        if "slope_per_hour" in data and "requests" in data:
+            return _soak(data, src)
         if "us_per_call_batch8" in data:
             return _cuda_graphs(data, src)
     except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError):
