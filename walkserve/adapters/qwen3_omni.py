@@ -1318,7 +1318,13 @@ def tiny_profile(name: str) -> ModelProfile:
         voices=qwen3_voices(config),
     )
     extractor = tiny_extractor(int(config.thinker_config.audio_config.num_mel_bins))
-    return with_qwen3_transcription(profile, config, extractor, TINY_AUDIO_SECONDS)
+    profile = with_qwen3_transcription(profile, config, extractor, TINY_AUDIO_SECONDS)
+    from walkserve.adapters import omni_chatmedia as cm
+
+    images = cm.tiny_image_processor(config.thinker_config.vision_config)
+    return cm.with_qwen3_chat_media(
+        profile, config, extractor, images, TINY_AUDIO_SECONDS, cm.TINY_IMAGE_PIXELS
+    )
 
 
 def checkpoint_profile(path: str, name: str) -> ModelProfile:
@@ -1350,7 +1356,13 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
         voices=qwen3_voices(config),
     )
     extractor = checkpoint_extractor(path)
-    return with_qwen3_transcription(profile, config, extractor, CHECKPOINT_AUDIO_SECONDS)
+    profile = with_qwen3_transcription(profile, config, extractor, CHECKPOINT_AUDIO_SECONDS)
+    from walkserve.adapters import omni_chatmedia as cm
+
+    images = cm.checkpoint_image_processor(path)
+    return cm.with_qwen3_chat_media(
+        profile, config, extractor, images, CHECKPOINT_AUDIO_SECONDS, cm.CHECKPOINT_IMAGE_PIXELS
+    )
 
 
 def from_env() -> tuple[Qwen3OmniWalks, dict[str, Any]]:
