@@ -447,6 +447,16 @@ def picture(fmt: str, size: tuple[int, int] = (30, 20)) -> bytes:
     return out.getvalue()
 
 
+def solid_png(width: int, height: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 10, 10)).save(out, format="PNG")
+    return out.getvalue()
+
+
 def audio_part(clip: bytes, fmt: str) -> dict[str, Any]:
     return {"type": "input_audio", "input_audio": {"data": b64(clip), "format": fmt}}
 
@@ -481,8 +491,10 @@ def test_chat_audio_part_equals_the_chat_audio_walk(client: Any, ref: Any, eos: 
 
 def test_chat_image_part_equals_the_chat_image_walk(client: Any, ref: Any, eos: int) -> None:
     answers = set()
-    for fmt, mime in (("PNG", "image/png"), ("JPEG", "image/jpeg"), ("WEBP", "image/webp")):
-        data = picture(fmt)
+    kinds = [("PNG", "image/png", (30, 20)), ("JPEG", "image/jpeg", (30, 20))]
+    kinds.append(("WEBP", "image/webp", (200, 90)))  # resized by the processor to <= 64 x 64
+    for fmt, mime, size in kinds:
+        data = picture(fmt, size)
         features, placeholders = image_features(data)
         user = [10, *placeholders, *b"Describe."]
         inputs = {"input_ids": qwen3_omni.chat_prompt(CONFIG, user, 10), **features}
@@ -545,8 +557,8 @@ def test_chat_media_refusals_name_the_field(client: Any) -> None:
             "messages[0].content[0].image_url.url",
         ),
         (
-            image_part(picture("PNG", (80, 60))),
-            r"limit is 4096 pixels",
+            image_part(solid_png(4097, 4096)),  # the server's max_image_pixels, 4096 x 4096
+            r"limit is 16777216 pixels",
             "messages[0].content[0].image_url.url",
         ),
         (

@@ -70,7 +70,7 @@ def messages(*content: Any, role: str = "user") -> list[ChatMessage]:
 
 
 def build(msgs: list[ChatMessage], task: ChatMediaTask = MEDIA) -> tuple[str, dict, list[int]]:
-    parts = chatmedia.MediaParts(task, "m")
+    parts = chatmedia.MediaParts(task, "m", 1 << 20)
     rendered = chatprompt.render(TASK, msgs, None, "m", parts.mark)
     return parts.prompt(rendered, encode)
 
@@ -90,7 +90,7 @@ def test_the_part_ids_go_where_the_part_is() -> None:
 def test_text_parts_keep_their_new_lines_and_text_only_is_unchanged() -> None:
     msgs = messages({"type": "text", "text": "a"}, {"type": "text", "text": "b"})
     assert chatprompt.render(TASK, msgs, None, "m") == "user: a\nb\nassistant:"
-    parts = chatmedia.MediaParts(MEDIA, "m")
+    parts = chatmedia.MediaParts(MEDIA, "m", 1 << 20)
     assert chatprompt.render(TASK, msgs, None, "m", parts.mark) == "user: a\nb\nassistant:"
     assert parts.parts == []
 
@@ -107,7 +107,7 @@ def test_an_audio_clip_is_decoded_at_the_task_rate() -> None:
 
 
 def test_speaking_picks_the_speak_walk() -> None:
-    parts = chatmedia.MediaParts(MEDIA, "m", speaking=True)
+    parts = chatmedia.MediaParts(MEDIA, "m", 1 << 20, speaking=True)
     rendered = chatprompt.render(TASK, messages(image_part(data_url(png()))), None, "m", parts.mark)
     assert parts.prompt(rendered, encode)[0] == "speak_image"
 
@@ -162,7 +162,7 @@ def test_qwen3_inputs_satisfy_the_walks_placeholder_checks() -> None:
     extractor = tiny_extractor(int(thinker.audio_config.num_mel_bins))
     images = omni_chatmedia.tiny_image_processor(thinker.vision_config)
     profile = omni_chatmedia.with_qwen3_chat_media(
-        ModelProfile("omni", text=TASK), config, extractor, images, 30.0, 4096
+        ModelProfile("omni", text=TASK), config, extractor, images, 30.0
     )
     task = profile.chat_media
     assert task is not None and task.image is not None and task.audio is not None

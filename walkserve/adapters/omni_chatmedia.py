@@ -26,7 +26,6 @@ from walkserve.adapters.omni_transcribe import whisper_features
 from walkserve.api.profile import ChatMediaTask, MediaInputs, MediaWalk, ModelProfile
 
 TINY_IMAGE_PIXELS = 64 * 64  # the tiny vision tower's images at most (resized by the processor)
-CHECKPOINT_IMAGE_PIXELS = 4096 * 4096  # decoded images at most; the processor resizes them
 
 
 def tiny_image_processor(vision_config: Any, max_pixels: int = TINY_IMAGE_PIXELS) -> Any:
@@ -91,7 +90,6 @@ def with_qwen3_chat_media(
     extractor: Any | None,
     image_processor: Any | None,
     max_audio_seconds: float,
-    max_image_pixels: int,
 ) -> ModelProfile:
     """``profile`` (a Qwen3-Omni profile) whose chat takes one audio clip (with an extractor)
     or one image (with an image processor) per request; ``config`` its ``Qwen3OmniMoeConfig``."""
@@ -127,6 +125,5 @@ def with_qwen3_chat_media(
         image=image,
         sample_rate=int(extractor.sampling_rate) if extractor is not None else 16000,
         max_audio_seconds=max_audio_seconds,
-        max_image_pixels=max_image_pixels,
     )
     return dataclasses.replace(profile, chat_media=task)

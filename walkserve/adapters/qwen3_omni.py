@@ -1322,9 +1322,7 @@ def tiny_profile(name: str) -> ModelProfile:
     from walkserve.adapters import omni_chatmedia as cm
 
     images = cm.tiny_image_processor(config.thinker_config.vision_config)
-    return cm.with_qwen3_chat_media(
-        profile, config, extractor, images, TINY_AUDIO_SECONDS, cm.TINY_IMAGE_PIXELS
-    )
+    return cm.with_qwen3_chat_media(profile, config, extractor, images, TINY_AUDIO_SECONDS)
 
 
 def checkpoint_profile(path: str, name: str) -> ModelProfile:
@@ -1360,9 +1358,7 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
     from walkserve.adapters import omni_chatmedia as cm
 
     images = cm.checkpoint_image_processor(path)
-    return cm.with_qwen3_chat_media(
-        profile, config, extractor, images, CHECKPOINT_AUDIO_SECONDS, cm.CHECKPOINT_IMAGE_PIXELS
-    )
+    return cm.with_qwen3_chat_media(profile, config, extractor, images, CHECKPOINT_AUDIO_SECONDS)
 
 
 def from_env() -> tuple[Qwen3OmniWalks, dict[str, Any]]:

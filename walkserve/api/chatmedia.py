@@ -7,7 +7,7 @@ ids, and splices those ids where the marks are in the rendered prompt::
     input_audio {data: base64, format: wav | mp3 | flac}  -> audiocodec.decode (PyAV), mono,
                                                             resampled to task.sample_rate
     image_url {url: data:image/png|jpeg|webp;base64,...}  -> imagecodec.decode (Pillow), under
-                                                            task.max_image_pixels
+                                                            the server's max_image_pixels
     image_url http(s) / file URLs, video_url, file        -> 400 naming the field
 
 Media parts go in user messages; at most ``task.max_parts`` per request. Raises ``ApiError``.
@@ -75,8 +75,11 @@ def image_bytes(url: str, where: str) -> bytes:
 class MediaParts:
     """The media parts of one request, met in order by ``chatprompt.render``."""
 
-    def __init__(self, task: ChatMediaTask, model: str, speaking: bool = False) -> None:
+    def __init__(
+        self, task: ChatMediaTask, model: str, max_image_pixels: int, speaking: bool = False
+    ) -> None:
         self.task, self.model, self.speaking = task, model, speaking
+        self.max_image_pixels = max_image_pixels
         self.parts: list[Part] = []
 
     def _walk(self, kind: str, where: str) -> MediaWalk:
@@ -147,7 +150,7 @@ class MediaParts:
                     )
                     part_inputs, placeholders = walk.inputs(clip)
                 else:
-                    image = imagecodec.decode(part.data, self.task.max_image_pixels)
+                    image = imagecodec.decode(part.data, self.max_image_pixels)
                     part_inputs, placeholders = walk.inputs(media.image_to_uint8(image))
             except ValueError as e:
                 raise bad(f"{part.where}: {e}", part.where) from None

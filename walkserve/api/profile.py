@@ -214,14 +214,13 @@ class MediaWalk:
 class ChatMediaTask:
     """``/v1/chat/completions`` with media parts in the messages: ``input_audio`` clips
     (decoded by PyAV, resampled to ``sample_rate``) through ``audio``, ``image_url`` data URLs
-    (decoded by Pillow under ``max_image_pixels``) through ``image``; None: that kind is a
-    400. The part's ids go where the part stands in the rendered prompt."""
+    (decoded by Pillow under the server's ``max_image_pixels``) through ``image``; None: that
+    kind is a 400. The part's ids go where the part stands in the rendered prompt."""
 
     audio: MediaWalk | None = None
     image: MediaWalk | None = None
     sample_rate: int = 16000
     max_audio_seconds: float = 30.0
-    max_image_pixels: int = 1 << 20
     max_parts: int = 1  # media parts per request (the walks read one)
 
 
