@@ -6,6 +6,7 @@ want, made by upstream's image processor and Whisper extractor."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 from typing import Any
 
@@ -184,3 +185,85 @@ def test_qwen3_inputs_satisfy_the_walks_placeholder_checks() -> None:
     assert ids[0] == thinker.audio_start_token_id and ids[-1] == thinker.audio_end_token_id
     want, _ = omni_chatmedia.whisper_features(extractor)(clip)
     assert torch.equal(inputs["input_features"], want)
+
+
+def upstream_processor(monkeypatch: pytest.MonkeyPatch, images: Any, extractor: Any) -> Any:
+    """Upstream's ``Qwen3OmniMoeProcessor`` over the tiny config's ids: a character tokenizer
+    whose special tokens (and the role words) have the tiny config's ids, as
+    ``TinyChatTokenizer`` encodes them; no video processor (its class needs torchvision)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3OmniMoeProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    special = {"<|im_start|>": 250, "<|im_end|>": 251, "user": 246, "assistant": 247}
+    special |= {"<|audio_start|>": 243, "<|audio_pad|>": 240, "<|audio_end|>": 238}
+    special |= {"<|vision_start|>": 244, "<|image_pad|>": 241, "<|vision_end|>": 239}
+    special |= {"<|video_pad|>": 242}
+    vocab = {chr(i): i for i in range(1, 128)} | {"[UNK]": 0} | special
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.add_special_tokens([AddedToken(k, special=True) for k in special])
+    names = dict(image_token="<|image_pad|>", audio_token="<|audio_pad|>")
+    names |= dict(video_token="<|video_pad|>", vision_bos_token="<|vision_start|>")
+    names |= dict(vision_eos_token="<|vision_end|>", audio_bos_token="<|audio_start|>")
+    names |= dict(audio_eos_token="<|audio_end|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, extra_special_tokens=names)
+    monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda *a: None)
+    return Qwen3OmniMoeProcessor(
+        image_processor=images, video_processor=None, feature_extractor=extractor, tokenizer=fast
+    )
+
+
+def test_qwen3_chat_media_equals_upstreams_processor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from walkserve.adapters import omni_chatmedia, omni_http, qwen3_omni
+    from walkserve.adapters.omni_transcribe import tiny_extractor
+
+    config = qwen3_omni.tiny_config()
+    thinker = config.thinker_config
+    extractor = tiny_extractor(int(thinker.audio_config.num_mel_bins))
+    images = omni_chatmedia.tiny_image_processor(thinker.vision_config)
+    tiny = omni_http.TinyChatTokenizer(qwen3_omni.qwen3_chat_ids(config), 238)
+    text = dataclasses.replace(TASK, encode=tiny.encode, chat_template=omni_http.chatml)
+    profile = omni_chatmedia.with_qwen3_chat_media(
+        ModelProfile("omni", text=text), config, extractor, images, 30.0
+    )
+    assert profile.chat_media is not None
+    upstream = upstream_processor(monkeypatch, images, extractor)
+    g = torch.Generator().manual_seed(3)
+    image = torch.randint(0, 256, (50, 70, 3), dtype=torch.uint8, generator=g)
+    clip = torch.sin(torch.arange(12000) / 11.0) * 0.3
+    wav = audiocodec.encode(clip, "wav", 16000)
+    cases = [
+        (
+            image_part(data_url(png_of(image))),
+            "<|vision_start|><|image_pad|><|vision_end|>",
+            {"images": [image.numpy()]},
+        ),
+        (
+            {
+                "type": "input_audio",
+                "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"},
+            },
+            "<|audio_start|><|audio_pad|><|audio_end|>",
+            {"audio": [audiocodec.decode(wav, 16000, 30.0).numpy()]},
+        ),
+    ]
+    for part, tag, media in cases:
+        msgs = messages({"type": "text", "text": "Hi"}, part, {"type": "text", "text": "what?"})
+        parts = chatmedia.MediaParts(profile.chat_media, "omni", 1 << 20)
+        rendered = chatprompt.render(text, msgs, None, "omni", parts.mark)
+        _, inputs, ids = parts.prompt(rendered, tiny.encode)
+        prompt = omni_http.chatml([("user", f"Hi{tag}what?")])
+        want = upstream(text=[prompt], return_tensors="pt", **media)
+        assert ids == want["input_ids"][0].tolist()
+        assert inputs.keys() == want.keys() - {"input_ids", "attention_mask"}
+        for name, value in inputs.items():
+            assert torch.equal(value, want[name]), name
+
+
+def png_of(image: torch.Tensor) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(image.numpy(), "RGB").save(out, format="PNG")
+    return out.getvalue()
