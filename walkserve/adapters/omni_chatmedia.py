@@ -17,6 +17,7 @@ processor (transformers objects); out comes an ``api.profile.ChatMediaTask``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -42,13 +43,32 @@ def tiny_image_processor(vision_config: Any, max_pixels: int = TINY_IMAGE_PIXELS
     )
 
 
-def checkpoint_image_processor(path: str) -> Any | None:
-    """The checkpoint's image processor (``preprocessor_config.json``); None without one."""
+def checkpoint_image_processor(path: str, vision_config: Any) -> Any | None:
+    """The checkpoint's image processor (``preprocessor_config.json`` with an
+    ``image_processor_type``, as Qwen3-Omni's holds beside its feature extractor's fields);
+    None without one. ``ValueError`` when its patch, merge or temporal size is not the vision
+    tower's."""
     from transformers import Qwen2VLImageProcessorPil
 
-    if not os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+    file = os.path.join(path, "preprocessor_config.json")
+    if not os.path.isfile(file):
         return None
-    return Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+    with open(file) as f:
+        if "image_processor_type" not in json.load(f):
+            return None
+    processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+    sizes = (processor.patch_size, processor.merge_size, processor.temporal_patch_size)
+    tower = (
+        vision_config.patch_size,
+        vision_config.spatial_merge_size,
+        vision_config.temporal_patch_size,
+    )
+    if tuple(map(int, sizes)) != tuple(map(int, tower)):
+        raise ValueError(
+            f"{file}: the image processor's patch, merge and temporal sizes {sizes} are not the"
+            f" vision tower's {tower}"
+        )
+    return processor
 
 
 def image_inputs(processor: Any, start: int, pad: int, end: int) -> MediaInputs:

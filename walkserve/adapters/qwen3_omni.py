@@ -1357,7 +1357,7 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
     profile = with_qwen3_transcription(profile, config, extractor, CHECKPOINT_AUDIO_SECONDS)
     from walkserve.adapters import omni_chatmedia as cm
 
-    images = cm.checkpoint_image_processor(path)
+    images = cm.checkpoint_image_processor(path, config.thinker_config.vision_config)
     return cm.with_qwen3_chat_media(profile, config, extractor, images, CHECKPOINT_AUDIO_SECONDS)
 
 
