@@ -311,6 +311,20 @@ def ref_transcription(
     """The thinker's greedy reply through the reference walk, its inputs built here: the
     upload decoded (PyAV, to 16 kHz), upstream's WhisperFeatureExtractor called as upstream's
     processor calls it, the prompt by the adapter's own builder with the clip's placeholders."""
+    features, placeholders = clip_features(clip)
+    user = [10, *placeholders, *omni_transcribe.instruction(language, context).encode()]
+    inputs = {
+        "input_ids": qwen3_omni.chat_prompt(CONFIG, user, 10),
+        **features,
+        "max_new_tokens": LIMITS.max_text_tokens,
+    }
+    return transcript(dict(ref.run(inputs, walk="chat_audio")), eos, LIMITS.max_text_tokens)
+
+
+def clip_features(clip: bytes) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The clip's walk inputs as upstream's processor makes them (the upload decoded by PyAV to
+    16 kHz, WhisperFeatureExtractor called with the processor's arguments) and its
+    placeholders ``<|audio_start|> <|audio_pad|> x N <|audio_end|>``."""
     from transformers import WhisperFeatureExtractor
 
     audio_config = CONFIG.thinker_config.audio_config
@@ -327,15 +341,12 @@ def ref_transcription(
     frames = int(features["attention_mask"].sum())
     thinker = CONFIG.thinker_config
     count = int(qwen3_omni.audio_token_count(frames, audio_config.n_window))
-    user = [10, thinker.audio_start_token_id, *[thinker.audio_token_id] * count]
-    user += [thinker.audio_end_token_id, *omni_transcribe.instruction(language, context).encode()]
+    placeholders = [thinker.audio_start_token_id, *[thinker.audio_token_id] * count]
     inputs = {
-        "input_ids": qwen3_omni.chat_prompt(CONFIG, user, 10),
         "input_features": features["input_features"],
         "feature_attention_mask": features["attention_mask"].to(torch.int64),
-        "max_new_tokens": LIMITS.max_text_tokens,
     }
-    return transcript(dict(ref.run(inputs, walk="chat_audio")), eos, LIMITS.max_text_tokens)
+    return inputs, [*placeholders, thinker.audio_end_token_id]
 
 
 def test_transcription_equals_the_thinkers_greedy_reply(client: Any, ref: Any, eos: int) -> None:
@@ -395,3 +406,191 @@ def test_metrics_have_the_viability_gauge(omni: Any, client: Any) -> None:
     assert judged is not None and judged >= 2  # the streamed tests' chunks
     first = read_metric(text, "walkserve:time_to_first_audio_seconds_count")
     assert first is not None and first >= 3
+
+
+# ---------------------------------------------------------------- media parts in chat
+
+
+def image_features(data: bytes) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """An image's walk inputs as upstream's processor makes them (Pillow's RGB image through
+    the Qwen2-VL image processor of the tiny vision tower's sizes, at most 64 x 64 pixels) and
+    its placeholders ``<|vision_start|> <|image_pad|> x t*h*w/4 <|vision_end|>``."""
+    import io
+
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    vision = CONFIG.thinker_config.vision_config
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        size={"shortest_edge": 64, "longest_edge": 64 * 64},
+    )
+    out = processor(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
+    thinker = CONFIG.thinker_config
+    count = int(out["image_grid_thw"].prod()) // vision.spatial_merge_size**2
+    placeholders = [thinker.vision_start_token_id, *[thinker.image_token_id] * count]
+    inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    return inputs, [*placeholders, thinker.vision_end_token_id]
+
+
+def picture(fmt: str, size: tuple[int, int] = (30, 20)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(5)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels.numpy(), "RGB").save(out, format=fmt)
+    return out.getvalue()
+
+
+def solid_png(width: int, height: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 10, 10)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def audio_part(clip: bytes, fmt: str) -> dict[str, Any]:
+    return {"type": "input_audio", "input_audio": {"data": b64(clip), "format": fmt}}
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def image_part(data: bytes, mime: str = "image/png") -> dict[str, Any]:
+    url = f"data:{mime};base64,{b64(data)}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_chat_audio_part_equals_the_chat_audio_walk(client: Any, ref: Any, eos: int) -> None:
+    clip = audiocodec.encode(CLIP[:12000], "wav", 16000)  # 0.75 s
+    features, placeholders = clip_features(clip)
+    user = [10, *b"Hi", *placeholders, *b"what?"]  # the part where it is, text joined to it
+    inputs = {"input_ids": qwen3_omni.chat_prompt(CONFIG, user, 10), **features}
+    want = transcript(dict(ref.run({**inputs, "max_new_tokens": 9}, walk="chat_audio")), eos, 9)
+    assert want
+    content = [{"type": "text", "text": "Hi"}, audio_part(clip, "wav")]
+    content.append({"type": "text", "text": "what?"})
+    messages = [{"role": "user", "content": content}]
+    reply = client.chat.completions.create(model=OMNI, messages=messages, max_tokens=9)
+    assert reply.choices[0].message.content == want
+    assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
+    stream = client.chat.completions.create(
+        model=OMNI, messages=messages, max_tokens=9, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_chat_image_part_equals_the_chat_image_walk(client: Any, ref: Any, eos: int) -> None:
+    answers = set()
+    kinds = [("PNG", "image/png", (30, 20)), ("JPEG", "image/jpeg", (30, 20))]
+    kinds.append(("WEBP", "image/webp", (200, 90)))  # resized by the processor to <= 64 x 64
+    for fmt, mime, size in kinds:
+        data = picture(fmt, size)
+        features, placeholders = image_features(data)
+        user = [10, *placeholders, *b"Describe."]
+        inputs = {"input_ids": qwen3_omni.chat_prompt(CONFIG, user, 10), **features}
+        run = dict(ref.run({**inputs, "max_new_tokens": 8}, walk="chat_image"))
+        want = transcript(run, eos, 8)
+        content = [image_part(data, mime), {"type": "text", "text": "Describe."}]
+        reply = client.chat.completions.create(
+            model=OMNI, messages=[{"role": "user", "content": content}], max_tokens=8
+        )
+        assert reply.choices[0].message.content == want, fmt
+        answers.add(want)
+    assert len(answers) > 1  # the image is read: the lossy formats' pixels change the reply
+
+
+def test_chat_media_with_audio_out_runs_speak_audio(client: Any, ref: Any, eos: int) -> None:
+    clip = audiocodec.encode(CLIP[:8000], "flac", 16000)
+    features, placeholders = clip_features(clip)
+    inputs = {
+        "input_ids": qwen3_omni.chat_prompt(CONFIG, [10, *placeholders], 10),
+        **features,
+        "max_new_tokens": 5,
+        "max_audio_tokens": LIMITS.chat_audio_tokens,
+        "speaker_id": SPEAKERS["ethan"],
+    }
+    want = dict(ref.run(inputs, walk="speak_audio"))
+    reply = client.chat.completions.create(
+        model=OMNI,
+        messages=[{"role": "user", "content": [audio_part(clip, "flac")]}],
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"},
+        max_tokens=5,
+    )
+    message = reply.choices[0].message
+    assert message.audio.transcript == transcript(want, eos, 5)
+    assert_pcm_close(base64.b64decode(message.audio.data)[44:], ref_pcm(want["waveform"]))
+
+
+def test_chat_media_refusals_name_the_field(client: Any) -> None:
+    png = picture("PNG")
+    wav = audiocodec.encode(CLIP[:1600], "wav", 16000)
+    cases = [
+        (
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+            r"remote image URLs are not enabled on this server",
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {"type": "image_url", "image_url": {"url": "/etc/cat.png"}},
+            r"other than data URLs",
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            image_part(png, "image/gif"),
+            r"'image/gif'",
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            image_part(b"not an image"),
+            r"not a PNG, JPEG or WebP",
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            image_part(solid_png(4097, 4096)),  # the server's max_image_pixels, 4096 x 4096
+            r"limit is 16777216 pixels",
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+            r"takes no video",
+            "messages[0].content[0]",
+        ),
+        (
+            {"type": "input_audio", "input_audio": {"data": "!!", "format": "wav"}},
+            r"is not base64",
+            "messages[0].content[0].input_audio.data",
+        ),
+        (
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "ogg"}},
+            r"'ogg' is not supported",
+            "messages[0].content[0].input_audio.format",
+        ),
+    ]
+    for part, match, param in cases:
+        with pytest.raises(openai.BadRequestError, match=match) as info:
+            client.chat.completions.create(
+                model=OMNI, messages=[{"role": "user", "content": [part]}], max_tokens=2
+            )
+        assert info.value.body["param"] == param, part
+    two = [image_part(png), audio_part(wav, "wav")]
+    with pytest.raises(openai.BadRequestError, match=r"at most 1 media part") as info:
+        client.chat.completions.create(
+            model=OMNI, messages=[{"role": "user", "content": two}], max_tokens=2
+        )
+    assert info.value.body["param"] == "messages[0].content[1]"
+    assistant = {"role": "assistant", "content": [image_part(png)]}
+    with pytest.raises(openai.BadRequestError, match=r"go in user messages"):
+        client.chat.completions.create(
+            model=OMNI, messages=[{"role": "user", "content": "x"}, assistant], max_tokens=2
+        )

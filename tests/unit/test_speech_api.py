@@ -306,6 +306,32 @@ def test_checkpoint_profile_transcribes_with_its_feature_extractor(tmp_path: Pat
     assert task.prompt(50, "fr", "bonjour") == want
 
 
+def test_checkpoint_chat_media_with_its_preprocessors(tmp_path: Path) -> None:
+    """Chat takes audio with the checkpoint's feature extractor, images with the image
+    processor fields of the same ``preprocessor_config.json`` (as Qwen3-Omni's holds both)."""
+    import json
+
+    from transformers import WhisperFeatureExtractor
+
+    from walkserve.adapters.omni_chatmedia import tiny_image_processor
+
+    fake_checkpoint(tmp_path, None)
+    WhisperFeatureExtractor(feature_size=16).save_pretrained(tmp_path)
+    media = profile_for(str(tmp_path)).chat_media
+    assert media is not None and media.audio is not None and media.image is None
+    vision = qwen3_omni.tiny_config().thinker_config.vision_config
+    file = tmp_path / "preprocessor_config.json"
+    both = json.loads(file.read_text()) | tiny_image_processor(vision).to_dict()
+    file.write_text(json.dumps(both))
+    media = profile_for(str(tmp_path)).chat_media
+    assert media is not None and media.audio is not None and media.image is not None
+    inputs, ids = media.image.inputs(torch.zeros(16, 24, 3, dtype=torch.uint8))
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 6]] and len(ids) == 2 + 6
+    file.write_text(json.dumps(both | {"patch_size": 14}))
+    with pytest.raises(ValueError, match="not the vision tower's"):
+        profile_for(str(tmp_path))
+
+
 def test_built_in_names_find_the_profiles() -> None:
     """``walkserve serve --model tiny-qwen3-omni`` (a registry name) gets the same routes."""
     for name in ("tiny-qwen3-omni", "tiny-qwen25-omni", "tiny-orpheus"):

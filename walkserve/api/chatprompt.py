@@ -2,43 +2,51 @@
 ``chat_template`` for plain (role, text) turns, its ``tool_template`` when the request has
 tools, tool calls, tool results or message names). Content given as a list of parts is
 joined: every ``text`` part (and an assistant's ``refusal`` parts) in order, separated by new
-lines; a media part (``image_url``, ``input_audio``, ``file``) the model cannot take is a 400
-naming where it is. Raises ``ApiError``."""
+lines; a media part (``image_url``, ``input_audio``, ``video_url``, ``file``) the model cannot
+take is a 400 naming where it is. A route that takes media passes ``marks``: each media part
+becomes the mark it returns (``api.chatmedia``), joined to its neighbours without a new line
+(as upstream chat templates put ``<|audio_start|>...`` next to the text). Raises ``ApiError``."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from walkserve.api.errors import bad
 from walkserve.api.profile import TextTask
-from walkserve.api.schemas import ChatMessage, Tool, ToolCall
+from walkserve.api.schemas import ChatMessage, ContentPart, Tool, ToolCall
 
-PART_KINDS = {"image_url": "images", "input_audio": "audio", "file": "files"}
+PART_KINDS = {"image_url": "images", "input_audio": "audio", "video_url": "video", "file": "files"}
+#: (a media part, where it is, the message's role) -> the text that stands for it
+Marks = Callable[[ContentPart, str, str], str]
 
 
-def message_text(message: ChatMessage, index: int, model: str) -> str:
+def message_text(message: ChatMessage, index: int, model: str, marks: Marks | None = None) -> str:
     if message.content is None:
         return ""
     if isinstance(message.content, str):
         return message.content
-    texts = []
+    out, last_text = "", False
     for j, part in enumerate(message.content):
         where = f"messages[{index}].content[{j}]"
         if part.type == "text":
-            texts.append(part.text)
+            text = part.text
         elif part.type == "refusal":
             if message.role != "assistant":
                 raise bad(f"{where}: a refusal part belongs to an assistant message", where)
-            texts.append(part.refusal)
+            text = part.refusal
+        elif marks is not None:
+            out, last_text = out + marks(part, where, message.role), False
+            continue
         else:
             raise bad(
                 f"{where}: content part {part.type!r} is not supported by model {model!r}: it"
                 f" takes text only, not {PART_KINDS[part.type]}",
                 where,
             )
-    return "\n".join(texts)
+        out, last_text = out + ("\n" if last_text else "") + text, True
+    return out
 
 
 def _arguments(call: ToolCall, where: str) -> Any:
@@ -64,11 +72,15 @@ def check_roles(messages: Sequence[ChatMessage]) -> None:
 
 
 def render(
-    task: TextTask, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None, model: str
+    task: TextTask,
+    messages: Sequence[ChatMessage],
+    tools: Sequence[Tool] | None,
+    model: str,
+    marks: Marks | None = None,
 ) -> str:
     """The prompt of ``messages`` (and ``tools``) in the model's chat format."""
     check_roles(messages)
-    texts = [message_text(m, i, model) for i, m in enumerate(messages)]
+    texts = [message_text(m, i, model, marks) for i, m in enumerate(messages)]
     rich = bool(tools) or any(
         m.role == "tool" or m.tool_calls or m.name is not None for m in messages
     )

@@ -193,6 +193,37 @@ class TranscriptionTask:
     extra_inputs: Mapping[str, Any] = field(default_factory=dict)
 
 
+#: one decoded media part (a clip [samples] float at ``ChatMediaTask.sample_rate``, or an
+#: image [H, W, 3] uint8 RGB) -> (the walk's media inputs, the prompt ids that stand for it)
+MediaInputs = Callable[[Any], tuple[dict[str, Any], list[int]]]
+
+
+@dataclass(frozen=True)
+class MediaWalk:
+    """The walk that reads one media part of a kind in a chat prompt. It takes the inputs of
+    the profile's ``TextTask`` walk (prompt, limit, sampling) and writes its outputs (leads,
+    token channel), so the reply is generated and decoded as a text chat's is; ``speak_walk``
+    likewise for the ``ChatAudioTask`` walk (audio out), None: no audio out with this media."""
+
+    walk: str
+    inputs: MediaInputs
+    speak_walk: str | None = None
+
+
+@dataclass(frozen=True)
+class ChatMediaTask:
+    """``/v1/chat/completions`` with media parts in the messages: ``input_audio`` clips
+    (decoded by PyAV, resampled to ``sample_rate``) through ``audio``, ``image_url`` data URLs
+    (decoded by Pillow under the server's ``max_image_pixels``) through ``image``; None: that
+    kind is a 400. The part's ids go where the part stands in the rendered prompt."""
+
+    audio: MediaWalk | None = None
+    image: MediaWalk | None = None
+    sample_rate: int = 16000
+    max_audio_seconds: float = 30.0
+    max_parts: int = 1  # media parts per request (the walks read one)
+
+
 @dataclass(frozen=True)
 class ImageTask:
     walk: str
@@ -223,12 +254,15 @@ class ModelProfile:
     image: ImageTask | None = None
     chat_audio: ChatAudioTask | None = None  # needs text (tokenizer, template) as well
     transcription: TranscriptionTask | None = None  # needs text (tokenizer) as well
+    chat_media: ChatMediaTask | None = None  # needs text (template, tokenizer) as well
 
     def __post_init__(self) -> None:
         if self.chat_audio is not None and self.text is None:
             raise ValueError(f"{self.name}: chat_audio needs a text task (tokenizer, template)")
         if self.transcription is not None and self.text is None:
             raise ValueError(f"{self.name}: transcription needs a text task (tokenizer)")
+        if self.chat_media is not None and self.text is None:
+            raise ValueError(f"{self.name}: chat_media needs a text task (template, tokenizer)")
 
 
 def with_limits(profile: ModelProfile, max_model_len: int) -> ModelProfile:

@@ -149,6 +149,15 @@ class AudioPart(_Body):
     input_audio: InputAudio
 
 
+class VideoUrl(_Body):
+    url: str
+
+
+class VideoPart(_Body):  # vLLM's
+    type: Literal["video_url"]
+    video_url: VideoUrl
+
+
 class FilePart(_Body):
     type: Literal["file"]
     file: dict[str, Any]
@@ -160,7 +169,8 @@ class RefusalPart(_Body):
 
 
 ContentPart = Annotated[
-    TextPart | ImagePart | AudioPart | FilePart | RefusalPart, Field(discriminator="type")
+    TextPart | ImagePart | AudioPart | VideoPart | FilePart | RefusalPart,
+    Field(discriminator="type"),
 ]
 
 

@@ -92,7 +92,11 @@ def tiny_profile(name: str) -> ModelProfile:
         voices=qwen3_voices(config),
     )
     extractor = tiny_extractor(int(config.thinker_config.audio_config.num_mel_bins))
-    return with_qwen3_transcription(profile, config, extractor, TINY_AUDIO_SECONDS)
+    profile = with_qwen3_transcription(profile, config, extractor, TINY_AUDIO_SECONDS)
+    from walkserve.adapters import omni_chatmedia as cm
+
+    images = cm.tiny_image_processor(config.thinker_config.vision_config)
+    return cm.with_qwen3_chat_media(profile, config, extractor, images, TINY_AUDIO_SECONDS)
 
 
 def checkpoint_profile(path: str, name: str) -> ModelProfile:
@@ -124,7 +128,11 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
         voices=qwen3_voices(config),
     )
     extractor = checkpoint_extractor(path)
-    return with_qwen3_transcription(profile, config, extractor, CHECKPOINT_AUDIO_SECONDS)
+    profile = with_qwen3_transcription(profile, config, extractor, CHECKPOINT_AUDIO_SECONDS)
+    from walkserve.adapters import omni_chatmedia as cm
+
+    images = cm.checkpoint_image_processor(path, config.thinker_config.vision_config)
+    return cm.with_qwen3_chat_media(profile, config, extractor, images, CHECKPOINT_AUDIO_SECONDS)
 
 
 def from_env() -> tuple[Qwen3OmniWalks, dict[str, Any]]:

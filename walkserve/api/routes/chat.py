@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
-from walkserve.api import audio, chatprompt, media, tools
+from walkserve.api import audio, chatmedia, chatprompt, media, tools
 from walkserve.api.audio import AudioWatch
 from walkserve.api.context import ApiContext, context, drain, stream_items, unless_gone
 from walkserve.api.errors import ApiError, bad, error_body
@@ -48,12 +49,26 @@ async def chat_completions(request: Request) -> Response:
     if body.top_logprobs and not body.logprobs:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     mode, grammar = tool_mode(ctx, task, body)
-    prompt = chatprompt.render(task, body.messages, body.tools, ctx.name)
-    ids = task.encode(prompt)
+    task, ids = await chat_prompt(ctx, task, body)
     ctx.check_ids(ids, task.vocab_size, task.max_prompt_tokens, "prompt (after the chat template)")
     columns = 1 + (body.top_logprobs or 0) if body.logprobs else 0
     plan = plan_text(ctx, task, body, ids, columns, grammar)
     return await run_text(ctx, request, task, plan, body, ChatShape(task, body, mode))
+
+
+async def chat_prompt(
+    ctx: ApiContext, task: TextTask, body: ChatCompletionRequest
+) -> tuple[TextTask, list[int]]:
+    """The prompt ids of the messages, and the task that runs them: ``task`` itself, or with
+    media parts the profile's media walk with the media inputs (``api.chatmedia``)."""
+    if ctx.profile.chat_media is None:
+        return task, task.encode(chatprompt.render(task, body.messages, body.tools, ctx.name))
+    parts = chatmedia.MediaParts(ctx.profile.chat_media, ctx.name, ctx.config.max_image_pixels)
+    prompt = chatprompt.render(task, body.messages, body.tools, ctx.name, parts.mark)
+    if not parts.parts:
+        return task, task.encode(prompt)
+    walk, inputs, ids = await run_in_threadpool(parts.prompt, prompt, task.encode)
+    return chatmedia.media_text_task(task, walk, inputs), ids
 
 
 ToolMode = str  # "none" (no parsing), "auto", "forced"
@@ -220,8 +235,21 @@ async def run_chat_audio(
     if body.stop:
         raise bad("stop is not supported with audio output (the audio would not stop)", "stop")
     voice = ctx.pick_voice(task.voices, params.voice)
-    prompt = chatprompt.render(text_task_, body.messages, body.tools, ctx.name)
-    ids = text_task_.encode(prompt)
+    walk = task.walk
+    media_inputs: dict[str, Any] = {}
+    if ctx.profile.chat_media is None:
+        ids = text_task_.encode(chatprompt.render(text_task_, body.messages, None, ctx.name))
+    else:
+        parts = chatmedia.MediaParts(
+            ctx.profile.chat_media, ctx.name, ctx.config.max_image_pixels, speaking=True
+        )
+        prompt = chatprompt.render(text_task_, body.messages, None, ctx.name, parts.mark)
+        if parts.parts:
+            walk, media_inputs, ids = await run_in_threadpool(
+                parts.prompt, prompt, text_task_.encode
+            )
+        else:
+            ids = text_task_.encode(prompt)
     ctx.check_ids(
         ids, text_task_.vocab_size, text_task_.max_prompt_tokens, "prompt (after the chat template)"
     )
@@ -234,9 +262,10 @@ async def run_chat_audio(
         task.max_tokens_input: max_tokens,
         **task.extra_inputs,
         **voice.inputs,
-        **ctx.walk_sampling(task.walk, body.temperature, body.top_p, body.top_k, body.seed),
+        **ctx.walk_sampling(walk, body.temperature, body.top_p, body.top_k, body.seed),
+        **media_inputs,
     }
-    ticket, handle, t0 = await ctx.admit_and_submit(inputs, task.walk)
+    ticket, handle, t0 = await ctx.admit_and_submit(inputs, walk)
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     name = ctx.name
     metrics = ctx.metrics

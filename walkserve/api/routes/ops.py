@@ -55,7 +55,7 @@ async def health(request: Request) -> JSONResponse:
 async def models(request: Request) -> dict[str, Any]:
     ctx = context(request)
     profile = ctx.profile
-    kinds = ("text", "speech", "image", "chat_audio", "transcription")
+    kinds = ("text", "speech", "image", "chat_audio", "transcription", "chat_media")
     tasks = [t for t in kinds if getattr(profile, t) is not None]
     walks = ctx.server.captured.graph.entry_walks()
     media_fields: dict[str, Any] = {}

@@ -1,0 +1,149 @@
+"""Chat messages with an audio clip or an image for Qwen3-Omni's thinker: the
+``ChatMediaTask`` of its profile, over the ``chat_audio`` / ``chat_image`` walks (and
+``speak_audio`` / ``speak_image`` for audio out). Each part becomes what upstream's
+``Qwen3OmniMoeProcessor`` makes of it:
+
+    audio  WhisperFeatureExtractor features and frame mask (``omni_transcribe.whisper_features``),
+           placeholders <|audio_start|> <|audio_pad|> x audio_token_count(frames) <|audio_end|>
+    image  the image processor (``Qwen2VLImageProcessorPil``: the checkpoint's
+           ``preprocessor_config.json``, or one built for a tiny config's patch, merge and
+           temporal sizes) -> pixel_values, image_grid_thw; placeholders
+           <|vision_start|> <|image_pad|> x t*h*w/merge^2 <|vision_end|>
+
+What crosses the boundary: the config's token ids and sizes, the extractor and image
+processor (transformers objects); out comes an ``api.profile.ChatMediaTask``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import torch
+
+from walkserve.adapters.omni_transcribe import whisper_features
+from walkserve.api.profile import ChatMediaTask, MediaInputs, MediaWalk, ModelProfile
+
+TINY_IMAGE_PIXELS = 64 * 64  # the tiny vision tower's images at most (resized by the processor)
+
+
+def tiny_image_processor(vision_config: Any, max_pixels: int = TINY_IMAGE_PIXELS) -> Any:
+    """Upstream's image processor for a tiny config's vision tower (there is no checkpoint
+    file): its patch, merge and temporal sizes, images resized to at most ``max_pixels``."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    factor = int(vision_config.patch_size * vision_config.spatial_merge_size)
+    return Qwen2VLImageProcessorPil(
+        patch_size=int(vision_config.patch_size),
+        merge_size=int(vision_config.spatial_merge_size),
+        temporal_patch_size=int(vision_config.temporal_patch_size),
+        size={"shortest_edge": factor * factor, "longest_edge": max_pixels},
+    )
+
+
+def checkpoint_image_processor(path: str, vision_config: Any) -> Any | None:
+    """The checkpoint's image processor (``preprocessor_config.json`` with an
+    ``image_processor_type``, as Qwen3-Omni's holds beside its feature extractor's fields);
+    None without one. ``ValueError`` when its patch, merge or temporal size is not the vision
+    tower's."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    file = os.path.join(path, "preprocessor_config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        if "image_processor_type" not in json.load(f):
+            return None
+    processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+    sizes = (processor.patch_size, processor.merge_size, processor.temporal_patch_size)
+    tower = (
+        vision_config.patch_size,
+        vision_config.spatial_merge_size,
+        vision_config.temporal_patch_size,
+    )
+    if tuple(map(int, sizes)) != tuple(map(int, tower)):
+        raise ValueError(
+            f"{file}: the image processor's patch, merge and temporal sizes {sizes} are not the"
+            f" vision tower's {tower}"
+        )
+    return processor
+
+
+def image_inputs(processor: Any, start: int, pad: int, end: int) -> MediaInputs:
+    """An image [H, W, 3] uint8 -> ``pixel_values``, ``image_grid_thw`` as upstream's processor
+    calls its image processor, and the image's placeholders."""
+    merge = int(processor.merge_size)
+
+    def inputs(image: torch.Tensor) -> tuple[dict[str, Any], list[int]]:
+        out = processor(
+            images=[image.numpy()], input_data_format="channels_last", return_tensors="pt"
+        )
+        grid = out["image_grid_thw"]  # [1, 3]
+        count = int(grid.prod()) // merge**2
+        media = {"pixel_values": out["pixel_values"], "image_grid_thw": grid.to(torch.int64)}
+        return media, [start, *[pad] * count, end]
+
+    return inputs
+
+
+def audio_inputs(extractor: Any, start: int, pad: int, end: int, n_window: int) -> MediaInputs:
+    """A clip [samples] at the extractor's rate -> ``input_features``,
+    ``feature_attention_mask`` and the clip's placeholders."""
+    from walkserve.adapters.qwen3_omni import audio_token_count
+
+    features = whisper_features(extractor)
+
+    def inputs(clip: torch.Tensor) -> tuple[dict[str, Any], list[int]]:
+        feats, mask = features(clip)
+        count = int(audio_token_count(int(mask.sum()), n_window))
+        media = {"input_features": feats, "feature_attention_mask": mask}
+        return media, [start, *[pad] * count, end]
+
+    return inputs
+
+
+def with_qwen3_chat_media(
+    profile: ModelProfile,
+    config: Any,
+    extractor: Any | None,
+    image_processor: Any | None,
+    max_audio_seconds: float,
+) -> ModelProfile:
+    """``profile`` (a Qwen3-Omni profile) whose chat takes one audio clip (with an extractor)
+    or one image (with an image processor) per request; ``config`` its ``Qwen3OmniMoeConfig``."""
+    thinker = config.thinker_config
+    audio = image = None
+    if extractor is not None:
+        audio = MediaWalk(
+            "chat_audio",
+            audio_inputs(
+                extractor,
+                int(thinker.audio_start_token_id),
+                int(thinker.audio_token_id),
+                int(thinker.audio_end_token_id),
+                int(thinker.audio_config.n_window),
+            ),
+            speak_walk="speak_audio",
+        )
+    if image_processor is not None:
+        image = MediaWalk(
+            "chat_image",
+            image_inputs(
+                image_processor,
+                int(thinker.vision_start_token_id),
+                int(thinker.image_token_id),
+                int(thinker.vision_end_token_id),
+            ),
+            speak_walk="speak_image",
+        )
+    if audio is None and image is None:
+        return profile
+    task = ChatMediaTask(
+        audio=audio,
+        image=image,
+        sample_rate=int(extractor.sampling_rate) if extractor is not None else 16000,
+        max_audio_seconds=max_audio_seconds,
+    )
+    return dataclasses.replace(profile, chat_media=task)
