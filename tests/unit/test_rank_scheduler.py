@@ -150,6 +150,17 @@ def test_a_step_whose_update_raised_fails_its_runs_and_the_rank_serves_on(
     inputs = {"token": torch.zeros(1, 1), "k_cache": "k", "v_cache": "v", "max_new_tokens": 9}
     scheduler.start(7, "a", walk, "region0", inputs)
     (step,) = scheduler.schedule()
+
+    def boom(*args: Any) -> None:
+        raise RuntimeError("boom")
+
+    # the engine loop's case: update raises part way (in the commit, or in the conductor)
+    target = scheduler.loops if fast_loops else scheduler.conductor
+    name = "_commit" if fast_loops else "complete"
+    setattr(target, name, boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        scheduler.update(step, fabricated(scheduler, step.items, stop_at=2))
+    delattr(target, name)
     scheduler.fail_step(step, "rank 0: boom")
     assert [(type(r).__name__, r.item) for r in scheduler.reports()] == [("RegionFailed", 7)]
     assert scheduler.idle() and scheduler.stats().live_values == 0

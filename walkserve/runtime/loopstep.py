@@ -151,6 +151,16 @@ class LoopStepper:
         found = self._waiting.get(item_id)
         return None if found is None else (found[0].request, found[0].i)
 
+    def requests_at(self, walk: str, node: str) -> list[str]:
+        """The requests of the runs waiting at body node ``node`` of ``walk``, or caught
+        between their last node and their commit."""
+        return [
+            r.request
+            for r in self._runs.values()
+            if r.loop.walk == walk
+            and (r.pos >= len(r.loop.body) or r.loop.body[r.pos].name == node)
+        ]
+
     def drop(self, items: Sequence[int]) -> None:
         for item in items:
             self._runs.pop(item, None)

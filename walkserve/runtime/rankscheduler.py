@@ -305,10 +305,10 @@ class RankScheduler:
                 NodeBatchDone(step.external, [ItemResult(it.id, error=error) for it in step.items])
             )
             return
-        run_ids: set[str] = set()
-        for it in step.items:
-            found = self.loops.describe(it.id) if step.loops else None
-            run_ids.add(found[0] if found is not None else getattr(it, "request", ""))
+        if step.loops:  # update may have taken some results: the runs still at the node
+            run_ids = set(self.loops.requests_at(step.walk, step.node))
+        else:
+            run_ids = {getattr(it, "request", "") for it in step.items}
         for run_id in run_ids:
             run = self._runs.get(run_id)
             if run is None:
