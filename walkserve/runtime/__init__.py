@@ -41,8 +41,8 @@ Modules, by role:
     conductor     the walk state machine (pure); loopdriver (its loops), workitem, walkspec,
                   frames: its parts
     batcher       the batching rule of the conductor's node items (pure)
-    pool          the worker processes, sockets, batches; poolregions, poolremote (remote
-                  ranks, link probes), poolsupervision, poolstate, config
+    pool          the worker processes and sockets; poolbatches (node batches), poolregions,
+                  poolremote (remote ranks, link probes), poolsupervision, poolstate, config
     supervisor    when a silent rank is hung, restarts of dead ranks, crash loops (pure)
     worker        a worker process: sockets, setup, io thread; engine: its engine loop
     rankscheduler what a rank runs next (pure); regionwalk: regions as walks; loopstep: the
