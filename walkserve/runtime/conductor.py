@@ -625,11 +625,7 @@ class Conductor(LoopDriver):
             env=env,
             outputs=outputs,
         )
-        self._next_id = item.id + 1
-        self._items[item.id] = Pending(req, f, node.name, item.ops, internal, item)
-        f.inflight.add(item.id)
-        f.dispatched += 1
-        self._queue.append(item)
+        self._issue(item, Pending(req, f, node.name, item.ops, internal, item))
         return True
 
     def _dispatch_region(self, req: RequestState, f: Frame, rs: RegionSpec) -> None:
@@ -653,11 +649,7 @@ class Conductor(LoopDriver):
             outputs=rs.outputs,
             stream=bool(req.stream),
         )
-        self._next_id = item.id + 1
-        self._items[item.id] = Pending(req, f, rs.name, rs.outputs, {}, item, rs)
-        f.inflight.add(item.id)
-        f.dispatched += 1
-        self._queue.append(item)
+        self._issue(item, Pending(req, f, rs.name, rs.outputs, {}, item, rs))
         for stream in rs.fed:
             fwd = f.forwards[stream]
             fwd.consumer = item.id

@@ -83,6 +83,15 @@ class LoopDriver:
     def _send_ready_outputs(self, req: RequestState) -> None:
         raise NotImplementedError
 
+    def _issue(self, item: WorkItem, pending: Pending) -> None:
+        """Queue ``item`` for ``ready()``, with what the conductor keeps of it (``pending``:
+        its request, frame and spec); its frame counts it in flight."""
+        self._next_id = item.id + 1
+        self._items[item.id] = pending
+        pending.frame.inflight.add(item.id)
+        pending.frame.dispatched += 1
+        self._queue.append(item)
+
     @staticmethod
     def _bind(f: Frame, name: str, value: Any) -> None:
         if f.uses.get(name, 0) > 0 or name in f.spec.pinned:
@@ -173,12 +182,8 @@ class LoopDriver:
             outputs=channels,
             loop=start,
         )
-        self._next_id = item.id + 1
         spec = RegionSpec(node.name, (), (), channels, ls.emit, {}, (), ls.feeds)
-        self._items[item.id] = Pending(req, f, node.name, channels, {}, item, spec)
-        f.inflight.add(item.id)
-        f.dispatched += 1
-        self._queue.append(item)
+        self._issue(item, Pending(req, f, node.name, channels, {}, item, spec))
         for stream, ch in ls.feeds:  # it may commit a buffer's worth before a consumer takes
             s = f.streams[stream]
             s.producer_item = item.id
