@@ -37,7 +37,8 @@ rank pulls it from there (``peers``), never through the server process, which re
 
 Modules, by role:
 
-    server        serve(), Server, RequestHandle: the Python API and the conductor thread
+    server        serve(), Server: the Python API and the conductor thread; handle:
+                  RequestHandle, what a caller holds of a request
     conductor     the walk state machine (pure); loopdriver (its loops), workitem, walkspec,
                   frames: its parts
     batcher       the batching rule of the conductor's node items (pure)

@@ -39,7 +39,7 @@ import queue
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,11 +58,11 @@ from walkserve.runtime.conductor import (
     Event,
     Failed,
     Finished,
-    Output,
-    StreamItem,
     WorkItem,
 )
 from walkserve.runtime.config import LaunchConfig, LoweringConfig, PoolConfig, SchedulingConfig
+from walkserve.runtime.handle import RequestFailed as RequestFailed  # re-exported
+from walkserve.runtime.handle import RequestHandle
 from walkserve.runtime.messages import (
     KVStats,
     RankStatsReply,
@@ -88,113 +88,6 @@ class RuntimeStats(ConductorStats):
 
     conductor: ConductorStats | None = None
     ranks: Mapping[int, RankStatsReply] = field(default_factory=dict)
-
-
-class RequestFailed(RuntimeError):
-    """A request failed: a node raised, a worker died, or the request was cancelled."""
-
-
-@dataclass
-class RequestHandle:
-    """One submitted request. ``result()`` blocks for the client outputs; ``stream()``
-    yields ``StreamItem`` events as the request's loops commit iterations. ``aresult()`` and
-    ``astream()`` are the same for asyncio code: they wait on the caller's event loop (woken
-    from the conductor thread), holding no thread while they wait."""
-
-    request_id: str
-    _server: Server = field(repr=False)
-    _done: threading.Event = field(default_factory=threading.Event, repr=False)
-    _outputs: dict[str, Any] = field(default_factory=dict, repr=False)
-    _error: str | None = field(default=None, repr=False)
-    _items: queue.Queue[Any] = field(default_factory=queue.Queue, repr=False)
-    _waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(
-        default_factory=list, repr=False
-    )
-    _waiters_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def result(self, timeout: float | None = None) -> dict[str, Any]:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} did not finish in {timeout} s")
-        if self._error is not None:
-            raise RequestFailed(self._error)
-        return dict(self._outputs)
-
-    def stream(self, timeout: float | None = None) -> Iterator[StreamItem]:
-        """Stream items in commit order until the request ends."""
-        while True:
-            item = self._items.get(timeout=timeout)
-            if item is _STOP:
-                return
-            yield item
-
-    async def aresult(self) -> dict[str, Any]:
-        async with self._wake() as wake:
-            while not self._done.is_set():
-                wake.clear()
-                if not self._done.is_set():  # set after the clear: the wake is not lost
-                    await wake.wait()
-        return self.result(0)
-
-    async def astream(self) -> AsyncIterator[StreamItem]:
-        async with self._wake() as wake:
-            while True:
-                try:
-                    item = self._items.get_nowait()
-                except queue.Empty:
-                    wake.clear()
-                    if self._items.empty():  # an item put after the clear sets the wake
-                        await wake.wait()
-                    continue
-                if item is _STOP:
-                    return
-                yield item
-
-    def outputs(self) -> dict[str, Any]:
-        """The outputs received so far (a copy): those a walk sends before its stream ends."""
-        return dict(self._outputs)
-
-    def cancel(self) -> None:
-        self._server.cancel(self.request_id)
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    @contextlib.asynccontextmanager
-    async def _wake(self) -> AsyncIterator[asyncio.Event]:
-        waiter = (asyncio.get_running_loop(), asyncio.Event())
-        with self._waiters_lock:
-            self._waiters.append(waiter)
-        try:
-            yield waiter[1]
-        finally:
-            with self._waiters_lock:
-                self._waiters.remove(waiter)
-
-    def _notify(self) -> None:
-        with self._waiters_lock:
-            waiters = list(self._waiters)
-        for loop, wake in waiters:
-            with contextlib.suppress(RuntimeError):  # that event loop is closed
-                loop.call_soon_threadsafe(wake.set)
-
-    def _event(self, event: Event) -> None:
-        if isinstance(event, Output):
-            self._outputs[event.name] = event.value
-        elif isinstance(event, StreamItem):
-            self._items.put(event)
-            self._notify()
-        elif isinstance(event, Finished):
-            self._finish(None)
-        elif isinstance(event, Failed):
-            self._finish(event.error)
-
-    def _finish(self, error: str | None) -> None:
-        if self._done.is_set():
-            return
-        self._error = error
-        self._done.set()
-        self._items.put(_STOP)
-        self._notify()
 
 
 class Server:
