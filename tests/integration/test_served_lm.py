@@ -22,6 +22,15 @@ from walkserve.runtime.messages import KVStats  # noqa: E402
 from walkserve.runtime.server import Server, serve  # noqa: E402
 
 EOS = 2
+#: The tiny Qwen3-MoE's experts: every layer sparse, 4 experts, 2 per token.
+QWEN3_MOE: dict[str, Any] = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+)
 
 
 def save_tiny(arch: str, path: Path) -> torch.nn.Module:
@@ -43,8 +52,11 @@ def save_tiny(arch: str, path: Path) -> torch.nn.Module:
         lm = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif arch == "qwen2":
         lm = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    else:
+    elif arch == "qwen3":
         lm = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common))
+    else:
+        config = transformers.Qwen3MoeConfig(head_dim=8, **QWEN3_MOE, **common)
+        lm = transformers.Qwen3MoeForCausalLM(config)
     lm.eval().save_pretrained(path)
     return lm
 
@@ -77,11 +89,13 @@ TIE = 1e-3  # logits this close are a float tie: another summation order may pic
 class Reference:
     """``generate``'s greedy tokens for one request, and ``tie``: the first step whose best two
     logits are within ``TIE`` (random weights make a few; a batch's different summation order
-    may choose either token there, and the rest of the reply follows that choice), or None."""
+    may choose either token there, and the rest of the reply follows that choice), or None;
+    ``logprobs``: each step's log-softmax of ``generate``'s logits, ``[vocab]`` float32."""
 
     tokens: list[int]
     top2: list[tuple[int, int]]
     tie: int | None
+    logprobs: tuple[torch.Tensor, ...] = ()
 
     def matches(self, got: list[int]) -> bool:
         if self.tie is None:
@@ -110,7 +124,8 @@ def reference(lm: torch.nn.Module, r: dict[str, Any]) -> Reference:
         top2.append((int(indices[0]), int(indices[1])))
         if tie is None and float(values[0] - values[1]) < TIE:
             tie = step
-    return Reference(out.sequences[0, ids.shape[1] :].tolist(), top2, tie)
+    logprobs = tuple(torch.log_softmax(x[0].float(), -1) for x in out.logits)
+    return Reference(out.sequences[0, ids.shape[1] :].tolist(), top2, tie, logprobs)
 
 
 def assert_replies(got: list[list[int]], want: list[Reference]) -> None:

@@ -27,6 +27,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' TP loading path needs it
 
+from test_served_lm import QWEN3_MOE  # noqa: E402
+
 from walkserve.lowering.batched import Deferred  # noqa: E402
 from walkserve.lowering.memory import _shard_bytes  # noqa: E402
 from walkserve.runtime.kv import hf  # noqa: E402
@@ -67,16 +69,7 @@ def save_checkpoint(name: str, path: Path) -> None:
         config = transformers.Qwen3Config(head_dim=16, tie_word_embeddings=True, **common)
         lm = transformers.Qwen3ForCausalLM(config)
     else:
-        config = transformers.Qwen3MoeConfig(
-            head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-            **common,
-        )
+        config = transformers.Qwen3MoeConfig(head_dim=16, **QWEN3_MOE, **common)
         lm = transformers.Qwen3MoeForCausalLM(config)
     lm.eval().save_pretrained(path)
 
