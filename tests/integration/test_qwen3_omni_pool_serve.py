@@ -3,7 +3,9 @@ eight speech requests submitted together (text, audio clips of different lengths
 rotary offsets differ) each give upstream ``generate()``'s thinker text and talker codes, and
 upstream code2wav's waveform of those codes; the batch-size histogram shows steps of several
 requests (which the pool runs as one packed forward: ``test_qwen3_omni_media`` counts them);
-every pool is empty again once the requests are done."""
+every pool is empty again once the requests are done. With the thinker as a TP=2 group on two
+ranks and the talker and code2wav on a third (``qwen3-omni.tp2.yaml``), text, audio and image
+requests still give ``generate()``'s text and codes exactly."""
 
 from __future__ import annotations
 
@@ -95,3 +97,23 @@ def test_eight_qwen25_omni_speech_requests_share_forwards_and_equal_upstream_gen
         scale = 1e-5 * waveform.abs().max()
         torch.testing.assert_close(got["waveform"][0, 0], waveform, rtol=0, atol=scale)
     assert sum(n for size, n in sizes.items() if size > 1) > 10, sizes
+
+
+def test_the_thinker_at_tp2_gives_upstream_text_and_codes() -> None:
+    """The thinker as a TP=2 group on ranks 0 and 1 (transformers' tp_plan: heads, experts'
+    intermediate, vocabulary-parallel embedding and head; its encoders replicated), the talker,
+    code predictor and code2wav on rank 2: concurrent text, audio and image requests give
+    upstream ``generate()``'s text and codes (on the unsharded model) exactly."""
+    walks, _ = q.tiny()
+    requests = [work(walks.upstream.config)[i] for i in (2, 3, 6)]  # text, audio, image
+    with serve(FACTORY, PLACEMENT.parent / "qwen3-omni.tp2.yaml") as server:
+        assert [(g.ranks, g.components) for g in server.plan.tp_groups] == [
+            ([0, 1], ["thinker_lm"])
+        ]
+        handles = [server.submit(r, walk) for r, walk in requests]
+        outs = [h.result(timeout=300) for h in handles]
+        assert all(h.status == "ready" for h in server.health().values())
+    for i, ((r, _), got) in enumerate(zip(requests, outs)):
+        text, codes, _ = q.upstream_speech(walks, r)
+        assert torch.equal(torch.cat([got["first_token"], got["text_tokens"]], 1), text), i
+        assert torch.equal(got["codes"], codes), i

@@ -4,6 +4,7 @@ the rendezvous a server hands its workers, and the runner's object handles and w
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import stat
@@ -235,3 +236,25 @@ def test_plan_memory_counts_one_shard_of_a_paged_lm(kv_heads: int) -> None:
         contributors = dict(estimates[rank].contributors)
         assert contributors["weights lm (1/2 shard)"] == weights
         assert contributors["KV pool lm (1/2 shard)"] == pool
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    cache: Any = None
+
+
+def test_a_dataclass_result_comes_back_as_its_type_with_objects_as_handles() -> None:
+    """A component returning a record (a ``ModelOutput``) of tensors and a cache object: the
+    leader gets the same record type, tensors as they were, the cache as a ``TPObject``."""
+    echo = Echo()
+
+    def batch(calls: list[Any]) -> list[Any]:
+        return [Output(t, s) for t, s in echo.forward_batch(calls)]
+
+    runner = TPRunner(SimpleNamespace(is_leader=True, size=2), batch)  # type: ignore[arg-type]
+    (out,) = step(runner, [((torch.tensor([5]), None), {})])
+    assert type(out) is Output and torch.equal(out.logits, torch.tensor([6]))
+    assert isinstance(out.cache, TPObject) and runner.live_objects == 1
+    (again,) = step(runner, [((out.logits, out.cache), {})])
+    assert again.cache is out.cache and torch.equal(again.logits, torch.tensor([7]))

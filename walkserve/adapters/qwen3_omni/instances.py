@@ -245,6 +245,23 @@ def tiny_upstream(seed: int = 0) -> Any:
     return model
 
 
+def shard_thinker(model: Any) -> Any:
+    """``model`` with, in a worker of the thinker's tensor-parallel group (a placement with
+    ``tensor_parallel: {thinker_lm: N}``), this rank's shard of the thinker in place of the
+    whole one: its decoder split by transformers' own tp_plan (attention heads, the experts'
+    intermediate, vocabulary-parallel embedding and LM head), its audio and vision encoders
+    replicated (``runtime.tp.shard.reload_sharded``). The rank held the whole thinker first:
+    loaded, then sharded. Elsewhere ``model`` as it is."""
+    from walkserve.runtime.tp.member import current_group
+
+    group = current_group()
+    if group is not None:
+        from walkserve.runtime.tp.shard import reload_sharded
+
+        model.thinker = reload_sharded(model.thinker, group).requires_grad_(False)
+    return model
+
+
 def tiny_eos(model: Any, prompt: Tensor) -> int:
     """A thinker EOS id that ends the sample prompt's greedy reply after a few tokens: the
     first token, at step 6 or later, that the reply has not emitted before (random weights
@@ -261,7 +278,8 @@ def tiny(seed: int = 0, first_chunk: int | None = None) -> tuple[Qwen3OmniWalks,
     """Zero-argument factory: the tiny random model as walks, and a sample request."""
     model = tiny_upstream(seed)
     prompt = chat_prompt(model.config, [10, 11, 12, 13, 14])
-    walks = Qwen3OmniWalks(model, tiny_eos(model, prompt), TINY_CHUNK, TINY_CONTEXT, first_chunk)
+    eos = tiny_eos(model, prompt)
+    walks = Qwen3OmniWalks(shard_thinker(model), eos, TINY_CHUNK, TINY_CONTEXT, first_chunk)
     sample = {  # one prompt for every walk: image and audio placeholders, the text of `prompt`
         **media_sample(model.config, 37, (4, 8), [10, 11, 12, 13, 14]),
         "max_new_tokens": 16,
@@ -329,7 +347,7 @@ def load_qwen3_omni(path: str, speaker: str = "ethan") -> tuple[Qwen3OmniWalks, 
         path, config=config, local_files_only=True
     )
     model.eval().requires_grad_(False)
-    walks = Qwen3OmniWalks(model, int(model.config.im_end_token_id))
+    walks = Qwen3OmniWalks(shard_thinker(model), int(model.config.im_end_token_id))
     vocab = int(model.config.thinker_config.text_config.vocab_size)
     hello, newline = (9707, 198) if vocab > 9707 else (vocab // 2, 9)  # Qwen tokenizer ids
     sample = {

@@ -11,7 +11,8 @@ and the order in which those objects are released. What crosses its boundary:
   of str, and ``TPObject`` handles this runner returned earlier);
 - out (leader): the leader's results, in which every object the component returned is a
   ``TPObject`` (the same handle each time the same object comes back); ``DEFER`` and tensors as
-  the component gave them;
+  the component gave them; a dataclass result (a ``ModelOutput``) as a record of its type
+  with its fields so mapped;
 - followers: ``follow()`` runs every broadcast batch until the leader's ``close()``.
 
 One step::
@@ -41,6 +42,7 @@ requests failed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 import weakref
@@ -230,6 +232,8 @@ class TPRunner:
         """``value`` with each object replaced by its handle (new ones get the next handle)."""
         if value is None or isinstance(value, (bool, int, float, str, torch.Tensor, Deferred)):
             return value
+        if _is_record(value):
+            return _rebuild(value, self._register)
         if isinstance(value, (list, tuple)):
             items = [self._register(v) for v in value]
             return tuple(items) if isinstance(value, tuple) else items
@@ -251,6 +255,8 @@ class TPRunner:
                 self._proxies[value.handle] = proxy
                 weakref.finalize(proxy, self._dropped.append, value.handle)
             return proxy
+        if _is_record(value):
+            return _rebuild(value, self._export)
         if isinstance(value, (list, tuple)):
             items = [self._export(v) for v in value]
             return tuple(items) if isinstance(value, tuple) else items
@@ -321,6 +327,21 @@ class TPRunner:
             raise TPGroupError(f"{self.group}: a collective failed: {e}") from e
 
 
+# ------------------------------------------------------------------------------ records
+
+
+def _is_record(value: Any) -> bool:
+    """A dataclass instance a component returned (a transformers ``ModelOutput``): its fields
+    are registered one by one, so its tensors come back as tensors and the objects in it
+    (a cache) as handles, in a record of the same type."""
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _rebuild(value: Any, each: Callable[[Any], Any]) -> Any:
+    fields = {f.name: each(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+    return type(value)(**fields)
+
+
 # ------------------------------------------------------------------------------ encoding
 
 
@@ -360,6 +381,9 @@ def _digest(value: Any, digest: Any) -> None:
         for v in value:
             _digest(v, digest)
         digest.update(b"]")
+    elif _is_record(value):
+        digest.update(type(value).__name__.encode())
+        _digest({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, digest)
     elif isinstance(value, dict):
         for k in sorted(value):
             digest.update(k.encode())

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from typing import Any, Literal
 
 import torch
@@ -43,7 +44,7 @@ from torch import nn
 from walkserve.runtime.tp.group import TPGroup
 from walkserve.runtime.tp.heads import HeadSplit, split_heads
 
-__all__ = ["ShardingError", "load_sharded", "text_config"]
+__all__ = ["ShardingError", "load_sharded", "reload_sharded", "text_config"]
 
 Experts = Literal["tensor", "expert"]
 _KV_PROJECTIONS = ("k_proj", "v_proj")
@@ -73,7 +74,8 @@ def load_sharded(
     from transformers.distributed import DistributedConfig
 
     cls: Any = model_class or AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(path)
+    config_class: Any = getattr(model_class, "config_class", None) or AutoConfig
+    config = config_class.from_pretrained(path)
     plan = _model_plan(cls, config)
     split = _head_split(config, group)
     override = _kv_override(plan, split)
@@ -93,6 +95,28 @@ def load_sharded(
     if split is not None and override:
         _trim_replicated_kv(model, override, split, _head_dim(text_config(config)))
     return model.eval()
+
+
+def reload_sharded(
+    model: nn.Module, group: TPGroup, *, experts: Experts = "tensor", **from_pretrained: Any
+) -> nn.Module:
+    """This rank's shard of ``model``, a transformers model built in this process (a tiny one
+    from a config with seeded weights: every rank of ``group`` must hold the same): its weights
+    saved to a private temporary directory and loaded back through ``load_sharded``. The whole
+    model was in memory first, so this is for models made in code; a checkpoint on disk is
+    loaded with ``load_sharded``, shard by shard."""
+    from safetensors.torch import save_model
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        raise ShardingError(f"{type(model).__name__} is not a transformers model: no TP plan")
+    # Not model.save_pretrained: under torch.distributed it writes on group rank 0 only.
+    with tempfile.TemporaryDirectory(prefix="walkserve-tp-") as path:  # mode 0700
+        config.save_pretrained(path)
+        save_model(model, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return load_sharded(
+            path, group, model_class=type(model), experts=experts, **from_pretrained
+        )
 
 
 def _bind_device(group: TPGroup) -> None:
