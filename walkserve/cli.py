@@ -129,6 +129,29 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "get 503 with Retry-After",
     )
     sv.add_argument(
+        "--max-walk-input-length",
+        type=int,
+        default=32768,
+        metavar="N",
+        help="a walk's tensor inputs may be at most N long in every dimension the request "
+        "chooses but the batch (default 32768; a longer one is a 400 naming the input)",
+    )
+    sv.add_argument(
+        "--max-walk-loop-bound",
+        type=int,
+        default=65536,
+        metavar="N",
+        help="a request may make a loop run at most N iterations (a trip count or max_iters "
+        "input, e.g. max_new_tokens; default 65536)",
+    )
+    sv.add_argument(
+        "--max-walk-batch",
+        type=int,
+        metavar="N",
+        help="rows (dimension 0) of one walk request at most (default: --max-num-seqs); "
+        "--max-queued counts each row",
+    )
+    sv.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
@@ -408,6 +431,7 @@ def _serve(args: argparse.Namespace) -> int:
     from walkserve.api.profile import with_limits, without_tokenizer
     from walkserve.progress import StartupProgress
     from walkserve.runtime.config import LaunchConfig, LoweringConfig, PoolConfig
+    from walkserve.runtime.limits import WalkLimits
     from walkserve.runtime.server import serve
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -427,11 +451,17 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     names = tuple(args.served_model_name or (model,))
+    limits = WalkLimits(  # ValueError naming the field for a bad value
+        max_input_length=args.max_walk_input_length,
+        max_loop_bound=args.max_walk_loop_bound,
+        max_batch=args.max_walk_batch or args.max_num_seqs or 32,
+    )
     config = ApiConfig(
         api_key=args.api_key,
         max_queued=args.max_queued,
         served_names=names,
         allowed_origins=_origins(args.allowed_origins),
+        walk_limits=limits,
     )
     progress = StartupProgress()
     try:
