@@ -168,6 +168,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     sv.add_argument("--kv-page-size", type=int, metavar="N", help="tokens per KV page (16)")
     sv.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        metavar="N",
+        help="tokens one forward of a paged text model computes, all requests together "
+        "(default 2048): a longer prompt is prefilled in chunks between the others' steps",
+    )
+    sv.add_argument(
         "--bind",
         metavar="tcp://HOST:PORT",
         help="control sockets on TCP with CURVE keys (PORT and PORT+1); needed by --remote-ranks",
@@ -480,6 +487,7 @@ def _serve(args: argparse.Namespace) -> int:
         pool = PoolConfig(
             kv_pool_tokens=args.kv_pool_tokens,
             kv_page_size=args.kv_page_size,
+            kv_step_tokens=args.max_num_batched_tokens,
             bind=args.bind,
             remote_ranks=remote,
             keys_dir=args.keys,
