@@ -129,6 +129,29 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "get 503 with Retry-After",
     )
     sv.add_argument(
+        "--max-walk-input-length",
+        type=int,
+        default=32768,
+        metavar="N",
+        help="a walk's tensor inputs may be at most N long in every dimension the request "
+        "chooses but the batch (default 32768; a longer one is a 400 naming the input)",
+    )
+    sv.add_argument(
+        "--max-walk-loop-bound",
+        type=int,
+        default=65536,
+        metavar="N",
+        help="a request may make a loop run at most N iterations (a trip count or max_iters "
+        "input, e.g. max_new_tokens; default 65536)",
+    )
+    sv.add_argument(
+        "--max-walk-batch",
+        type=int,
+        metavar="N",
+        help="rows (dimension 0) of one walk request at most (default: --max-num-seqs); "
+        "--max-queued counts each row",
+    )
+    sv.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
@@ -144,6 +167,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="paged KV pool of each text model, in tokens (default: the model's, e.g. 16384)",
     )
     sv.add_argument("--kv-page-size", type=int, metavar="N", help="tokens per KV page (16)")
+    sv.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        metavar="N",
+        help="tokens one forward of a paged text model computes, all requests together "
+        "(default 2048): a longer prompt is prefilled in chunks between the others' steps",
+    )
     sv.add_argument(
         "--bind",
         metavar="tcp://HOST:PORT",
@@ -408,6 +438,7 @@ def _serve(args: argparse.Namespace) -> int:
     from walkserve.api.profile import with_limits, without_tokenizer
     from walkserve.progress import StartupProgress
     from walkserve.runtime.config import LaunchConfig, LoweringConfig, PoolConfig
+    from walkserve.runtime.limits import WalkLimits
     from walkserve.runtime.server import serve
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -427,11 +458,17 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     names = tuple(args.served_model_name or (model,))
+    limits = WalkLimits(  # ValueError naming the field for a bad value
+        max_input_length=args.max_walk_input_length,
+        max_loop_bound=args.max_walk_loop_bound,
+        max_batch=args.max_walk_batch or args.max_num_seqs or 32,
+    )
     config = ApiConfig(
         api_key=args.api_key,
         max_queued=args.max_queued,
         served_names=names,
         allowed_origins=_origins(args.allowed_origins),
+        walk_limits=limits,
     )
     progress = StartupProgress()
     try:
@@ -450,6 +487,7 @@ def _serve(args: argparse.Namespace) -> int:
         pool = PoolConfig(
             kv_pool_tokens=args.kv_pool_tokens,
             kv_page_size=args.kv_page_size,
+            kv_step_tokens=args.max_num_batched_tokens,
             bind=args.bind,
             remote_ranks=remote,
             keys_dir=args.keys,

@@ -416,6 +416,32 @@ def test_walk_route_json_b64_and_sse(base_url: str, ref: Any) -> None:
     assert events[-1]["outputs"]["tokens"] == want_tokens["tokens"].tolist()
 
 
+def test_walk_route_bounds_work_per_request(base_url: str, ref: Any) -> None:
+    """Bounded work on ``/v1/walks/*`` (walkserve serve's defaults: inputs 32768 long, loops
+    of 65536, 32 rows; each row counts against --max-queued 4): 400s naming the input and
+    the limit, and the server serves the next walk as the reference does."""
+
+    def walk(inputs: dict[str, Any]) -> httpx.Response:
+        return httpx.post(
+            f"{base_url}/v1/walks/speak", json={"inputs": inputs}, headers=AUTH, timeout=60
+        )
+
+    cases = [  # (inputs, param, words)
+        ({"prompt_ids": [[5] * 100_000], "max_new_tokens": 4}, "prompt_ids", "at most 32768"),
+        ({"prompt_ids": [[5, 9]], "max_new_tokens": 100_000}, "max_new_tokens", "at most 65536"),
+        ({"prompt_ids": [[5, 9]] * 5, "max_new_tokens": 2}, "prompt_ids", "--max-queued 4"),
+    ]
+    for inputs, param, words in cases:
+        r = walk(inputs)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == f"inputs.{param}" and words in error["message"], error
+    r = walk({"prompt_ids": [[5, 9, 12]], "max_new_tokens": 3})
+    assert r.status_code == 200, r.text
+    want = ref.run({"prompt_ids": torch.tensor([[5, 9, 12]]), "max_new_tokens": 3}, walk="speak")
+    assert r.json()["outputs"]["codes"] == want["codes"].tolist()
+
+
 # ---------------------------------------------------------------- validation
 
 

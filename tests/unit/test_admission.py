@@ -31,3 +31,13 @@ def test_admission_counts_choices_and_its_gate_answers_503_with_retry_after() ->
     assert "restarting" in gated.value.message
     one.release()
     assert admission.active == 0
+
+
+def test_a_walk_over_the_limit_names_its_batched_input() -> None:
+    admission = Admission(4)
+    with pytest.raises(ApiError) as rows:
+        admission.admit(5, "inputs.prompt_ids")
+    assert rows.value.status == 400 and rows.value.param == "inputs.prompt_ids"
+    assert "inputs.prompt_ids: 5 rows are more than this server runs at once" in rows.value.message
+    admission.admit(4, "inputs.prompt_ids").release()
+    assert admission.active == 0

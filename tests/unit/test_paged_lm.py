@@ -190,3 +190,73 @@ def test_bad_calls_are_refused() -> None:
         lm.forward_batch([call(torch.tensor([1, 2]), None)])
     with pytest.raises(ValueError, match="rows"):
         other.forward_batch([call(torch.tensor([[1], [2]]), cache)])
+
+
+def test_chunked_prefill_lets_short_requests_finish_while_a_long_prompt_runs() -> None:
+    """``max_step_tokens`` 32: a 300-token prompt arriving with three short requests is
+    computed 24-32 tokens a forward (whole pages, answered DEFER until its last chunk), and
+    the short ones get a token every forward meanwhile: all three finish before the long
+    one's first token. Every token is generate()'s; no forward computes more than 32."""
+    upstream = tiny()
+    lm = PagedLM(tiny(), PagedLMConfig(pool_tokens=1024, page_size=8, max_step_tokens=32))
+    long_prompt = [6 + (7 * k) % 120 for k in range(300)]
+    ps = [long_prompt, *prompts(3, seed=4)]
+    n = 6
+    tokens: list[list[int]] = [[] for _ in ps]
+    caches: list[PagedKV | None] = [None for _ in ps]
+    finished: list[int] = []  # request indexes in the order they finish
+    first_token_step: dict[int, int] = {}
+    per_forward: list[int] = []
+    step = 0
+    while any(len(t) < n for t in tokens):
+        live = [i for i, t in enumerate(tokens) if len(t) < n]
+        batch = [
+            call(torch.tensor([tokens[i][-1:] or ps[i]]), caches[i], len(tokens[i])) for i in live
+        ]
+        before = lm.kv_stats()
+        outs = lm.forward_batch(batch)
+        after = lm.kv_stats()
+        assert after is not None
+        per_forward.append(after.tokens_forwarded - (before.tokens_forwarded if before else 0))
+        for i, out in zip(live, outs, strict=True):
+            if out is DEFER:
+                continue
+            token, caches[i] = out
+            tokens[i].append(int(token))
+            first_token_step.setdefault(i, step)
+            if len(tokens[i]) == n:
+                finished.append(i)
+        step += 1
+    assert tokens == [generate(upstream, p, n) for p in ps]
+    assert max(per_forward) <= 32
+    assert finished[-1] == 0
+    assert all(first_token_step[0] > first_token_step[i] + n - 1 for i in (1, 2, 3))
+    assert first_token_step[0] >= 300 // 32  # the prompt took many forwards, not one
+
+
+def test_chunked_calls_on_a_running_cache_and_of_several_rows_are_exact() -> None:
+    """A running cache fed 60 new tokens in one call (a continuation) and a new call of two
+    rows of 70 tokens each, under a budget of 16 tokens a forward: each deferred until done,
+    then the token generate() gives for the whole sequence."""
+    upstream = tiny()
+    lm = PagedLM(tiny(), PagedLMConfig(pool_tokens=1024, page_size=8, max_step_tokens=16))
+    first = prompts(1, seed=5)[0][:10]
+    (token, cache), *_ = lm.forward_batch([call(torch.tensor([first]), None)])
+    more = list(range(20, 80))
+    rows = torch.tensor([list(range(6, 76)), list(range(40, 110))])
+    todo = {
+        "continue": call(torch.tensor([more]), cache, 1),
+        "rows": call(rows, None),
+    }
+    got: dict[str, Any] = {}
+    forwards = 0
+    while todo:
+        names = list(todo)
+        forwards += 1
+        for name, out in zip(names, lm.forward_batch([todo[n] for n in names]), strict=True):
+            if out is not DEFER:
+                got[name] = out[0]
+                del todo[name]
+    assert forwards >= (60 + 140) // 16
+    assert int(got["continue"]) == generate(upstream, [*first, int(token), *more], 1)[0]
+    assert got["rows"].view(-1).tolist() == [generate(upstream, r, 1)[0] for r in rows.tolist()]

@@ -1,5 +1,5 @@
 """``--max-queued``: how many requests are admitted at once, counted by what they run (a
-completion with ``n`` choices counts ``n``). A request over the limit gets 503 with
+completion with ``n`` choices counts ``n``, a walk request its rows: ``runtime.limits.fan_out``). A request over the limit gets 503 with
 ``Retry-After``; an admitted one holds a ``Ticket`` until its response ends. So does
 one that arrives while the server cannot serve it (``gate``: ``Server.unavailable``: a rank
 restarting or failed, the server draining on SIGTERM or stopped)."""
@@ -26,10 +26,11 @@ class Admission:
         self.gate = gate
         self.retry_after_s = retry_after_s
 
-    def admit(self, weight: int = 1) -> Ticket:
+    def admit(self, weight: int = 1, param: str = "n") -> Ticket:
         """Admit a request that runs ``weight`` requests on the server (a completion's ``n``
-        choices: each is a walk of its own), or raise: 503 when the server is unavailable or
-        full, 400 when ``weight`` alone is over the limit (it could never be admitted)."""
+        choices: each is a walk of its own; a walk's rows), or raise: 503 when the server is
+        unavailable or full, 400 naming ``param`` when ``weight`` alone is over the limit (it
+        could never be admitted)."""
         reason = self.gate()
         if reason is not None:
             raise ApiError(
@@ -39,11 +40,12 @@ class Admission:
                 headers={"Retry-After": str(self.retry_after_s)},
             )
         if self.limit is not None and weight > self.limit:
+            what = f"n={weight} choices" if param == "n" else f"{param}: {weight} rows"
             raise ApiError(
                 400,
-                f"n={weight} choices are more than this server runs at once "
+                f"{what} are more than this server runs at once "
                 f"(--max-queued {self.limit}); ask for at most {self.limit}",
-                param="n",
+                param=param,
             )
         if self.limit is not None and self.active + weight > self.limit:
             raise ApiError(

@@ -21,12 +21,14 @@ from walkserve.api.errors import ApiError, ClientGone, bad
 from walkserve.api.metrics import Metrics
 from walkserve.api.profile import ModelProfile, Voice, Voices
 from walkserve.runtime.conductor import StreamItem
+from walkserve.runtime.limits import WalkLimits
 from walkserve.runtime.server import RequestFailed, RequestHandle, Server
 
 B = TypeVar("B", bound=BaseModel)
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is there
 SAMPLING_INPUTS = ("temperature", "top_p", "top_k", "seed")
+DEFAULT_WALK_LIMITS = WalkLimits(max_input_length=32768, max_loop_bound=65536, max_batch=32)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ class ApiConfig:
     served_names: tuple[str, ...] = ()  # names clients may send as ``model`` (the first is
     # the one answers carry); empty: the profile's name
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
+    # ``/v1/walks/*``: how long its inputs, how many loop iterations and rows one request may
+    # ask for (``runtime.limits``); the task routes have their profile's limits
+    walk_limits: WalkLimits = field(default_factory=lambda: DEFAULT_WALK_LIMITS)
 
     def __post_init__(self) -> None:
         if self.max_queued is not None and self.max_queued < 1:
@@ -175,11 +180,12 @@ class ApiContext:
             raise ApiError(503, str(e), "server_error") from None
 
     async def admit_and_submit(
-        self, inputs: dict[str, Any], walk: str
+        self, inputs: dict[str, Any], walk: str, weight: int = 1, param: str = "n"
     ) -> tuple[Ticket, RequestHandle, float]:
         """Admit one request (or 503) and submit it: its ticket (the caller releases it when
-        the request is done), its handle and its start time."""
-        ticket = self.admission.admit()
+        the request is done), its handle and its start time. ``weight``: what it runs
+        (``Admission.admit``; ``param`` names the field that sets it)."""
+        ticket = self.admission.admit(weight, param)
         t0 = time.perf_counter()
         try:
             return ticket, await self.submit(inputs, walk), t0

@@ -129,6 +129,7 @@ class PoolConfig:
     forbid_pickle: bool = False
     kv_pool_tokens: int | None = None  # paged KV pools (PagedLM): tokens each (None: default)
     kv_page_size: int | None = None
+    kv_step_tokens: int | None = None  # tokens a PagedLM forward computes (chunked prefill)
     worker_shm_slots_per_class: int = 8  # each worker's output pool: slots per size class
     # Beyond one host (``runtime.net``): ``bind`` ``tcp://HOST:PORT`` puts both ROUTERs on TCP
     # (reports at PORT, commands at PORT+1; PORT 0: free ports) as CURVE servers that admit
@@ -145,6 +146,8 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if self.kv_page_size is not None and self.kv_page_size < 1:
             raise ValueError(f"kv_page_size must be >= 1, got {self.kv_page_size}")
+        if self.kv_step_tokens is not None and self.kv_step_tokens < 1:
+            raise ValueError(f"kv_step_tokens must be >= 1, got {self.kv_step_tokens}")
         if self.kv_pool_tokens is not None and self.kv_pool_tokens < (self.kv_page_size or 1):
             raise ValueError(
                 f"kv_pool_tokens must hold at least one page, got {self.kv_pool_tokens}"
@@ -209,6 +212,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     forbid_pickle: bool = False
     kv_pool_tokens: int | None = None  # PagedLM pools: capacity in tokens (None: the model's)
     kv_page_size: int | None = None
+    kv_step_tokens: int | None = None  # PagedLM: tokens one forward computes (None: the model's)
     # CURVE (Z85 keys; empty: none): set by ``net`` when the conductor listens on TCP
     curve_server_key: str = ""
     curve_public_key: str = ""

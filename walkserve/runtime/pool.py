@@ -262,6 +262,7 @@ class WorkerPool(NodeBatches):
             forbid_pickle=self.config.forbid_pickle,
             kv_pool_tokens=self.config.kv_pool_tokens,
             kv_page_size=self.config.kv_page_size,
+            kv_step_tokens=self.config.kv_step_tokens,
             curve_server_key=curve[0],
             curve_public_key=curve[1],
             curve_secret_key=curve[2],

@@ -63,6 +63,7 @@ from walkserve.runtime.conductor import (
 from walkserve.runtime.config import LaunchConfig, LoweringConfig, PoolConfig, SchedulingConfig
 from walkserve.runtime.handle import RequestFailed as RequestFailed  # re-exported
 from walkserve.runtime.handle import RequestHandle
+from walkserve.runtime.limits import WalkLimits, check_limits
 from walkserve.runtime.messages import (
     KVStats,
     RankStatsReply,
@@ -102,12 +103,14 @@ class Server:
         speculate: bool = True,
         stream_buffer_limit: int = 64,
         max_inflight: int = 1,
+        limits: WalkLimits | None = None,
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.captured = captured
         self.plan = plan
         self.pool = pool
+        self.limits = limits or WalkLimits()
         self.conductor = Conductor(
             captured, plan, speculate=speculate, stream_buffer_limit=stream_buffer_limit
         )
@@ -181,6 +184,10 @@ class Server:
             raise RuntimeError(f"the server stopped: {self.fatal}")
         if self.draining is not None:
             raise RuntimeError(self.draining)
+        graph = self.captured.graph
+        start = walk if walk is not None else next(iter(graph.entry_walks()), None)
+        if start in graph.walks:  # else the conductor says what is wrong
+            check_limits(graph, start, inputs, self.limits)
         rid = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(rid, self)
         done: Future[RequestHandle] = Future()
@@ -496,6 +503,7 @@ def serve(
     scheduling: SchedulingConfig | None = None,
     pool_config: PoolConfig | None = None,
     launch: LaunchConfig | None = None,
+    limits: WalkLimits | None = None,
     on_stage: Callable[[str], None] | None = None,
 ) -> Server:
     """Start serving ``model``: a model source (a built-in model's name, a local checkpoint
@@ -511,7 +519,8 @@ def serve(
     ``bind``, ``remote_ranks``, ``keys_dir`` and ``remote_data`` put ranks on other hosts,
     ``runtime.net``) and ``launch`` (spawned processes, or Ray actors: ``backend="ray"``, then
     ``bind`` defaults to ``tcp://127.0.0.1:0``; with a ``ray_address``, give a ``bind`` the
-    cluster can reach). ``on_stage`` is told as each step begins ("lowering", "starting N
+    cluster can reach). ``limits``: how much one request may ask for (input lengths, loop
+    bounds, rows: ``runtime.limits``; none by default). ``on_stage`` is told as each step begins ("lowering", "starting N
     workers")."""
     lowering = lowering or LoweringConfig()
     scheduling = scheduling or SchedulingConfig()
@@ -606,6 +615,7 @@ def serve(
             speculate=scheduling.speculate,
             stream_buffer_limit=scheduling.stream_buffer_limit,
             max_inflight=scheduling.max_inflight,
+            limits=limits,
         )
         if launcher is not None:
             server.closers.append(launcher.close)

@@ -118,9 +118,10 @@ class KVEngine(Protocol):
 
 
 def configure_kv(
-    model: Any, pool_tokens: int | None, page_size: int | None
+    model: Any, pool_tokens: int | None, page_size: int | None, step_tokens: int | None = None
 ) -> list[tuple[str, KVEngine]]:
-    """Size the KV pools of ``model``'s components that keep one (before any allocates);
+    """Size the KV pools of ``model``'s components that keep one (before any allocates), and
+    the tokens one forward computes of those that chunk prefills (``max_step_tokens``);
     returns them by name."""
     from dataclasses import replace
 
@@ -132,6 +133,8 @@ def configure_kv(
                 config = replace(config, pool_tokens=pool_tokens)
             if page_size is not None:
                 config = replace(config, page_size=page_size)
+            if step_tokens is not None and hasattr(config, "max_step_tokens"):
+                config = replace(config, max_step_tokens=step_tokens)
             module.config_kv = config
             found.append((name, module))
     return found
@@ -318,7 +321,9 @@ class Worker:
 
             self.tp = join_member(setup.tp, self._tp_broken)
         model, _ = load_source(setup.loader, setup.model, setup.seed)
-        self._kv = configure_kv(model, self.config.kv_pool_tokens, self.config.kv_page_size)
+        self._kv = configure_kv(
+            model, self.config.kv_pool_tokens, self.config.kv_page_size, self.config.kv_step_tokens
+        )
         if self.tp is not None:
             self.tp.attach(model)
         captured = CapturedModel(from_json(setup.ir), model)

@@ -1,5 +1,7 @@
 """``POST /v1/walks/{walk}``: any entry walk of the model, inputs and outputs as JSON
-(``api.jsontensor``); SSE of the walk's stream items when ``stream``."""
+(``api.jsontensor``); SSE of the walk's stream items when ``stream``. Bounded by
+``ApiConfig.walk_limits`` (input lengths, loop bounds, rows: 400s naming the input); a
+request holds one admission place per row."""
 
 from __future__ import annotations
 
@@ -17,9 +19,18 @@ from walkserve.api.errors import ApiError, bad, error_body
 from walkserve.api.jsonsafe import dumps
 from walkserve.api.schemas import WalkRequest
 from walkserve.api.sse import SSE_DONE, ClosingStream, sse
+from walkserve.capture import ir
+from walkserve.capture.inputs import InputError
 from walkserve.runtime.kv import grammar as kv_grammar
+from walkserve.runtime.limits import check_limits, fan_out
 
 router = APIRouter()
+
+
+def _batch_input(graph: ir.WalkGraph, walk: str) -> str:
+    """The field named when a walk's rows are more than admission ever takes."""
+    batched = [i.name for i in graph.walks[walk].inputs if i.spec and i.spec.kind == "tensor"]
+    return f"inputs.{batched[0]}" if batched else "inputs"
 
 
 def check_constraints(value: Any, vocab: int) -> None:
@@ -51,7 +62,12 @@ async def run_walk(walk: str, request: Request) -> Response:
     text = ctx.profile.text
     if text is not None and walk == text.ext_walk:
         check_constraints(inputs.get("constraints"), text.vocab_size)
-    ticket, handle, t0 = await ctx.admit_and_submit(inputs, walk)
+    try:  # bounded work: lengths, loop bounds, rows (each row counts at admission)
+        check_limits(graph, walk, inputs, ctx.config.walk_limits)
+    except InputError as e:
+        raise bad(str(e), f"inputs.{e.input}") from None
+    rows = fan_out(graph, walk, inputs)
+    ticket, handle, t0 = await ctx.admit_and_submit(inputs, walk, rows, _batch_input(graph, walk))
     if not body.stream:
         try:
             outputs = await unless_gone(request, ctx.finish(handle))

@@ -36,6 +36,20 @@ admitted again); new requests are admitted only with room to spare (``_schedule`
 caching: a new sequence reuses the cached full pages of an identical token prefix
 (``pool.allocate_with_prefix``).
 
+Chunked prefill (``PagedLMConfig.max_step_tokens``): one forward computes at most that many
+tokens. The calls of a batch are served shortest first (decode steps of one token before
+prefills); a call whose new tokens do not fit gets what is left, rounded down to whole pages,
+and is answered ``DEFER``; when the runtime sends it again with a later batch it goes on from
+the tokens already computed (a running cache's rows remember them; a new request's prompt
+finds its computed pages through the prefix cache: a recompute if they were evicted
+meanwhile, never a wrong token). So a long prompt never holds the rank for more than one
+step's budget at a time, and the other requests' steps go on between its chunks::
+
+    budget 8, page 4     A: prefill of 13 new tokens    B, C: decode steps (1 token each)
+    forward 1            b | c | a0..a4 (6 left: 4, a page) -> B, C sampled; A DEFER
+    forward 2            b | c | a4..a9                       -> B, C sampled; A DEFER
+    forward 3            b | c | a10..a12                     -> B, C, A sampled
+
 Sampling: temperature 0 is greedy (argmax; ``generate(do_sample=False)``). Otherwise the draw of
 row ``r`` at step ``step`` uses a generator seeded from ``(seed, r, step)``, so a request's
 tokens depend on its inputs only, not on its batch, its timing, or an eviction. A
@@ -94,14 +108,19 @@ Call = tuple[Sequence[Any], dict[str, Any]]
 @dataclass(frozen=True)
 class PagedLMConfig:
     """``pool_tokens``: KV capacity of the pool in tokens (rounded up to whole pages);
-    ``page_size``: tokens per page."""
+    ``page_size``: tokens per page; ``max_step_tokens``: tokens one forward computes, all
+    calls together (chunked prefill: a call with more new tokens than fit runs over several
+    forwards, see the module docstring; at least a page is computed); None: no limit."""
 
     pool_tokens: int = 16384
     page_size: int = 16
+    max_step_tokens: int | None = 2048
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_step_tokens is not None and self.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1 or None, got {self.max_step_tokens}")
         if self.pool_tokens < self.page_size:
             raise ValueError(
                 f"pool_tokens must hold at least one page ({self.page_size}), got "
@@ -318,11 +337,46 @@ class PagedLM(nn.Module):
                 want = [r.tokens + [int(t) for t in ids[i].tolist()] for i, r in enumerate(rows)]
                 units.append(_Unit(index, bound, cache, rows, want))
             chosen = self._schedule(state, units)
-            logits = self._forward(state, [(r, w) for u in chosen for r, w in zip(u.rows, u.want)])
+            ends = self._budget(state, chosen)
+            logits = self._forward(
+                state, [(r, w, ends[id(r)]) for u in chosen for r, w in zip(u.rows, u.want)]
+            )
             out: list[Any] = [DEFER] * len(units)
             for u in chosen:
-                out[u.index] = self._sample_unit(u, logits)
+                if all(ends[id(r)] == len(w) for r, w in zip(u.rows, u.want)):
+                    for r, w in zip(u.rows, u.want):
+                        r.tokens = w  # fed: the next call's tokens follow these
+                    out[u.index] = self._sample_unit(u, logits)
             return out
+
+    def _budget(self, state: _State, chosen: list[_Unit]) -> dict[int, int]:
+        """Chunked prefill: how far each chosen row computes in this forward (``id(row)`` ->
+        its end), within ``max_step_tokens``. Units with the fewest new tokens go first. A
+        unit that fits runs whole; one that does not gets what is left, each row up to a page
+        boundary short of its last token (whose logits the call samples from once its other
+        tokens are in), so at least the first unit always computes something."""
+        page = state.pool.page_size
+        most = self.config_kv.max_step_tokens
+        most = None if most is None else max(most, page)
+        ends: dict[int, int] = {}
+
+        def need(u: _Unit) -> int:
+            return sum(len(w) - r.computed for r, w in zip(u.rows, u.want))
+
+        left = most
+        for u in sorted(chosen, key=need):
+            whole = left is None or need(u) <= left
+            for r, w in zip(u.rows, u.want):
+                if whole:
+                    end = len(w)
+                else:
+                    assert left is not None
+                    end = min(len(w) - 1, (r.computed + left) // page * page)
+                    end = max(end, r.computed)
+                ends[id(r)] = end
+                if left is not None:
+                    left -= end - r.computed
+        return ends
 
     def _start_rows(self, rows: list[_Row], ids: torch.Tensor, constraints: Any) -> None:
         """A new request's rows: its prompt length and its constraints."""
@@ -462,21 +516,27 @@ class PagedLM(nn.Module):
         state.evictions += 1
 
     def _forward(
-        self, state: _State, rows: list[tuple[_Row, list[int]]]
+        self, state: _State, rows: list[tuple[_Row, list[int], int]]
     ) -> dict[int, torch.Tensor]:
-        """One packed forward: every row's tokens not yet in the pool; logits by ``id(row)``."""
+        """One packed forward: each row's tokens ``want[computed:end]`` (rows with nothing to
+        compute this time are left out); logits by ``id(row)``. Rows keep their ``tokens``
+        (what earlier calls fed) until their call completes, so that a call sent again after
+        a partial chunk asks for the same ``want``."""
         pool = state.pool
-        for r, want in rows:
-            r.tokens = want
-        chunks = [SeqChunk(tuple(r.tokens[r.computed :]), r.computed, r.seq) for r, _ in rows]
-        logits = state.runner.forward(chunks)  # [rows, vocab]
+        rows = [(r, want, end) for r, want, end in rows if end > r.computed]
+        chunks = [
+            SeqChunk(tuple(want[r.computed : end]), r.computed, r.seq) for r, want, end in rows
+        ]
+        logits = state.runner.forward(chunks) if chunks else None  # [rows, vocab]
         now = next(state.clock)
-        for r, _ in rows:
-            state.tokens += len(r.tokens) - r.computed
-            r.computed, r.last_used = len(r.tokens), now
+        for r, _, end in rows:
+            state.tokens += end - r.computed
+            r.computed, r.last_used = end, now
             pool.mark_computed(r.seq, r.computed)
-        state.forwards += 1
-        return {id(r): logits[i] for i, (r, _) in enumerate(rows)}
+        if chunks:
+            state.forwards += 1
+        assert logits is not None or not rows
+        return {id(r): logits[i] for i, (r, _, _) in enumerate(rows)} if logits is not None else {}
 
     # ---------------------------------------------------------------- state
 
