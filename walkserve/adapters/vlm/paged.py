@@ -5,7 +5,8 @@ image requests keep their media (``_Row.extra``) and whose forward feeds embeddi
 
 - in: ``PagedLM``'s call, plus for a new request ``image_features`` [image tokens, D] and
   ``image_keys`` [images, 2] (``encoder.VisionTower``'s outputs) and ``image_grid_thw``
-  [images, 3]; one prompt row per request with images;
+  [images, 3]; a request's rows take its images in order, each row as many as its
+  placeholders need;
 - out: ``PagedLM``'s (token [B, 1], cache).
 
 Per image row (``RowMedia``): the prompt positions of its image tokens and their features
@@ -108,12 +109,35 @@ class PagedVLM(PagedLM):
         features = args.get("image_features")
         if features is None:
             return
-        if len(rows) != 1:
-            raise ValueError(f"a request with images has one prompt row, got {len(rows)}")
         keys, grid = args.get("image_keys"), args.get("image_grid_thw")
         if keys is None or grid is None:
             raise ValueError("image_features need image_keys and image_grid_thw")
-        rows[0].extra = self._media(ids[0], features, keys, grid)
+        if len(keys) != len(grid) or int(keys[:, 1].sum()) != features.shape[0]:
+            raise ValueError(
+                f"{len(keys)} image keys, {len(grid)} grid rows and {features.shape[0]} image"
+                f" features for {int(keys[:, 1].sum())} image tokens do not agree"
+            )
+        # Rows take the images in order, each as many as its placeholders need.
+        image, token = 0, 0
+        for r, row in enumerate(rows):
+            need = int((ids[r] == self.family.image_token).sum())
+            first = image
+            while need > 0 and image < len(keys):
+                need -= int(keys[image, 1])
+                image += 1
+            if need != 0:
+                raise ValueError(
+                    f"prompt row {r}: its image tokens are not a whole number of the images'"
+                    " tokens (lay out each image's placeholders as its processor does)"
+                )
+            count = int(keys[first:image, 1].sum())
+            if count:
+                row.extra = self._media(
+                    ids[r], features[token : token + count], keys[first:image], grid[first:image]
+                )
+            token += count
+        if image != len(keys):
+            raise ValueError(f"{len(keys) - image} image(s) have no placeholders in the prompt")
 
     def _media(self, ids: Tensor, features: Tensor, keys: Tensor, grid: Tensor) -> RowMedia:
         family = self.family
