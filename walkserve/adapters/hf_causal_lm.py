@@ -347,9 +347,11 @@ def checkpoint_profile(path: str, name: str, skip_tokenizer: bool = False) -> An
     from walkserve.api.profile import ModelProfile, plain_chat
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    eos = config.eos_token_id
+    text = config.get_text_config()  # a VLM's vocabulary and EOS are its text model's
+    eos = getattr(config, "eos_token_id", None)
+    eos = text.eos_token_id if eos is None else eos
     eos = eos[0] if isinstance(eos, list) else eos
-    vocab = int(config.vocab_size)
+    vocab = int(text.vocab_size)
     if skip_tokenizer or not has_tokenizer(path):
         return ModelProfile(
             name, text=text_task(vocab, eos, _no_text, _no_ids, _no_chat, has_tokenizer=False)

@@ -5,7 +5,8 @@ example-cfg-image | example-speech | example-world | example-text   built-in exa
 tiny-llama | tiny-qwen2 | tiny-qwen3      tiny random-weight Hugging Face causal LMs
 tiny-orpheus | tiny-qwen3-omni | ...      tiny random-weight instances of the upstream
                                           architectures the adapters support (``ADAPTERS``)
-/path/to/checkpoint                       a local Hugging Face causal LM directory
+/path/to/checkpoint                       a local Hugging Face checkpoint directory: a causal
+                                          LM, a VLM (Qwen2-VL, Qwen2.5-VL, LLaVA), ...
 package.module:factory                    your own decorated model: factory() returns
                                           (model, sample_inputs)
 
@@ -130,6 +131,10 @@ def _checkpoint_profile(path: str, name: str) -> ModelProfile:
         from walkserve.adapters import qwen25_omni
 
         return qwen25_omni.checkpoint_profile(path, name)
+    if kind == "vlm":
+        from walkserve.adapters.vlm.profile import checkpoint_profile as vlm_profile
+
+        return vlm_profile(path, name)
     if kind != "causal-lm":
         return _walks_only(name)  # its walks, through /v1/walks/{walk}
     from walkserve.adapters.hf_causal_lm import checkpoint_profile
@@ -212,8 +217,9 @@ def tiny_hf_lm(arch: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
 
 def checkpoint_kind(path: str) -> str:
     """What a local checkpoint directory holds: ``vjepa2-ac`` (``predictor_config.json``),
-    ``pi05`` (``pi05_config.json``), ``diffusers`` (``model_index.json``), ``qwen3-omni``, ``qwen25-omni`` or ``janus`` (by the
-    ``model_type`` of its ``config.json``), else ``causal-lm``."""
+    ``pi05`` (``pi05_config.json``), ``diffusers`` (``model_index.json``), ``qwen3-omni``, ``qwen25-omni``, ``janus`` or ``vlm``
+    (Qwen2-VL, Qwen2.5-VL, LLaVA: ``adapters.vlm``) (by the ``model_type`` of its
+    ``config.json``), else ``causal-lm``."""
     import json
 
     def has(file: str) -> bool:
@@ -230,6 +236,7 @@ def checkpoint_kind(path: str) -> str:
         with open(os.path.join(path, "config.json")) as f:
             model_type = json.load(f).get("model_type")
     kinds = {"qwen3_omni_moe": "qwen3-omni", "qwen2_5_omni": "qwen25-omni", "janus": "janus"}
+    kinds |= {"qwen2_vl": "vlm", "qwen2_5_vl": "vlm", "llava": "vlm"}  # vlm.families.MODEL_TYPES
     return kinds.get(str(model_type), "causal-lm")
 
 
@@ -260,6 +267,10 @@ def load_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
         from walkserve.adapters.janus import load_janus
 
         return load_janus(path)
+    if kind == "vlm":
+        from walkserve.adapters.vlm import load_vlm
+
+        return load_vlm(path)
     from walkserve.adapters.hf_causal_lm import load_causal_lm
 
     return load_causal_lm(path)

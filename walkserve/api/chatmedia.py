@@ -10,7 +10,9 @@ ids, and splices those ids where the marks are in the rendered prompt::
                                                             the server's max_image_pixels
     image_url http(s) / file URLs, video_url, file        -> 400 naming the field
 
-Media parts go in user messages; at most ``task.max_parts`` per request. Raises ``ApiError``.
+Media parts go in user messages; at most ``task.max_parts`` per request (several parts' inputs
+are concatenated along dimension 0, in the order of the parts: a VLM's images). Raises
+``ApiError``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from walkserve.api import audiocodec, imagecodec, media
 from walkserve.api.errors import bad
@@ -109,10 +113,11 @@ class MediaParts:
         if role != "user":
             raise bad(f"{where}: media parts go in user messages, not {role} messages", where)
         if len(self.parts) >= self.task.max_parts:
+            why = f"model {self.model!r} takes no more"
+            if self.task.max_parts == 1:
+                why = f"the walks of model {self.model!r} read one image or one audio clip"
             raise bad(
-                f"{where}: at most {self.task.max_parts} media part(s) per request: the walks of"
-                f" model {self.model!r} read one image or one audio clip",
-                where,
+                f"{where}: at most {self.task.max_parts} media part(s) per request: {why}", where
             )
         if part.type == "input_audio":
             self._walk("audio", where)
@@ -140,7 +145,8 @@ class MediaParts:
         holds each part's mark once). CPU work: decodes the media."""
         if rendered.count("\x00media") != len(self.parts):
             raise bad("a text part holds the reserved text '\\x00media'", "messages")
-        walks, inputs, ids, rest = set(), {}, [], rendered
+        walks, ids, rest = set(), [], rendered
+        inputs: dict[str, Any] = {}
         for part in self.parts:
             walk = self._walk(part.kind, part.where)
             try:
@@ -156,7 +162,8 @@ class MediaParts:
                 raise bad(f"{part.where}: {e}", part.where) from None
             before, rest = rest.split(part.mark, 1)
             ids += [*encode(before), *placeholders]
-            inputs.update(part_inputs)
+            for key, value in part_inputs.items():  # several parts: in order, along dim 0
+                inputs[key] = torch.cat([inputs[key], value]) if key in inputs else value
             walks.add(walk.speak_walk if self.speaking else walk.walk)
         ids += encode(rest)
         if len(walks) != 1:

@@ -270,6 +270,7 @@ class _Snapshot(Collector):
             )  # fmt: skip
             yield counter("wasted_steps", "Speculative iterations discarded.", stats.wasted_steps)
         labels = ["model_name", "rank", "component"]
+        yield from _component_counters(m, getattr(stats, "ranks", None) or {})
         series = [
             (
                 "kv_pages_in_use",
@@ -311,6 +312,25 @@ class _Snapshot(Collector):
                 share = pool.pages_in_use / pool.num_pages if pool.num_pages else 0.0
                 usage.add_metric([*m, str(rank), pool.component], share)
         yield usage
+
+
+#: components' counters exported (``RankStatsReply.counters``), as vLLM names them
+COMPONENT_COUNTERS = {
+    "mm_cache_queries": "Images looked up in a vision tower's encoder cache.",
+    "mm_cache_hits": "Images found in a vision tower's encoder cache (not encoded again).",
+}
+
+
+def _component_counters(m: list[str], ranks: Mapping[int, Any]) -> Iterator[Any]:
+    """One counter family per ``COMPONENT_COUNTERS`` name, a series per rank and component."""
+    for name, doc in COMPONENT_COUNTERS.items():
+        family = CounterMetricFamily(f"{P}{name}", doc, labels=["model_name", "rank", "component"])
+        for rank, reply in sorted(ranks.items()):
+            for key, value in sorted(reply.counters.items()):
+                component, _, counter = key.rpartition("/")
+                if counter == name:
+                    family.add_metric([*m, str(rank), component], value)
+        yield family
 
 
 def read_metric(text: str, name: str, **labels: str) -> float | None:

@@ -141,8 +141,10 @@ class EngineLoop:
         *,
         hold: bool = False,
         coalesce_s: float = 0.002,
+        counters: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.rank = rank
+        self.counters = counters  # the components' counters, for StatsAsk
         self.runner = runner
         self.scheduler = scheduler
         self.transport = transport
@@ -250,6 +252,7 @@ class EngineLoop:
                     stats.speculated_steps,
                     stats.wasted_steps,
                     sizes,
+                    self.counters() if self.counters is not None else {},
                 )
             )
 

@@ -90,6 +90,15 @@ class RuntimeStats(ConductorStats):
     conductor: ConductorStats | None = None
     ranks: Mapping[int, RankStatsReply] = field(default_factory=dict)
 
+    @property
+    def counters(self) -> dict[str, int]:
+        """The components' counters (``"module path/counter"``), summed over the ranks."""
+        total: dict[str, int] = {}
+        for reply in self.ranks.values():
+            for key, value in reply.counters.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
 
 class Server:
     """See the module docstring. Built by ``serve``."""

@@ -97,6 +97,7 @@ from walkserve.runtime.config import KiB, WorkerConfig, default_threads, routing
 __all__ = [
     "Worker",
     "WorkerConfig",
+    "component_counters",
     "default_threads",
     "forbid_pickle",
     "routing_id",
@@ -138,6 +139,22 @@ def configure_kv(
             module.config_kv = config
             found.append((name, module))
     return found
+
+
+def component_counters(model: Any) -> Callable[[], dict[str, int]]:
+    """What reads the counters of ``model``'s components that keep some (a ``counters()``
+    method returning ``{name: count}``, e.g. a vision tower's encoder cache): keys are
+    ``"module path/name"``."""
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if callable(getattr(module, "counters", None))
+    ]
+
+    def read() -> dict[str, int]:
+        return {f"{n}/{k}": int(v) for n, m in found for k, v in m.counters().items()}
+
+    return read
 
 
 # ----------------------------------------------------------------------------- process
@@ -380,6 +397,7 @@ class Worker:
             self.objects,
             self._send,
             hold=setup.hold and self.peers is not None,
+            counters=component_counters(model),
         )
 
     # ------------------------------------------------------------------ main thread

@@ -156,6 +156,7 @@ class _Row:
     admitted: int = 0  # clock when it last got pages
     arrived: int = 0  # clock when its request first came
     sampling: RowState = field(default_factory=RowState)  # prompt length, bias, grammar
+    extra: Any = None  # what a subclass keeps per row (a VLM's image features and positions)
 
 
 @dataclass
@@ -333,7 +334,7 @@ class PagedLM(nn.Module):
                 rows = [state.rows[seq] for seq in cache.seqs]
                 ids = bound["input_ids"]
                 if new:
-                    self._start_rows(rows, ids, bound.get("constraints"))
+                    self._start_rows(rows, ids, bound)
                 want = [r.tokens + [int(t) for t in ids[i].tolist()] for i, r in enumerate(rows)]
                 units.append(_Unit(index, bound, cache, rows, want))
             chosen = self._schedule(state, units)
@@ -378,10 +379,18 @@ class PagedLM(nn.Module):
                     left -= end - r.computed
         return ends
 
-    def _start_rows(self, rows: list[_Row], ids: torch.Tensor, constraints: Any) -> None:
-        """A new request's rows: its prompt length and its constraints."""
+    def _start_rows(self, rows: list[_Row], ids: torch.Tensor, args: dict[str, Any]) -> None:
+        """A new request's rows: its prompt length and its constraints (subclasses keep more
+        of the call's ``args`` in ``_Row.extra``)."""
         n_vocab = vocab_size(self.lm)
+        constraints = args.get("constraints")
         self.sampler.start([r.sampling for r in rows], ids.shape[1], constraints, n_vocab)
+
+    def _prefix_ids(self, row: _Row, want: list[int]) -> list[int]:
+        """The ids that name ``want``'s K/V in the prefix cache: the tokens themselves; a
+        subclass whose K/V depend on more than the ids (image features at placeholder ids)
+        gives ids that say so."""
+        return want
 
     def _sample_unit(self, u: _Unit, logits: dict[int, torch.Tensor]) -> Any:
         """One call's outputs: its tokens [B, 1] and cache, and its logprobs if asked."""
@@ -485,7 +494,7 @@ class PagedLM(nn.Module):
             for r, w in zip(unit.rows, unit.want):
                 r.computed = state.pool.allocate_with_prefix(
                     r.seq,
-                    w,
+                    self._prefix_ids(r, w),
                     namespace=self._namespace,
                     max_cached_tokens=len(w) - 1,  # the last token's logits are needed
                 )
@@ -527,7 +536,9 @@ class PagedLM(nn.Module):
         chunks = [
             SeqChunk(tuple(want[r.computed : end]), r.computed, r.seq) for r, want, end in rows
         ]
-        logits = state.runner.forward(chunks) if chunks else None  # [rows, vocab]
+        logits = (
+            self._logits(state, [r for r, _, _ in rows], chunks) if chunks else None
+        )  # [rows, vocab]
         now = next(state.clock)
         for r, _, end in rows:
             state.tokens += end - r.computed
@@ -537,6 +548,12 @@ class PagedLM(nn.Module):
             state.forwards += 1
         assert logits is not None or not rows
         return {id(r): logits[i] for i, (r, _, _) in enumerate(rows)} if logits is not None else {}
+
+    def _logits(self, state: _State, rows: list[_Row], chunks: list[SeqChunk]) -> torch.Tensor:
+        """One packed forward of ``chunks`` (``rows[i]``'s new tokens): logits [rows, vocab]
+        after each chunk's last token. A subclass that feeds more than token embeddings (image
+        features) runs its own."""
+        return state.runner.forward(chunks)
 
     # ---------------------------------------------------------------- state
 
