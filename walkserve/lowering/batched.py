@@ -124,17 +124,65 @@ class BatchedComponent:
         return results
 
     def _groups(self, batch: Sequence[Call]) -> list[list[int]]:
+        """Compatible groups, first come first grouped: one pass by signature (dtype and
+        non-batch shape of batched tensors, plain values, object identity); only calls with a
+        non-batched tensor argument are compared pairwise (by value) within their signature."""
         if not self.batchable:
             return [[i] for i in range(len(batch))]
+        by_key: dict[Any, list[list[int]]] = {}
         groups: list[list[int]] = []
         for i, call in enumerate(batch):
-            for group in groups:
-                if self._compatible(batch[group[0]], call):
+            key, by_value = self._signature(call)
+            found = by_key.setdefault(key, [])
+            for group in found:
+                if not by_value or self._compatible(batch[group[0]], call):
                     group.append(i)
                     break
             else:
-                groups.append([i])
+                found.append(group := [i])
+                groups.append(group)
         return groups
+
+    def _signature(self, call: Call) -> tuple[Any, bool]:
+        """(key, by_value): calls of different keys are never compatible; with ``by_value``
+        equal keys still need ``_compatible`` (a non-batched tensor compared by value)."""
+        args, kwargs = call
+        key: list[Any] = [len(args), frozenset(kwargs)]
+        by_value = False
+        for x, d in [*zip(args, self.in_dims), *((kwargs[k], self.kw_dims.get(k)) for k in kwargs)]:
+            if isinstance(d, int):
+                if isinstance(x, torch.Tensor) and 0 <= d < x.dim():
+                    key.append((x.dtype, x.dim(), d, x.shape[:d], x.shape[d + 1 :]))
+                elif isinstance(x, torch.Tensor):
+                    key.append((x.dtype, x.dim(), d, x.shape))
+                else:
+                    key.append(object())  # compatible with nothing
+            elif isinstance(x, torch.Tensor):
+                key.append(("tensor", x.dtype, x.shape))
+                by_value = True
+            elif isinstance(x, (int, float, str, bool, type(None))):
+                key.append((type(x), x))
+            else:
+                key.append(("object", id(x)))
+        return tuple(key), by_value
+
+    def joined(self, call: Call, count: int) -> Any:
+        """One call whose batched arguments already hold ``count`` requests' rows (a loop
+        stepper joined them, as ``_groups`` would group them): padded to a batch bucket as
+        ``__call__`` pads, run, and padded rows dropped."""
+        if self.stats is not None:
+            self.stats.add(self.name, count)
+        args, kwargs = call
+        if not self.buckets:
+            return self.fn(*args, **kwargs)
+        rows = _batch_size(call, self.in_dims, self.kw_dims)
+        k = bisect.bisect_left(self.buckets, rows)
+        pad = self.buckets[k] - rows if k < len(self.buckets) else 0
+        if not pad:
+            return self.fn(*args, **kwargs)
+        args = [_join([a], d, pad) for a, d in zip(args, self.in_dims)] + args[len(self.in_dims) :]
+        kwargs = {key: _join([v], self.kw_dims.get(key), pad) for key, v in kwargs.items()}
+        return _split(self.fn(*args, **kwargs), self.out_dim, [rows])[0]
 
     def _compatible(self, a: Call, b: Call) -> bool:
         if len(a[0]) != len(b[0]) or a[1].keys() != b[1].keys():

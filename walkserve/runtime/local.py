@@ -102,6 +102,7 @@ class LocalExecutor:
             speculate=speculate,
             stream_buffer_limit=stream_buffer_limit,
             max_batch=max_batch,
+            joins=self.runner.joinable(),
         )
         self.dispatches: list[Dispatch] = []
         self.round = 0
@@ -126,7 +127,7 @@ class LocalExecutor:
                 members = tuple((it.request, it.frame, it.speculative) for it in part)
                 results += self._run(walk, node, kind, part, members, False)
         for step in self.ranks.schedule():
-            members = tuple(self._member(it) for it in step.items)
+            members = tuple(m for it in step.items for m in self._members(it))
             kind = self.runner.kind(step.walk, step.node)
             if kind == "component" and not self._is_component(step):
                 kind = "glue"  # the glue part of a split node
@@ -188,17 +189,19 @@ class LocalExecutor:
         self.dispatches.append(Dispatch(self.round, walk, node, kind, members, calls, region))
         return results
 
-    def _member(self, item: Any) -> tuple[str, tuple[int, ...], bool]:
-        if not hasattr(item, "request"):  # a loop stepper's item: (run, iteration)
-            found = self.ranks.loops.describe(item.id)
-            assert found is not None
-            run_id, i = found
-            run = self.ranks._runs.get(run_id)
-            request = self._requests.get(run.item, run_id) if run is not None else run_id
-            return (request, (i,), False)
+    def _members(self, item: Any) -> list[tuple[str, tuple[int, ...], bool]]:
+        if not hasattr(item, "request"):  # a loop stepper's item: (run, iteration) of each run
+            found = self.ranks.loops.members(item.id)
+            assert found
+            out: list[tuple[str, tuple[int, ...], bool]] = []
+            for run_id, i in found:
+                run = self.ranks._runs.get(run_id)
+                request = self._requests.get(run.item, run_id) if run is not None else run_id
+                out.append((request, (i,), False))
+            return out
         run = self.ranks._runs.get(item.request)
         request = self._requests.get(run.item, item.request) if run is not None else item.request
-        return (request, item.frame, item.speculative)
+        return [(request, item.frame, item.speculative)]
 
     @staticmethod
     def _is_component(step: Step) -> bool:

@@ -28,7 +28,7 @@ discarded iteration is counted in ``stats().wasted_steps``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +149,7 @@ class RankScheduler:
         stream_buffer_limit: int = 64,
         max_batch: int | None = None,
         fast_loops: bool = True,
+        joins: Collection[tuple[str, str]] = (),
     ) -> None:
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -163,7 +164,7 @@ class RankScheduler:
             fed={name: r.fed for name, r in regions.regions.items() if r.fed},
             fast_loops=fast_loops,
         )
-        self.loops = LoopStepper(regions)
+        self.loops = LoopStepper(regions, max_batch=max_batch, joins=joins)
         self.stream_buffer_limit = stream_buffer_limit
         self._runs: dict[str, _Run] = {}
         self._fed_runs: set[str] = set()  # runs with fed streams
@@ -272,7 +273,8 @@ class RankScheduler:
         for walk, node, group, loops in todo:
             for k in range(0, len(group), size or len(group)):
                 part = group[k : k + size] if size else group
-                self.batch_sizes[len(part)] = self.batch_sizes.get(len(part), 0) + 1
+                n = sum(getattr(it, "joined", 0) or 1 for it in part) if loops else len(part)
+                self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
                 steps.append(Step(walk, node, part, None, loops))
         steps += self._external
         self._external = []

@@ -55,13 +55,17 @@ class Runnable(Protocol):
 
 @dataclass(frozen=True)
 class RunItem:
-    """A work item that crossed a process: its inputs by value name (no materialized call)."""
+    """A work item that crossed a process (its inputs by value name, no materialized call), or
+    one a rank's scheduler made. ``joined``: its ``call`` already holds that many requests'
+    batched arguments, concatenated along their batch dimensions (``LoopStepper``): it is one
+    call of the component, its values hold every request's rows, and it fails as one."""
 
     id: int
     ops: tuple[str, ...]
     env: Mapping[str, Any]
     outputs: tuple[str, ...]
     call: tuple[list[Any], dict[str, Any]] | None = None
+    joined: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,15 @@ class NodeRunner:
     def has(self, walk: str, node: str) -> bool:
         return (walk, node) in self._nodes
 
+    def joinable(self) -> set[tuple[str, str]]:
+        """(walk, node) of the component nodes that take joined items: a plain batched
+        callable (no ``forward_batch``, which batches its own way)."""
+        return {
+            key
+            for key, entry in self._nodes.items()
+            if entry.call is not None and entry.call.batchable and not entry.stateful
+        }
+
     def kind(self, walk: str, node: str) -> str:
         """``component`` or ``glue``: what the plan node is."""
         return self._nodes[(walk, node)].plan.kind
@@ -144,8 +157,15 @@ class NodeRunner:
             return [ItemResult(it.id, error=error) for it in items]
         with torch.no_grad():
             first = entry.plan.ops[0]
-            comp = [it for it in items if entry.call is not None and it.ops[:1] == (first,)]
             results: dict[int, ItemResult] = {}
+            for it in items:
+                if getattr(it, "joined", 0):
+                    results[it.id] = self._joined(entry, it)
+            comp = [
+                it
+                for it in items
+                if entry.call is not None and it.ops[:1] == (first,) and it.id not in results
+            ]
             if comp:
                 for it, out in zip(comp, self._component(entry, comp)):
                     results[it.id] = out
@@ -183,6 +203,20 @@ class NodeRunner:
         done = {it.id: self._finish(entry, it, {op.name: out}) for it, out in zip(good, outs)}
         done |= failed
         return [done[it.id] for it in items]
+
+    def _joined(self, entry: _Node, item: Runnable) -> ItemResult:
+        """A joined item: one call of the component over its requests' rows (see ``RunItem``)."""
+        op = entry.ops[entry.plan.ops[0]]
+        if entry.call is None or item.call is None or item.ops[:1] != (op.name,):
+            return ItemResult(item.id, error=f"node {op.name}: a joined item needs its component")
+        count = getattr(item, "joined", 0)
+        try:
+            out = entry.call.joined(item.call, count)
+        except Exception as e:
+            where = f" ({op.source})" if op.source else ""
+            error = f"node {op.name} ({op.target}){where} failed (a joined call of {count}): {e}"
+            return ItemResult(item.id, error=error)
+        return self._finish(entry, item, {op.name: out})
 
     def _call(self, op: ir.Op, env: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         value = self.interp.value

@@ -382,16 +382,18 @@ class Worker:
             self.peers = PeerClient(
                 self._ctx, self.rank, dict(setup.peers), self.reader, on_wait=self._beat
             )
+        runner = NodeRunner(captured, plan, self.rank)
         scheduler = RankScheduler(
             region_walks(captured, plan, self.rank),
             speculate=setup.speculate,
             stream_buffer_limit=setup.stream_buffer_limit,
             max_batch=plan.max_batch,
+            joins=runner.joinable(),
         )
         self.engine = EngineLoop(
             self.rank,
             plan,
-            NodeRunner(captured, plan, self.rank),
+            runner,
             scheduler,
             self.transport,
             self.objects,

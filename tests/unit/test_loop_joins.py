@@ -1,0 +1,179 @@
+"""Joined loop steps (``runtime.loopstep``): runs of a simple loop at the same body node share one
+call whose arguments the stepper concatenated, and the outputs are split back per run.
+
+Real runs in this process (``run_local``: the conductor, one rank scheduler, the runner), with
+hypothesis over arrivals (runs at different iterations), horizons and batch limits: every
+request gets the reference interpreter's outputs, and the calls were joined (the component saw
+calls of more than one request while the runner got one item per step). A joined call that
+raises is retried run by run, so the request that made it raise fails alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from walkserve import capture, testing
+from walkserve.capture import Input, component, iterations, loop, walk
+from walkserve.lowering.lower import lower
+from walkserve.runtime.local import run_local
+from walkserve.runtime.runner import NodeRunner
+
+DIM = 8
+
+
+@component
+class Predictor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.Embedding(4, DIM)
+        self.net = nn.Linear(DIM, DIM)
+
+    def forward(self, state: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        if bool((state.abs() > 100).any()):
+            raise ValueError("a state is out of range")
+        return state + torch.tanh(self.net(state + self.act(action)))
+
+
+@component
+class Cell(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRUCell(DIM, DIM)
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.gru(x, h)
+        return torch.tanh(self.head(h)), h
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.predictor = Predictor()
+        self.cell = Cell()
+
+    @walk(inputs={"actions": Input(dims={1: "dynamic"})})
+    def rollout(self, state: torch.Tensor, actions: torch.Tensor, horizon: int) -> dict[str, Any]:
+        states = []
+        for k in iterations(horizon):
+            state = self.step(state, actions[:, k])
+            states.append(state)
+        return {"states": torch.stack(states, dim=1)}
+
+    @loop
+    def step(self, state: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        return self.predictor(state, action)  # type: ignore[no-any-return]
+
+    @walk
+    def recur(self, x: torch.Tensor, h: torch.Tensor, steps: int) -> dict[str, Any]:
+        xs = []
+        for _ in iterations(steps):
+            x, h = self.think(x, h)
+            xs.append(x)
+        return {"xs": torch.cat(xs, dim=1), "h": h}
+
+    @loop
+    def think(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, h = self.cell(x, h)
+        return x, h
+
+
+def rollout_inputs(seed: int, horizon: int, rows: int = 1) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "state": torch.randn(rows, DIM, generator=g),
+        "actions": torch.randint(0, 4, (rows, horizon), generator=g),
+        "horizon": horizon,
+    }
+
+
+def recur_inputs(seed: int, steps: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "x": torch.randn(1, DIM, generator=g),
+        "h": torch.randn(1, DIM, generator=g),
+        "steps": steps,
+    }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+CACHE: dict[str, Any] = {}
+
+
+def setup() -> tuple[capture.CapturedModel, Any]:
+    if not CACHE:
+        torch.manual_seed(0)
+        model = Model().eval().requires_grad_(False)
+        sample = {**rollout_inputs(0, 3), **recur_inputs(0, 3)}
+        captured = capture.trace(model, sample)
+        CACHE["m"] = (captured, lower(captured, sample, check_capture=False))
+    return CACHE["m"]  # type: ignore[no-any-return]
+
+
+def test_both_loops_are_joinable() -> None:
+    captured, plan = setup()
+    assert NodeRunner(captured, plan).joinable() >= {
+        ("rollout", "step/predictor"),
+        ("recur", "think/cell"),
+    }
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 7), min_size=2, max_size=6),
+    arrive=st.lists(st.integers(0, 5), min_size=6, max_size=6),
+    rows=st.lists(st.integers(1, 2), min_size=6, max_size=6),
+    max_batch=st.one_of(st.none(), st.integers(2, 3)),
+    which=st.sampled_from(["rollout", "recur"]),
+)
+def test_joined_steps_give_the_interpreters_outputs(
+    lengths: list[int], arrive: list[int], rows: list[int], max_batch: int | None, which: str
+) -> None:
+    captured, plan = setup()
+    if which == "rollout":
+        reqs = {f"r{i}": rollout_inputs(i, n, rows[i]) for i, n in enumerate(lengths)}
+    else:
+        reqs = {f"r{i}": recur_inputs(i, n) for i, n in enumerate(lengths)}
+    arrivals = {f"r{i}": arrive[i] for i in range(len(lengths))}
+    result = run_local(captured, plan, reqs, walks=which, arrivals=arrivals, max_batch=max_batch)
+    assert result.failed == {}
+    for rid, r in reqs.items():
+        testing.assert_outputs_match(result.outputs[rid], captured.run(r, which))
+    node = "step/predictor" if which == "rollout" else "think/cell"
+    for d in result.dispatches:
+        if d.node == node and d.region:
+            # one call per joined item, as many requests in it as members in the step
+            assert sum(d.calls) == len(d.members)
+            assert max(d.calls) <= (max_batch or len(reqs))
+    together = [d for d in result.dispatches if d.node == node and len(d.members) > 1]
+    if max(arrivals.values()) == min(arrivals.values()) and (max_batch or 2) > 1:
+        assert together, "runs that started together shared no call"
+    assert result.rank_values == 0
+
+
+def test_a_joined_call_that_raises_fails_only_the_request_that_made_it() -> None:
+    captured, plan = setup()
+    reqs = {f"r{i}": rollout_inputs(i, 4) for i in range(4)}
+    reqs["r2"]["state"][0, 3] = 500.0
+    result = run_local(captured, plan, reqs, walks="rollout")
+    assert set(result.failed) == {"r2"} and "out of range" in result.failed["r2"]
+    for rid in ("r0", "r1", "r3"):
+        testing.assert_outputs_match(result.outputs[rid], captured.run(reqs[rid], "rollout"))
+    calls = [c for d in result.dispatches if d.node == "step/predictor" for c in d.calls]
+    assert calls[0] == 4  # the first step was one joined call of all four
+    assert max(calls[1:]) == 3  # then the three good runs joined again, after a step alone
+    assert result.rank_values == 0
