@@ -163,6 +163,7 @@ def test_joined_steps_give_the_interpreters_outputs(
     if max(arrivals.values()) == min(arrivals.values()) and (max_batch or 2) > 1:
         assert together, "runs that started together shared no call"
     assert result.rank_values == 0
+    assert result.loop_counters["loop_stepper/cohort_steps"] > 0
 
 
 def test_a_joined_call_that_raises_fails_only_the_request_that_made_it() -> None:
@@ -177,3 +178,75 @@ def test_a_joined_call_that_raises_fails_only_the_request_that_made_it() -> None
     assert calls[0] == 4  # the first step was one joined call of all four
     assert max(calls[1:]) == 3  # then the three good runs joined again, after a step alone
     assert result.rank_values == 0
+
+
+# A region's outputs (its loop's channels) by the walk output the interpreter gives for them.
+REGION_OUTPUTS = {
+    "rollout": {"step.state.all": "states"},
+    "recur": {"think.x.all": "xs", "think.h": "h"},
+}
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=2, max_size=5),
+    arrive=st.lists(st.integers(0, 4), min_size=5, max_size=5),
+    cancel=st.lists(st.one_of(st.none(), st.integers(0, 5)), min_size=5, max_size=5),
+    which=st.sampled_from(["rollout", "recur"]),
+    stream=st.booleans(),
+)
+def test_cohorts_with_arrivals_and_cancels_give_the_interpreters_outputs(
+    lengths: list[int], arrive: list[int], cancel: list[int | None], which: str, stream: bool
+) -> None:
+    """The rank scheduler and the real runner, step by step: runs arrive at different steps
+    (a cohort dissolves and forms again with them) and some are cancelled mid-cohort; every
+    other run gets the interpreter's outputs (streamed pieces too, in order), the steps ran as
+    cohorts, and nothing is held at the end."""
+    from walkserve.runtime.rankscheduler import (
+        RankScheduler,
+        RegionDone,
+        RegionFailed,
+        RegionStreamed,
+    )
+    from walkserve.runtime.regionwalk import region_walks
+
+    captured, plan = setup()
+    runner = NodeRunner(captured, plan, 0)
+    sched = RankScheduler(region_walks(captured, plan, 0), joins=runner.joinable())
+    region = plan.regions[which][0].name
+    make = rollout_inputs if which == "rollout" else recur_inputs
+    reqs = {k: make(k, n) for k, n in enumerate(lengths)}
+    outputs: dict[int, dict[str, Any]] = {}
+    pieces: dict[int, list[tuple[int, Any]]] = {k: [] for k in reqs}
+    step = 0
+    while len(outputs) < len(reqs) and step < 100:
+        for k in reqs:
+            if arrive[k] == step:
+                sched.start(k, f"q{k}", which, region, reqs[k], stream)
+            if cancel[k] is not None and arrive[k] + cancel[k] == step and k not in outputs:
+                sched.cancel(f"q{k}")
+                outputs[k] = {}
+        for s in sched.schedule():
+            sched.update(s, runner.run(s.walk, s.node, s.items))
+        for rep in sched.reports():
+            assert not isinstance(rep, RegionFailed), rep
+            if isinstance(rep, RegionDone) and rep.item not in outputs:
+                outputs[rep.item] = rep.outputs
+            if isinstance(rep, RegionStreamed):
+                pieces[rep.item].append((rep.index, rep.value))
+        step += 1
+    names = REGION_OUTPUTS[which]
+    for k, r in reqs.items():
+        if not outputs[k]:
+            continue
+        want = captured.run(r, which)
+        got = {names[ch]: v for ch, v in outputs[k].items() if ch in names}
+        testing.assert_outputs_match(got, want)
+        if stream:
+            assert [i for i, _ in pieces[k]] == list(range(lengths[k]))
+            joined = [v for _, v in pieces[k]]
+            full = torch.stack(joined, 1) if which == "rollout" else torch.cat(joined, 1)
+            torch.testing.assert_close(full, want["states" if which == "rollout" else "xs"])
+    if any(outputs.values()):
+        assert sched.loops.counters()["loop_stepper/cohort_steps"] > 0
+    assert sched.stats().live_values == 0 and sched.idle()

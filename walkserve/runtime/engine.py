@@ -252,7 +252,8 @@ class EngineLoop:
                     stats.speculated_steps,
                     stats.wasted_steps,
                     sizes,
-                    self.counters() if self.counters is not None else {},
+                    self.scheduler.loops.counters()
+                    | (self.counters() if self.counters is not None else {}),
                 )
             )
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from walkserve.capture.model import CapturedModel
@@ -77,6 +77,7 @@ class LocalResult:
     stats: ConductorStats  # at the end
     max_buffered: int  # most stream items buffered after any round
     rank_values: int = 0  # values the rank scheduler holds at the end
+    loop_counters: dict[str, int] = field(default_factory=dict)  # LoopStepper.counters()
 
 
 class LocalExecutor:
@@ -273,4 +274,5 @@ def run_local(
         conductor.stats(),
         max_buffered,
         executor.ranks.stats().live_values,
+        executor.ranks.loops.counters(),
     )

@@ -39,6 +39,7 @@ from walkserve.capture.interpret import Interpreter
 from walkserve.capture.loopsem import LoopError, loop_channels, truth
 from walkserve.lowering.plan import LoopPlan, NodePlan
 from walkserve.runtime.conductor import LoopStart, WorkItem, piece_items
+from walkserve.runtime.loopcohort import Cohort, CohortSpec, Member, cohort_spec, form
 from walkserve.runtime.loopjoin import Join, joinable
 from walkserve.runtime.regionwalk import RegionWalks
 from walkserve.runtime.runner import ItemResult, RunItem
@@ -83,6 +84,7 @@ class _Loop:
     ops: dict[str, ir.Op]  # the body's ops by name
     calls: dict[str, Any]  # component node -> (args, kwargs) getters from the body's values
     join: Join | None  # how runs at its one body node share a call (None: they do not)
+    cohort: CohortSpec | None  # how its runs keep one joint state (None: they do not)
 
 
 @dataclass(eq=False)
@@ -107,6 +109,17 @@ class _Run:
     i: int = 0
     pos: int = 0  # the body node it waits at
     alone: bool = False  # its last joined call raised: it takes this node by itself
+    band: _Band | None = None  # the cohort it steps in
+    solo: bool = False  # a cohort could not hold it: it joins calls step by step
+
+
+@dataclass(eq=False)
+class _Band:
+    """A cohort (``loopcohort``) and the runs it steps, in its rows' order."""
+
+    loop: _Loop
+    cohort: Cohort
+    runs: list[_Run]
 
 
 def loop_plans(regions: RegionWalks) -> dict[tuple[str, str], tuple[ir.LoopNode, LoopPlan]]:
@@ -134,10 +147,13 @@ class LoopStepper:
         *,
         max_batch: int | None = None,
         joins: Collection[tuple[str, str]] = (),
+        cohorts: bool = True,
     ) -> None:
         """``joins``: the (walk, node) whose calls the runner takes joined
-        (``NodeRunner.joinable()``); ``max_batch``: most runs in one joined item."""
+        (``NodeRunner.joinable()``); ``max_batch``: most runs in one joined item; ``cohorts``:
+        joined runs keep one joint state between steps (``loopcohort``)."""
         self.regions = regions
+        self.cohorts = cohorts
         self.max_batch = max_batch
         self.joins = frozenset(joins)
         self.interp = Interpreter(regions.captured)
@@ -146,11 +162,15 @@ class LoopStepper:
         self._runs: dict[int, _Run] = {}
         self._waiting: dict[int, tuple[_Run, int]] = {}  # runner item id -> (run, body pos)
         self._joined: dict[int, _Joined] = {}  # runner item id -> the runs it joined
+        self._bands: list[_Band] = []
+        self._banded: dict[int, _Band] = {}  # runner item id -> the cohort it steps
         self._ids = itertools.count()
         self._reports: list[LoopReport] = []
         self._credit: dict[tuple[str, str], int] = {}  # (request, channel) -> items allowed
         self._produced: dict[tuple[str, str], int] = {}
         self.steps = 0
+        self.cohort_steps = 0  # runner items of cohorts (one per cohort per step)
+        self.joined_steps = 0  # runner items of runs joined call by call
 
     def start(self, item: WorkItem) -> None:
         assert item.loop is not None
@@ -189,6 +209,9 @@ class LoopStepper:
         found = self._waiting.get(item_id)
         if found is not None:
             return [(found[0].request, found[0].i)]
+        band = self._banded.get(item_id)
+        if band is not None:
+            return [(r.request, r.i + band.cohort.steps) for r in band.runs]
         joined = self._joined.get(item_id)
         return [] if joined is None else [(r.request, r.i) for r in joined.runs]
 
@@ -217,7 +240,14 @@ class LoopStepper:
         return sum(
             len(r.env) + len(r.carried) + sum(len(v) for v in r.collected.values())
             for r in self._runs.values()
-        )
+        ) + sum(b.cohort.held() for b in self._bands)
+
+    def counters(self) -> dict[str, int]:
+        """Steps by how they ran, for a rank's stats: a cohort's, or runs joined call by call."""
+        return {
+            "loop_stepper/cohort_steps": self.cohort_steps,
+            "loop_stepper/joined_steps": self.joined_steps,
+        }
 
     def reports(self) -> list[LoopReport]:
         out, self._reports = self._reports, []
@@ -230,9 +260,13 @@ class LoopStepper:
         a joinable loop that can share a call as one joined item)."""
         self._waiting.clear()
         self._joined.clear()
+        self._banded.clear()
+        self._regroup()
         groups: dict[tuple[str, str], list[RunItem]] = {}
         joins: dict[tuple[Any, ...], list[tuple[_Run, tuple[list[Any], dict[str, Any]]]]] = {}
         for run in list(self._runs.values()):
+            if run.band is not None:
+                continue
             if run.pos == 0 and self._credit and self._blocked(run):
                 continue  # its consumers' buffers are full: it waits for their credit
             loop = run.loop
@@ -252,11 +286,17 @@ class LoopStepper:
                         joins.setdefault((loop.walk, node.name, key), []).append((run, call))
                         continue
             self._item(groups, run, node, call)
-        for (walk, _node, _key), members in joins.items():
+        for (walk, _node, key), members in joins.items():
             size = self.max_batch or len(members)
             for k in range(0, len(members), size):
-                self._join(groups, walk, members[k : k + size])
+                part = members[k : k + size]
+                if not self._band(part, key):
+                    self._join(groups, walk, part)
+        for band in self._bands:
+            self._band_item(groups, band)
         self.steps += bool(groups)
+        self.cohort_steps += len(self._banded)
+        self.joined_steps += len(self._joined)
         return [(walk, node, items) for (walk, node), items in groups.items()]
 
     def _item(
@@ -289,8 +329,106 @@ class LoopStepper:
         item = RunItem(rid, tuple(node.ops), {}, tuple(node.outputs), call, len(members))
         groups.setdefault((walk, node.name), []).append(item)
 
+    # ------------------------------------------------------------------ cohorts
+
+    def _cohort_ready(self, run: _Run) -> bool:
+        return (
+            run.loop.cohort is not None
+            and not run.alone
+            and not run.solo
+            and run.pos == 0
+            and not any((run.request, ch) in self._credit for ch in run.start.streams)
+        )
+
+    def _regroup(self) -> None:
+        """Dissolve the cohorts that lost a run (cancelled) or that a new run of their loop
+        could join (they form again with it in this step)."""
+        joining = {
+            id(r.loop) for r in self._runs.values() if r.band is None and self._cohort_ready(r)
+        }
+        for band in list(self._bands):
+            if id(band.loop) in joining or any(
+                r.item not in self._runs or not self._cohort_ready(r) for r in band.runs
+            ):
+                self._dissolve(band)
+
+    def _band(self, members: list[tuple[_Run, tuple[list[Any], dict[str, Any]]]], key: Any) -> bool:
+        """Form a cohort of ``members`` (their first calls joined under ``key``); False when
+        their loop keeps none or one of them cannot be held (then they join call by call)."""
+        loop = members[0][0].loop
+        if loop.cohort is None or loop.join is None:
+            return False
+        if not all(self._cohort_ready(r) for r, _ in members):
+            return False
+        join = loop.join
+        cohort = form(
+            loop.cohort, [Member(r.start, r.i, r.carried, join._rows(c)) for r, c in members], key
+        )
+        if cohort is None:
+            for run, _ in members:
+                run.solo = True
+            return False
+        band = _Band(loop, cohort, [r for r, _ in members])
+        for run in band.runs:
+            run.band = band
+        self._bands.append(band)
+        return True
+
+    def _band_item(self, groups: dict[tuple[str, str], list[RunItem]], band: _Band) -> None:
+        node = band.loop.body[0]
+        rid = next(self._ids)
+        self._banded[rid] = band
+        item = RunItem(
+            rid, tuple(node.ops), {}, tuple(node.outputs), band.cohort.call(), len(band.runs)
+        )
+        groups.setdefault((band.loop.walk, node.name), []).append(item)
+
+    def _update_band(self, band: _Band, r: ItemResult) -> None:
+        if band not in self._bands:
+            return
+        if r.error is not None:
+            self._dissolve(band, alone=True)  # each again by itself: the bad request fails alone
+            return
+        if r.deferred:
+            return
+        assert r.values is not None
+        cohort = band.cohort
+        if not cohort.advance(r.values):
+            self._dissolve(band, alone=True)  # not batched as captured: each run by itself
+            return
+        for k, run in enumerate(band.runs):
+            for ch in run.start.streams:  # a client's stream: each commit's piece, as it is made
+                piece = cohort.piece(ch, k)
+                if piece is not None and run.item in self._runs:
+                    self._reports.append(
+                        LoopStreamed(run.item, ch, run.i + cohort.steps - 1, piece)
+                    )
+        if cohort.done():
+            self._dissolve(band)
+
+    def _dissolve(self, band: _Band, alone: bool = False) -> None:
+        """Give each run of ``band`` its rows of the cohort's state; those at their bound
+        finish, the others go on as the stepper's own runs."""
+        self._bands.remove(band)
+        for run, left in zip(band.runs, band.cohort.dissolve()):
+            run.band = None
+            if run.item not in self._runs:
+                continue
+            run.alone = alone
+            if not left.steps:
+                continue
+            for ch, pieces in run.collected.items():
+                pieces.extend(left.pieces.get(ch, ()))
+            run.carried, run.last, run.i = left.carried, left.last, run.i + left.steps
+            if self._begin(run) is False:
+                self._finish(run)
+
     def update(self, results: Sequence[ItemResult]) -> None:
         for r in results:
+            band = self._banded.pop(r.item, None)
+            if band is not None:
+                self._update_band(band, r)
+                continue
             joined = self._joined.pop(r.item, None)
             if joined is not None:
                 self._update_joined(joined, r)
@@ -372,7 +510,10 @@ class LoopStepper:
                     for n in body
                     if n.kind == "component"
                 },
-                joinable(body, ops, (self.regions.walk_of.get(walk, walk), node.name), self.joins),
+                join := joinable(
+                    body, ops, (self.regions.walk_of.get(walk, walk), node.name), self.joins
+                ),
+                cohort_spec(node, body, join) if self.cohorts else None,
             )
         return loop
 

@@ -1,0 +1,295 @@
+"""Cohorts: runs of a joined loop that keep their state as one batch between steps.
+
+A joined step (``loopjoin``) still does per-run work on every step: each run's call is built
+from its own values, keyed, concatenated, and the outputs split back. A *cohort* does that
+once: the runs' carried values, invariant arguments and per-step slices are concatenated along
+their batch dimensions when it forms, every step calls the component on those joint values and
+keeps the joint outputs as the next step's carried values, and each run's rows are cut out only
+when the cohort dissolves (vLLM's persistent batch, for a captured loop)::
+
+    spec = cohort_spec(node, body, join)          # None: this loop does not keep cohorts
+    cohort = form(spec, [(start, i, carried, rows), ...], key)   # None: one of them cannot
+    call = cohort.call()                          # this step's joint arguments
+    ok = cohort.advance(values)                   # False: values not batched as captured
+    states = cohort.dissolve()                    # per run: carried, last, pieces, steps
+
+A cohort lives for at most ``length`` steps: the fewest iterations any of its runs has left
+(its bound, or the last index its per-step slices reach). It dissolves then, when a run of it
+is cancelled, when a new run of the loop could join it, and when its call raises; after
+dissolving, each run goes on as the loop stepper's own (its commit rules, its failure rule).
+
+A loop keeps cohorts when its one body node is joinable, every argument of its component is a
+constant or a parameter (invariant, carried or a per-step slice: no iteration index, no table),
+its outputs are values of that node with a batch dimension where they are carried, and it has
+no stop predicate (a stop is read per run at every commit). A run whose stream another rank
+reads with credit (backpressure, checked per run per step) steps outside cohorts; a client's
+stream gets each commit's rows as the step ends. Semantics are the stepper's: a run's iterations, carried values,
+accumulated pieces and last outputs are the rows of the joint ones that hold it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from walkserve.capture import ir
+from walkserve.lowering.plan import NodePlan
+from walkserve.runtime.loopjoin import Join
+from walkserve.runtime.workitem import LoopStart
+
+__all__ = ["Cohort", "CohortSpec", "Member", "cohort_spec", "form"]
+
+# An argument of the component: ("const", value) or ("param", name).
+_Arg = tuple[str, Any]
+
+
+@dataclass(frozen=True)
+class CohortSpec:
+    """How a loop's runs join as a cohort: the component's arguments, the batch dimension of
+    each parameter they read, and where the loop's outputs and channels come from."""
+
+    args: tuple[_Arg, ...]
+    kwargs: tuple[tuple[str, _Arg], ...]
+    param_dims: dict[str, int | None]  # the batch dim of each parameter an argument reads
+    carried: tuple[tuple[str, int], ...]  # (param, loop output index)
+    select: dict[str, tuple[int, int, int]]  # param -> (dim, start, step)
+    outputs: tuple[str, ...]  # the loop's outputs (values of the body node)
+    out_dims: dict[str, int | None]  # batch dim of each value the body node makes
+    accumulated: dict[str, int]  # channel -> loop output index
+
+
+@dataclass(frozen=True)
+class Member:
+    """A run as it joins: its start values, its iteration, its carried values, its rows."""
+
+    start: LoopStart
+    i: int
+    carried: Mapping[str, Any]
+    rows: int
+
+
+@dataclass(frozen=True)
+class Left:
+    """A run's state when its cohort dissolves: what it carries into its next iteration, its
+    last outputs, its accumulated pieces (by channel, one per step) and the steps it took."""
+
+    carried: dict[str, Any]
+    last: list[Any] | None
+    pieces: dict[str, list[Any]]
+    steps: int
+
+
+@dataclass(eq=False)
+class Cohort:
+    spec: CohortSpec
+    key: Any  # the joined call's key: a run whose first call has another key cannot join
+    rows: list[int]
+    length: int  # steps it may take
+    fixed: dict[str, Any]  # invariant parameters, joint
+    carried: dict[str, Any]  # carried parameters, joint
+    slabs: dict[str, torch.Tensor]  # per-step parameters: [.., length at dim, ..], joint
+    steps: int = 0
+    last: list[Any] | None = None
+    pieces: dict[str, list[Any]] = field(default_factory=dict)
+
+    def call(self) -> tuple[list[Any], dict[str, Any]]:
+        """This step's arguments: every run's rows, concatenated."""
+        return [self._value(a) for a in self.spec.args], {
+            k: self._value(a) for k, a in self.spec.kwargs
+        }
+
+    def _value(self, arg: _Arg) -> Any:
+        kind, v = arg
+        if kind == "const":
+            return v
+        if v in self.carried:
+            return self.carried[v]
+        if v in self.slabs:
+            return self.slabs[v].select(self.spec.select[v][0], self.steps)
+        return self.fixed[v]
+
+    def advance(self, values: Mapping[str, Any]) -> bool:
+        """Commit a step's joint values; False (nothing committed) when a batched value does
+        not hold every run's rows, as ``Join.split`` refuses it."""
+        total = sum(self.rows)
+        spec = self.spec
+        for name, dim in spec.out_dims.items():
+            if dim is None or name not in values:
+                continue
+            v = values[name]
+            if not isinstance(v, torch.Tensor) or v.dim() <= dim or v.shape[dim] != total:
+                return False
+        try:
+            outs = [values[o] for o in spec.outputs]
+        except KeyError:
+            return False
+        for ch, k in spec.accumulated.items():
+            self.pieces.setdefault(ch, []).append(outs[k])
+        self.carried = {p: outs[k] for p, k in spec.carried}
+        self.last = outs
+        self.steps += 1
+        return True
+
+    def piece(self, channel: str, k: int) -> Any:
+        """Run ``k``'s rows of the last step's piece of accumulated ``channel`` (None if it
+        has none)."""
+        pieces = self.pieces.get(channel)
+        if not pieces:
+            return None
+        out = self.spec.outputs[self.spec.accumulated[channel]]
+        dim = self.spec.out_dims[out]
+        at = sum(self.rows[:k])
+        return pieces[-1] if dim is None else pieces[-1].narrow(dim, at, self.rows[k])
+
+    def done(self) -> bool:
+        return self.steps >= self.length
+
+    def held(self) -> int:
+        return len(self.carried) + len(self.fixed) + sum(len(v) for v in self.pieces.values())
+
+    def dissolve(self) -> list[Left]:
+        """Each run's rows of the cohort's state, in the order the runs joined."""
+        spec = self.spec
+        dims = {p: spec.out_dims[spec.outputs[k]] for p, k in spec.carried}
+        out_dims = [spec.out_dims[o] for o in spec.outputs]
+        acc_dims = {ch: out_dims[k] for ch, k in spec.accumulated.items()}
+        left: list[Left] = []
+        at = 0
+        for n in self.rows:
+
+            def rows(v: Any, dim: int | None, a: int = at, n: int = n) -> Any:
+                return v if dim is None else v.narrow(dim, a, n)
+
+            last = None if self.last is None else [rows(v, d) for v, d in zip(self.last, out_dims)]
+            left.append(
+                Left(
+                    {p: rows(v, dims[p]) for p, v in self.carried.items()},
+                    last,
+                    {ch: [rows(v, acc_dims[ch]) for v in vs] for ch, vs in self.pieces.items()},
+                    self.steps,
+                )
+            )
+            at += n
+        return left
+
+
+def cohort_spec(
+    node: ir.LoopNode, body: Sequence[NodePlan], join: Join | None
+) -> CohortSpec | None:
+    """The ``CohortSpec`` of a simple loop with this body, or None (see the module docstring)."""
+    if join is None or node.stop is not None or len(body) != 1:
+        return None
+    ops = {n.name: n for n in ir.iter_nodes(node.body) if isinstance(n, ir.Op)}
+    comp = ops.get(body[0].ops[0])
+    if comp is None:
+        return None
+    roles = {p.name: p.role for p in node.params}
+    dims: dict[str, int | None] = {}
+
+    def arg(a: ir.Arg, dim: Any) -> _Arg | None:
+        if isinstance(a, ir.Const):
+            return ("const", a.value)
+        if not isinstance(a, ir.Ref) or a.name not in roles:
+            return None
+        role = roles[a.name]
+        if isinstance(role, ir.PerStep) and not isinstance(role.source, ir.SelectStep):
+            return None  # an iteration index or a table: per run at every step
+        d = dim if isinstance(dim, int) else None
+        if dims.setdefault(a.name, d) != d:
+            return None
+        return ("param", a.name)
+
+    args = [arg(a, d) for a, d in zip(comp.args, join.in_dims)]
+    if len(comp.args) != len(join.in_dims):
+        return None
+    kwargs = [(k, arg(a, join.kw_dims.get(k))) for k, a in comp.kwargs.items()]
+    if any(a is None for a in args) or any(a is None for _, a in kwargs):
+        return None
+    if any(o not in join.out_dims for o in node.outputs):
+        return None
+    carried: list[tuple[str, int]] = []
+    select: dict[str, tuple[int, int, int]] = {}
+    for name, role in roles.items():
+        if isinstance(role, ir.Carried):
+            out_dim = join.out_dims[node.outputs[role.output]]
+            if out_dim is None or dims.get(name, out_dim) != out_dim:
+                return None
+            dims.setdefault(name, out_dim)
+            carried.append((name, role.output))
+        elif isinstance(role, ir.PerStep) and isinstance(role.source, ir.SelectStep):
+            src = role.source
+            if name in dims and (src.start < 0 or src.step < 1):
+                return None
+            select[name] = (src.dim, src.start, src.step)
+    return CohortSpec(
+        tuple(a for a in args if a is not None),
+        tuple((k, a) for k, a in kwargs if a is not None),
+        dims,
+        tuple(carried),
+        {p: s for p, s in select.items() if p in dims},
+        tuple(node.outputs),
+        dict(join.out_dims),
+        {ch: acc.output for ch, acc in node.accumulated.items()},
+    )
+
+
+def form(spec: CohortSpec, members: Sequence[Member], key: Any) -> Cohort | None:
+    """A cohort of ``members`` (whose first calls share ``key``), or None when one of them
+    has nothing left to run or a value the cohort cannot join."""
+    length = min(_left(spec, m) for m in members)
+    if length < 1:
+        return None
+    fixed: dict[str, Any] = {}
+    carried: dict[str, Any] = {}
+    slabs: dict[str, torch.Tensor] = {}
+    try:
+        for p, dim in spec.param_dims.items():
+            if p in spec.select:
+                sdim, first, step = spec.select[p]
+                at = dim if dim is None or dim < sdim else dim + 1  # in the source's dims
+                parts = [
+                    _slab(m.start.sources[p], sdim, first + m.i * step, step, length)
+                    for m in members
+                ]
+                slabs[p] = _cat(parts, at)
+            elif any(p == c for c, _ in spec.carried):
+                carried[p] = _cat([m.carried[p] for m in members], dim)
+            else:
+                fixed[p] = _cat([m.start.fixed[p] for m in members], dim)
+        for p, _ in spec.carried:
+            if p not in carried:
+                out = spec.out_dims[spec.outputs[dict(spec.carried)[p]]]
+                carried[p] = _cat([m.carried[p] for m in members], out)
+    except (KeyError, IndexError, RuntimeError, TypeError, AttributeError):
+        return None
+    return Cohort(spec, key, [m.rows for m in members], length, fixed, carried, slabs)
+
+
+def _left(spec: CohortSpec, m: Member) -> int:
+    """Iterations ``m`` may take in a cohort: to its bound, and while its slices exist."""
+    n = m.start.bound - m.i
+    for p, (dim, first, step) in spec.select.items():
+        src = m.start.sources.get(p)
+        if not isinstance(src, torch.Tensor) or not 0 <= dim < src.dim():
+            return 0
+        index = first + m.i * step
+        n = min(n, max(0, (src.shape[dim] - index + step - 1) // step))
+    return n
+
+
+def _slab(src: torch.Tensor, dim: int, start: int, step: int, length: int) -> torch.Tensor:
+    if step == 1:
+        return src.narrow(dim, start, length)
+    index = torch.arange(start, start + step * length, step, device=src.device)
+    return src.index_select(dim, index)
+
+
+def _cat(values: list[Any], dim: int | None) -> Any:
+    if dim is None:
+        return values[0]
+    if len(values) == 1:
+        return values[0]
+    return torch.cat(values, dim=dim)
