@@ -22,123 +22,40 @@ whose glue only unpacks the component's tuple, a plain batched callable: no ``fo
 whose arguments the component would batch together (``BatchedComponent._groups``: batched
 tensors alike but for the batch dimension, other arguments equal) become one runner item, its
 arguments already concatenated (``RunItem.joined``: how many runs it holds), and its outputs are
-split back per run here. Nothing per run crosses the runner, so a step of 16 requests costs
-little more than a step of one. When a joined call raises, its runs take that node again one by
-one at the next step, so that a bad request fails alone (the runner's failure rule).
+split back per run (``loopshare``). Nothing per run crosses the runner. Cohorts go further:
+runs of a loop that can keep one joint state between steps (``loopcohort``) are concatenated
+once and stepped as one until one of them leaves, so that a step of 16 requests costs little
+more than a step of one. When a joined or cohort call raises, its runs take that node again one
+by one at the next step, so that a bad request fails alone (the runner's failure rule).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from walkserve.capture import ir
-from walkserve.capture.interpret import Interpreter
 from walkserve.capture.loopsem import LoopError, loop_channels, truth
-from walkserve.lowering.plan import LoopPlan, NodePlan
-from walkserve.runtime.conductor import LoopStart, WorkItem, piece_items
-from walkserve.runtime.loopcohort import Cohort, CohortSpec, Member, cohort_spec, form
-from walkserve.runtime.loopjoin import Join, joinable
+from walkserve.lowering.plan import NodePlan
+from walkserve.runtime.conductor import WorkItem, piece_items
+from walkserve.runtime.looprun import (
+    LoopCompiler,
+    LoopDone,
+    LoopFailed,
+    LoopReport,
+    LoopRun,
+    LoopStreamed,
+    loop_plans,
+)
+from walkserve.runtime.loopshare import Band, JoinedItem, SharedSteps
 from walkserve.runtime.regionwalk import RegionWalks
 from walkserve.runtime.runner import ItemResult, RunItem
 
 __all__ = ["LoopDone", "LoopFailed", "LoopStepper", "LoopStreamed", "loop_plans"]
 
 
-@dataclass(frozen=True)
-class LoopStreamed:
-    item: int
-    channel: str
-    index: int
-    value: Any
-
-
-@dataclass(frozen=True)
-class LoopDone:
-    item: int
-    channels: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class LoopFailed:
-    item: int
-    error: str
-
-
-LoopReport = LoopStreamed | LoopDone | LoopFailed
-
-
-@dataclass(frozen=True)
-class _Loop:
-    """A simple loop, compiled once: its IR node, its body's plan nodes, where it runs."""
-
-    node: ir.LoopNode
-    body: tuple[NodePlan, ...]
-    walk: str  # the walk its nodes belong to (the runner's key)
-    carried: tuple[tuple[str, int], ...]  # (param, body output index)
-    affine: tuple[tuple[str, int, int], ...]  # (param, start, step)
-    select: tuple[tuple[str, int, int, int], ...]  # (param, dim, start, step)
-    table: tuple[str, ...]
-    ops: dict[str, ir.Op]  # the body's ops by name
-    calls: dict[str, Any]  # component node -> (args, kwargs) getters from the body's values
-    join: Join | None  # how runs at its one body node share a call (None: they do not)
-    cohort: CohortSpec | None  # how its runs keep one joint state (None: they do not)
-
-
-@dataclass(eq=False)
-class _Joined:
-    """A joined runner item: its runs, their rows of the batch dimension, the node."""
-
-    runs: list[_Run]
-    rows: list[int]
-    pos: int
-
-
-@dataclass(eq=False)
-class _Run:
-    item: int
-    request: str  # the item's request (in the rank's conductor)
-    loop: _Loop
-    start: LoopStart
-    env: dict[str, Any] = field(default_factory=dict)
-    carried: dict[str, Any] = field(default_factory=dict)
-    collected: dict[str, list[Any]] = field(default_factory=dict)
-    last: list[Any] | None = None
-    i: int = 0
-    pos: int = 0  # the body node it waits at
-    alone: bool = False  # its last joined call raised: it takes this node by itself
-    band: _Band | None = None  # the cohort it steps in
-    solo: bool = False  # a cohort could not hold it: it joins calls step by step
-
-
-@dataclass(eq=False)
-class _Band:
-    """A cohort (``loopcohort``) and the runs it steps, in its rows' order."""
-
-    loop: _Loop
-    cohort: Cohort
-    runs: list[_Run]
-
-
-def loop_plans(regions: RegionWalks) -> dict[tuple[str, str], tuple[ir.LoopNode, LoopPlan]]:
-    """Every loop of the region walks, by (region walk, loop name), with its body plan."""
-    out: dict[tuple[str, str], tuple[ir.LoopNode, LoopPlan]] = {}
-    for name, walk in regions.captured.graph.walks.items():
-        loops = {n.name: n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)}
-
-        def visit(block: Any) -> None:
-            for item in block.nodes:
-                if isinstance(item, LoopPlan):
-                    out[(name, item.name)] = (loops[item.name], item)  # noqa: B023
-                    visit(item.body)
-
-        visit(regions.plan.walks[name])
-    return out
-
-
-class LoopStepper:
+class LoopStepper(SharedSteps):
     """See the module docstring."""
 
     def __init__(
@@ -153,17 +70,13 @@ class LoopStepper:
         (``NodeRunner.joinable()``); ``max_batch``: most runs in one joined item; ``cohorts``:
         joined runs keep one joint state between steps (``loopcohort``)."""
         self.regions = regions
-        self.cohorts = cohorts
         self.max_batch = max_batch
-        self.joins = frozenset(joins)
-        self.interp = Interpreter(regions.captured)
-        self._plans = loop_plans(regions)
-        self._loops: dict[tuple[str, str], _Loop] = {}
-        self._runs: dict[int, _Run] = {}
-        self._waiting: dict[int, tuple[_Run, int]] = {}  # runner item id -> (run, body pos)
-        self._joined: dict[int, _Joined] = {}  # runner item id -> the runs it joined
-        self._bands: list[_Band] = []
-        self._banded: dict[int, _Band] = {}  # runner item id -> the cohort it steps
+        self._compiler = LoopCompiler(regions, joins, cohorts)
+        self._runs: dict[int, LoopRun] = {}
+        self._waiting: dict[int, tuple[LoopRun, int]] = {}  # runner item id -> (run, body pos)
+        self._joined: dict[int, JoinedItem] = {}  # runner item id -> the runs it joined
+        self._bands: list[Band] = []
+        self._banded: dict[int, Band] = {}  # runner item id -> the cohort it steps
         self._ids = itertools.count()
         self._reports: list[LoopReport] = []
         self._credit: dict[tuple[str, str], int] = {}  # (request, channel) -> items allowed
@@ -174,8 +87,8 @@ class LoopStepper:
 
     def start(self, item: WorkItem) -> None:
         assert item.loop is not None
-        loop = self._compile(item.walk, item.loop.loop)
-        run = _Run(item.id, item.request, loop, item.loop, carried=dict(item.loop.carried))
+        loop = self._compiler.compile(item.walk, item.loop.loop)
+        run = LoopRun(item.id, item.request, loop, item.loop, carried=dict(item.loop.carried))
         run.collected = {ch: [] for ch in item.loop.channels if ch in loop.node.accumulated}
         self._runs[item.id] = run
         if self._begin(run) is False:
@@ -191,7 +104,7 @@ class LoopStepper:
             del self._credit[key]
             self._produced.pop(key, None)
 
-    def _blocked(self, run: _Run) -> bool:
+    def _blocked(self, run: LoopRun) -> bool:
         for ch in run.start.streams:
             allowed = self._credit.get((run.request, ch))
             if allowed is not None and self._produced.get((run.request, ch), 0) + 1 > allowed:
@@ -263,7 +176,7 @@ class LoopStepper:
         self._banded.clear()
         self._regroup()
         groups: dict[tuple[str, str], list[RunItem]] = {}
-        joins: dict[tuple[Any, ...], list[tuple[_Run, tuple[list[Any], dict[str, Any]]]]] = {}
+        joins: dict[tuple[Any, ...], list[tuple[LoopRun, tuple[list[Any], dict[str, Any]]]]] = {}
         for run in list(self._runs.values()):
             if run.band is not None:
                 continue
@@ -302,7 +215,7 @@ class LoopStepper:
     def _item(
         self,
         groups: dict[tuple[str, str], list[RunItem]],
-        run: _Run,
+        run: LoopRun,
         node: NodePlan,
         call: tuple[list[Any], dict[str, Any]] | None,
     ) -> None:
@@ -310,118 +223,6 @@ class LoopStepper:
         self._waiting[rid] = (run, run.pos)
         item = RunItem(rid, tuple(node.ops), run.env, tuple(node.outputs), call)
         groups.setdefault((run.loop.walk, node.name), []).append(item)
-
-    def _join(
-        self,
-        groups: dict[tuple[str, str], list[RunItem]],
-        walk: str,
-        members: list[tuple[_Run, tuple[list[Any], dict[str, Any]]]],
-    ) -> None:
-        first = members[0][0]
-        node = first.loop.body[first.pos]
-        if len(members) == 1:
-            self._item(groups, first, node, members[0][1])
-            return
-        assert first.loop.join is not None
-        call, rows = first.loop.join.join([c for _, c in members])
-        rid = next(self._ids)
-        self._joined[rid] = _Joined([r for r, _ in members], rows, first.pos)
-        item = RunItem(rid, tuple(node.ops), {}, tuple(node.outputs), call, len(members))
-        groups.setdefault((walk, node.name), []).append(item)
-
-    # ------------------------------------------------------------------ cohorts
-
-    def _cohort_ready(self, run: _Run) -> bool:
-        return (
-            run.loop.cohort is not None
-            and not run.alone
-            and not run.solo
-            and run.pos == 0
-            and not any((run.request, ch) in self._credit for ch in run.start.streams)
-        )
-
-    def _regroup(self) -> None:
-        """Dissolve the cohorts that lost a run (cancelled) or that a new run of their loop
-        could join (they form again with it in this step)."""
-        joining = {
-            id(r.loop) for r in self._runs.values() if r.band is None and self._cohort_ready(r)
-        }
-        for band in list(self._bands):
-            if id(band.loop) in joining or any(
-                r.item not in self._runs or not self._cohort_ready(r) for r in band.runs
-            ):
-                self._dissolve(band)
-
-    def _band(self, members: list[tuple[_Run, tuple[list[Any], dict[str, Any]]]], key: Any) -> bool:
-        """Form a cohort of ``members`` (their first calls joined under ``key``); False when
-        their loop keeps none or one of them cannot be held (then they join call by call)."""
-        loop = members[0][0].loop
-        if loop.cohort is None or loop.join is None:
-            return False
-        if not all(self._cohort_ready(r) for r, _ in members):
-            return False
-        join = loop.join
-        cohort = form(
-            loop.cohort, [Member(r.start, r.i, r.carried, join._rows(c)) for r, c in members], key
-        )
-        if cohort is None:
-            for run, _ in members:
-                run.solo = True
-            return False
-        band = _Band(loop, cohort, [r for r, _ in members])
-        for run in band.runs:
-            run.band = band
-        self._bands.append(band)
-        return True
-
-    def _band_item(self, groups: dict[tuple[str, str], list[RunItem]], band: _Band) -> None:
-        node = band.loop.body[0]
-        rid = next(self._ids)
-        self._banded[rid] = band
-        item = RunItem(
-            rid, tuple(node.ops), {}, tuple(node.outputs), band.cohort.call(), len(band.runs)
-        )
-        groups.setdefault((band.loop.walk, node.name), []).append(item)
-
-    def _update_band(self, band: _Band, r: ItemResult) -> None:
-        if band not in self._bands:
-            return
-        if r.error is not None:
-            self._dissolve(band, alone=True)  # each again by itself: the bad request fails alone
-            return
-        if r.deferred:
-            return
-        assert r.values is not None
-        cohort = band.cohort
-        if not cohort.advance(r.values):
-            self._dissolve(band, alone=True)  # not batched as captured: each run by itself
-            return
-        for k, run in enumerate(band.runs):
-            for ch in run.start.streams:  # a client's stream: each commit's piece, as it is made
-                piece = cohort.piece(ch, k)
-                if piece is not None and run.item in self._runs:
-                    self._reports.append(
-                        LoopStreamed(run.item, ch, run.i + cohort.steps - 1, piece)
-                    )
-        if cohort.done():
-            self._dissolve(band)
-
-    def _dissolve(self, band: _Band, alone: bool = False) -> None:
-        """Give each run of ``band`` its rows of the cohort's state; those at their bound
-        finish, the others go on as the stepper's own runs."""
-        self._bands.remove(band)
-        for run, left in zip(band.runs, band.cohort.dissolve()):
-            run.band = None
-            if run.item not in self._runs:
-                continue
-            run.alone = alone
-            if not left.steps:
-                continue
-            for ch, pieces in run.collected.items():
-                pieces.extend(left.pieces.get(ch, ()))
-            run.carried, run.last, run.i = left.carried, left.last, run.i + left.steps
-            if self._begin(run) is False:
-                self._finish(run)
 
     def update(self, results: Sequence[ItemResult]) -> None:
         for r in results:
@@ -448,84 +249,9 @@ class LoopStepper:
             if run.pos == len(run.loop.body):
                 self._commit(run)
 
-    def _update_joined(self, joined: _Joined, r: ItemResult) -> None:
-        runs = [run for run in joined.runs if run.item in self._runs and run.pos == joined.pos]
-        if r.error is not None:
-            for run in runs:  # each again by itself: the bad request fails alone
-                run.alone = True
-            return
-        if r.deferred or not runs:
-            return
-        assert r.values is not None and runs[0].loop.join is not None
-        parts = runs[0].loop.join.split(r.values, joined.rows)
-        if parts is None:
-            for run in runs:  # a value not batched as captured: each run by itself
-                run.alone = True
-            return
-        index = {id(run): k for k, run in enumerate(joined.runs)}
-        for run in runs:
-            k = index[id(run)]
-            env = run.env
-            for name, values in parts.items():
-                env[name] = values[k]
-            run.pos += 1
-            if run.pos == len(run.loop.body):
-                self._commit(run)
-
     # ------------------------------------------------------------------ internals
 
-    def _compile(self, walk: str, name: str) -> _Loop:
-        key = (walk, name)
-        loop = self._loops.get(key)
-        if loop is None:
-            node, plan = self._plans[key]
-            body = tuple(n for n in plan.body.nodes if isinstance(n, NodePlan))
-            affine, select, table, carried = [], [], [], []
-            for p in node.params:
-                role = p.role
-                if isinstance(role, ir.Carried):
-                    carried.append((p.name, role.output))
-                elif isinstance(role, ir.PerStep):
-                    src = role.source
-                    if isinstance(src, ir.AffineStep):
-                        affine.append((p.name, src.start, src.step))
-                    elif isinstance(src, ir.SelectStep):
-                        select.append((p.name, src.dim, src.start, src.step))
-                    elif isinstance(src, ir.TableStep):
-                        table.append(p.name)
-            loop = self._loops[key] = _Loop(
-                node,
-                body,
-                self.regions.walk_of.get(walk, walk),
-                tuple(carried),
-                tuple(affine),
-                tuple(select),
-                tuple(table),
-                ops := {n.name: n for n in ir.iter_nodes(node.body) if isinstance(n, ir.Op)},
-                {
-                    n.name: (
-                        [self._getter(a) for a in ops[n.ops[0]].args],
-                        [(k, self._getter(a)) for k, a in ops[n.ops[0]].kwargs.items()],
-                    )
-                    for n in body
-                    if n.kind == "component"
-                },
-                join := joinable(
-                    body, ops, (self.regions.walk_of.get(walk, walk), node.name), self.joins
-                ),
-                cohort_spec(node, body, join) if self.cohorts else None,
-            )
-        return loop
-
-    def _getter(self, arg: ir.Arg) -> Any:
-        """A function of the body's values giving ``arg`` (a plain lookup for a value)."""
-        if isinstance(arg, ir.Ref):
-            name = arg.name
-            return lambda env: env[name]
-        value = self.interp.value
-        return lambda env: value(arg, env)
-
-    def _begin(self, run: _Run) -> bool | None:
+    def _begin(self, run: LoopRun) -> bool | None:
         """Set up iteration ``run.i``'s body values; False when the loop is done, None when
         the run failed (a per-step input the request's values cannot give: reported)."""
         if run.i >= run.start.bound:
@@ -546,7 +272,7 @@ class LoopStepper:
         run.env, run.pos = env, 0
         return True
 
-    def _commit(self, run: _Run) -> None:
+    def _commit(self, run: LoopRun) -> None:
         node = run.loop.node
         env = run.env
         try:
@@ -574,7 +300,7 @@ class LoopStepper:
         if stop or self._begin(run) is False:
             self._finish(run)
 
-    def _finish(self, run: _Run) -> None:
+    def _finish(self, run: LoopRun) -> None:
         node = run.loop.node
         self._runs.pop(run.item, None)
         if run.i == 0 and node.accumulated:  # as the interpreter and the conductor
@@ -596,6 +322,6 @@ class LoopStepper:
             LoopDone(run.item, {ch: v for ch, v in channels.items() if ch in run.start.channels})
         )
 
-    def _fail(self, run: _Run, error: str) -> None:
+    def _fail(self, run: LoopRun, error: str) -> None:
         self._runs.pop(run.item, None)
         self._reports.append(LoopFailed(run.item, error))

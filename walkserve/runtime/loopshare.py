@@ -1,0 +1,206 @@
+"""How runs of a simple loop share steps, for the loop stepper (``loopstep``): runs at the same
+body node of a joinable loop become one runner item (``JoinedItem``: their calls concatenated,
+``loopjoin``), and runs that can keep one joint state between steps step as a cohort
+(``Band``: ``loopcohort``). ``SharedSteps`` is the stepper's part that forms, updates and
+dissolves them; the stepper keeps the runs and the loop semantics."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from walkserve.lowering.plan import NodePlan
+from walkserve.runtime.loopcohort import Cohort, Member, form
+from walkserve.runtime.looprun import LoopReport, LoopRun, LoopStreamed, SimpleLoop
+from walkserve.runtime.runner import ItemResult, RunItem
+
+__all__ = ["Band", "JoinedItem", "SharedSteps"]
+
+Call = tuple[list[Any], dict[str, Any]]
+
+
+@dataclass(eq=False)
+class JoinedItem:
+    """A joined runner item: its runs, their rows of the batch dimension, the node."""
+
+    runs: list[LoopRun]
+    rows: list[int]
+    pos: int
+
+
+@dataclass(eq=False)
+class Band:
+    """A cohort (``loopcohort``) and the runs it steps, in its rows' order."""
+
+    loop: SimpleLoop
+    cohort: Cohort
+    runs: list[LoopRun]
+
+
+class SharedSteps:
+    """Joined items and cohorts of a ``LoopStepper`` (its base: the state below is its)."""
+
+    _runs: dict[int, LoopRun]
+    _joined: dict[int, JoinedItem]
+    _bands: list[Band]
+    _banded: dict[int, Band]
+    _credit: dict[tuple[str, str], int]
+    _ids: itertools.count[int]
+    _reports: list[LoopReport]
+
+    def _item(
+        self,
+        groups: dict[tuple[str, str], list[RunItem]],
+        run: LoopRun,
+        node: NodePlan,
+        call: Call | None,
+    ) -> None:
+        raise NotImplementedError
+
+    def _begin(self, run: LoopRun) -> bool | None:
+        raise NotImplementedError
+
+    def _commit(self, run: LoopRun) -> None:
+        raise NotImplementedError
+
+    def _finish(self, run: LoopRun) -> None:
+        raise NotImplementedError
+
+    def _join(
+        self,
+        groups: dict[tuple[str, str], list[RunItem]],
+        walk: str,
+        members: list[tuple[LoopRun, tuple[list[Any], dict[str, Any]]]],
+    ) -> None:
+        first = members[0][0]
+        node = first.loop.body[first.pos]
+        if len(members) == 1:
+            self._item(groups, first, node, members[0][1])
+            return
+        assert first.loop.join is not None
+        call, rows = first.loop.join.join([c for _, c in members])
+        rid = next(self._ids)
+        self._joined[rid] = JoinedItem([r for r, _ in members], rows, first.pos)
+        item = RunItem(rid, tuple(node.ops), {}, tuple(node.outputs), call, len(members))
+        groups.setdefault((walk, node.name), []).append(item)
+
+    # ------------------------------------------------------------------ cohorts
+
+    def _cohort_ready(self, run: LoopRun) -> bool:
+        return (
+            run.loop.cohort is not None
+            and not run.alone
+            and not run.solo
+            and run.pos == 0
+            and not any((run.request, ch) in self._credit for ch in run.start.streams)
+        )
+
+    def _regroup(self) -> None:
+        """Dissolve the cohorts that lost a run (cancelled) or that a new run of their loop
+        could join (they form again with it in this step)."""
+        joining = {
+            id(r.loop) for r in self._runs.values() if r.band is None and self._cohort_ready(r)
+        }
+        for band in list(self._bands):
+            if id(band.loop) in joining or any(
+                r.item not in self._runs or not self._cohort_ready(r) for r in band.runs
+            ):
+                self._dissolve(band)
+
+    def _band(
+        self, members: list[tuple[LoopRun, tuple[list[Any], dict[str, Any]]]], key: Any
+    ) -> bool:
+        """Form a cohort of ``members`` (their first calls joined under ``key``); False when
+        their loop keeps none or one of them cannot be held (then they join call by call)."""
+        loop = members[0][0].loop
+        if loop.cohort is None or loop.join is None:
+            return False
+        if not all(self._cohort_ready(r) for r, _ in members):
+            return False
+        join = loop.join
+        cohort = form(
+            loop.cohort, [Member(r.start, r.i, r.carried, join._rows(c)) for r, c in members], key
+        )
+        if cohort is None:
+            for run, _ in members:
+                run.solo = True
+            return False
+        band = Band(loop, cohort, [r for r, _ in members])
+        for run in band.runs:
+            run.band = band
+        self._bands.append(band)
+        return True
+
+    def _band_item(self, groups: dict[tuple[str, str], list[RunItem]], band: Band) -> None:
+        node = band.loop.body[0]
+        rid = next(self._ids)
+        self._banded[rid] = band
+        item = RunItem(
+            rid, tuple(node.ops), {}, tuple(node.outputs), band.cohort.call(), len(band.runs)
+        )
+        groups.setdefault((band.loop.walk, node.name), []).append(item)
+
+    def _update_band(self, band: Band, r: ItemResult) -> None:
+        if band not in self._bands:
+            return
+        if r.error is not None:
+            self._dissolve(band, alone=True)  # each again by itself: the bad request fails alone
+            return
+        if r.deferred:
+            return
+        assert r.values is not None
+        cohort = band.cohort
+        if not cohort.advance(r.values):
+            self._dissolve(band, alone=True)  # not batched as captured: each run by itself
+            return
+        for k, run in enumerate(band.runs):
+            for ch in run.start.streams:  # a client's stream: each commit's piece, as it is made
+                piece = cohort.piece(ch, k)
+                if piece is not None and run.item in self._runs:
+                    self._reports.append(
+                        LoopStreamed(run.item, ch, run.i + cohort.steps - 1, piece)
+                    )
+        if cohort.done():
+            self._dissolve(band)
+
+    def _dissolve(self, band: Band, alone: bool = False) -> None:
+        """Give each run of ``band`` its rows of the cohort's state; those at their bound
+        finish, the others go on as the stepper's own runs."""
+        self._bands.remove(band)
+        for run, left in zip(band.runs, band.cohort.dissolve()):
+            run.band = None
+            if run.item not in self._runs:
+                continue
+            run.alone = alone
+            if not left.steps:
+                continue
+            for ch, pieces in run.collected.items():
+                pieces.extend(left.pieces.get(ch, ()))
+            run.carried, run.last, run.i = left.carried, left.last, run.i + left.steps
+            if self._begin(run) is False:
+                self._finish(run)
+
+    def _update_joined(self, joined: JoinedItem, r: ItemResult) -> None:
+        runs = [run for run in joined.runs if run.item in self._runs and run.pos == joined.pos]
+        if r.error is not None:
+            for run in runs:  # each again by itself: the bad request fails alone
+                run.alone = True
+            return
+        if r.deferred or not runs:
+            return
+        assert r.values is not None and runs[0].loop.join is not None
+        parts = runs[0].loop.join.split(r.values, joined.rows)
+        if parts is None:
+            for run in runs:  # a value not batched as captured: each run by itself
+                run.alone = True
+            return
+        index = {id(run): k for k, run in enumerate(joined.runs)}
+        for run in runs:
+            k = index[id(run)]
+            env = run.env
+            for name, values in parts.items():
+                env[name] = values[k]
+            run.pos += 1
+            if run.pos == len(run.loop.body):
+                self._commit(run)
