@@ -66,12 +66,7 @@ until that many tokens were generated.
 from __future__ import annotations
 
 import inspect
-import itertools
-import threading
-import weakref
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -81,14 +76,20 @@ from walkserve.lowering.batched import DEFER, Deferred
 from walkserve.runtime.kv import grammar
 from walkserve.runtime.kv.engine_report import EngineChoice
 from walkserve.runtime.kv.hf import (
-    PagedCausalLMRunner,
     SeqChunk,
-    pool_for,
 )
 from walkserve.runtime.kv.hf_attention import ModelAttention, use_paged_attention
-from walkserve.runtime.kv.layer_groups import GroupedKVPool
-from walkserve.runtime.kv.pool import PoolExhausted, SeqId
-from walkserve.runtime.kv.row_sampling import RowState, TextSampler, vocab_size
+from walkserve.runtime.kv.paged_state import (
+    DeferredRelease,
+    PagedKV,
+    PagedLMConfig,
+    PagedLMStats,
+    PagedState,
+    Row,
+    Unit,
+)
+from walkserve.runtime.kv.pool import PoolExhausted
+from walkserve.runtime.kv.row_sampling import TextSampler, vocab_size
 from walkserve.runtime.kv.sampling import seeded_token, step_seed
 
 __all__ = [
@@ -103,159 +104,6 @@ __all__ = [
 ]
 
 Call = tuple[Sequence[Any], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class PagedLMConfig:
-    """``pool_tokens``: KV capacity of the pool in tokens (rounded up to whole pages);
-    ``page_size``: tokens per page; ``max_step_tokens``: tokens one forward computes, all
-    calls together (chunked prefill: a call with more new tokens than fit runs over several
-    forwards, see the module docstring; at least a page is computed); None: no limit."""
-
-    pool_tokens: int = 16384
-    page_size: int = 16
-    max_step_tokens: int | None = 2048
-
-    def __post_init__(self) -> None:
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.max_step_tokens is not None and self.max_step_tokens < 1:
-            raise ValueError(f"max_step_tokens must be >= 1 or None, got {self.max_step_tokens}")
-        if self.pool_tokens < self.page_size:
-            raise ValueError(
-                f"pool_tokens must hold at least one page ({self.page_size}), got "
-                f"{self.pool_tokens}"
-            )
-
-    @property
-    def num_pages(self) -> int:
-        return -(-self.pool_tokens // self.page_size)
-
-
-@dataclass(frozen=True)
-class PagedLMStats:
-    pages_in_use: int
-    pages_cached: int
-    num_pages: int
-    live_sequences: int
-    evictions: int  # sequences evicted to make room (recomputed when used again)
-    prefix_hits: int
-    forwards: int
-    tokens_forwarded: int
-
-
-@dataclass
-class _Row:
-    """One sequence: a batch row of one request's cache."""
-
-    seq: SeqId
-    tokens: list[int] = field(default_factory=list)  # every token fed so far
-    computed: int = 0  # leading tokens whose K/V are in the pool
-    resident: bool = False  # holds pages
-    last_used: int = 0
-    admitted: int = 0  # clock when it last got pages
-    arrived: int = 0  # clock when its request first came
-    sampling: RowState = field(default_factory=RowState)  # prompt length, bias, grammar
-    extra: Any = None  # what a subclass keeps per row (a VLM's image features and positions)
-
-
-@dataclass
-class _Unit:
-    """One call of a batch: its rows run together or not at all."""
-
-    index: int  # in the batch
-    args: dict[str, Any]
-    cache: PagedKV
-    rows: list[_Row]
-    want: list[list[int]]  # per row: every token once this call ran
-
-    @property
-    def resident(self) -> bool:
-        return all(r.resident for r in self.rows)
-
-    @property
-    def admitted(self) -> int:
-        return max(r.admitted for r in self.rows)
-
-    @property
-    def arrived(self) -> int:
-        return min(r.arrived for r in self.rows)
-
-
-class DeferredRelease:
-    """A pool's lock and the releases of dropped caches: ``release`` frees now when the pool is
-    idle, else queues for ``drain`` at the next forward; never blocks (a finalizer may run on
-    any thread). Subclasses say how to free (``_free``, lock held)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.pending: deque[list[SeqId]] = deque()  # releases that found the lock taken
-
-    def release(self, seqs: list[SeqId]) -> None:
-        """Free ``seqs`` (a dropped ``PagedKV``): now if the pool is idle, else at the next
-        forward. Never blocks: a finalizer may run on any thread."""
-        if self.lock.acquire(blocking=False):
-            try:
-                self._free(seqs)
-                self.drain()
-            finally:
-                self.lock.release()
-        else:
-            self.pending.append(seqs)
-
-    def drain(self) -> None:  # lock held
-        while self.pending:
-            self._free(self.pending.popleft())
-
-    def _free(self, seqs: list[SeqId]) -> None:  # lock held
-        raise NotImplementedError
-
-
-class _State(DeferredRelease):
-    """The pool and the live sequences of one ``PagedLM`` in one process."""
-
-    def __init__(
-        self, model: nn.Module, config: PagedLMConfig, attention: ModelAttention | None
-    ) -> None:
-        super().__init__()
-        self.pool: GroupedKVPool = pool_for(
-            model, config.num_pages, config.page_size, attention=attention
-        )
-        self.runner = PagedCausalLMRunner(model, self.pool)
-        self.rows: dict[SeqId, _Row] = {}
-        self.clock = itertools.count(1)
-        self.evictions = 0
-        self.forwards = 0
-        self.tokens = 0
-
-    def _free(self, seqs: list[SeqId]) -> None:  # lock held
-        for seq in seqs:
-            row = self.rows.pop(seq, None)
-            if row is not None and row.resident:
-                self.pool.free(seq)
-
-
-class PagedKV:
-    """A request's K/V in a ``PagedLM``'s pool (one sequence per batch row). Opaque to walks:
-    pass it back to the same component. Its pages are freed when it is garbage collected."""
-
-    _ids = itertools.count()
-
-    def __init__(self, state: _State, rows: int) -> None:
-        request = f"kv{next(PagedKV._ids)}"
-        seqs = [SeqId(request, str(r)) for r in range(rows)]
-        self._state = weakref.ref(state)
-        self.seqs = seqs
-        arrived = next(state.clock)
-        for seq in seqs:
-            state.rows[seq] = _Row(seq, arrived=arrived)
-        weakref.finalize(self, state.release, seqs)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def __repr__(self) -> str:
-        return f"PagedKV({self.seqs[0].request_id}, rows={len(self.seqs)})"
 
 
 class PagedLM(nn.Module):
@@ -284,7 +132,7 @@ class PagedLM(nn.Module):
         self.config_kv = config or PagedLMConfig()
         self.engine_choice = EngineChoice("paged", type(lm).__name__)
         self._attention = attention
-        self._state: _State | None = None
+        self._state: PagedState | None = None
         self._namespace = f"{type(lm).__name__}:{id(self)}"
         self._signature = inspect.signature(self.forward)  # binds each call's arguments
 
@@ -336,7 +184,7 @@ class PagedLM(nn.Module):
                 if new:
                     self._start_rows(rows, ids, bound)
                 want = [r.tokens + [int(t) for t in ids[i].tolist()] for i, r in enumerate(rows)]
-                units.append(_Unit(index, bound, cache, rows, want))
+                units.append(Unit(index, bound, cache, rows, want))
             chosen = self._schedule(state, units)
             ends = self._budget(state, chosen)
             logits = self._forward(
@@ -350,7 +198,7 @@ class PagedLM(nn.Module):
                     out[u.index] = self._sample_unit(u, logits)
             return out
 
-    def _budget(self, state: _State, chosen: list[_Unit]) -> dict[int, int]:
+    def _budget(self, state: PagedState, chosen: list[Unit]) -> dict[int, int]:
         """Chunked prefill: how far each chosen row computes in this forward (``id(row)`` ->
         its end), within ``max_step_tokens``. Units with the fewest new tokens go first. A
         unit that fits runs whole; one that does not gets what is left, each row up to a page
@@ -361,7 +209,7 @@ class PagedLM(nn.Module):
         most = None if most is None else max(most, page)
         ends: dict[int, int] = {}
 
-        def need(u: _Unit) -> int:
+        def need(u: Unit) -> int:
             return sum(len(w) - r.computed for r, w in zip(u.rows, u.want))
 
         left = most
@@ -379,26 +227,26 @@ class PagedLM(nn.Module):
                     left -= end - r.computed
         return ends
 
-    def _start_rows(self, rows: list[_Row], ids: torch.Tensor, args: dict[str, Any]) -> None:
+    def _start_rows(self, rows: list[Row], ids: torch.Tensor, args: dict[str, Any]) -> None:
         """A new request's rows: its prompt length and its constraints (subclasses keep more
-        of the call's ``args`` in ``_Row.extra``)."""
+        of the call's ``args`` in ``Row.extra``)."""
         n_vocab = vocab_size(self.lm)
         constraints = args.get("constraints")
         self.sampler.start([r.sampling for r in rows], ids.shape[1], constraints, n_vocab)
 
-    def _prefix_ids(self, row: _Row, want: list[int]) -> list[int]:
+    def _prefix_ids(self, row: Row, want: list[int]) -> list[int]:
         """The ids that name ``want``'s K/V in the prefix cache: the tokens themselves; a
         subclass whose K/V depend on more than the ids (image features at placeholder ids)
         gives ids that say so."""
         return want
 
-    def _sample_unit(self, u: _Unit, logits: dict[int, torch.Tensor]) -> Any:
+    def _sample_unit(self, u: Unit, logits: dict[int, torch.Tensor]) -> Any:
         """One call's outputs: its tokens [B, 1] and cache, and its logprobs if asked."""
         rows = [logits[id(r)] for r in u.rows]
         token, *rest = self.sampler.sample_call(u.args, rows, u.want, [r.sampling for r in u.rows])
         return (token, u.cache, *rest)
 
-    def _cache(self, state: _State, args: dict[str, Any]) -> PagedKV:
+    def _cache(self, state: PagedState, args: dict[str, Any]) -> PagedKV:
         ids, cache = args["input_ids"], args.get("cache")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < 1:
             raise ValueError(f"input_ids must be [batch, tokens >= 1], got {_shape(ids)}")
@@ -412,7 +260,7 @@ class PagedLM(nn.Module):
             raise ValueError(f"{cache!r} was released")
         return cache
 
-    def _schedule(self, state: _State, units: list[_Unit]) -> list[_Unit]:
+    def _schedule(self, state: PagedState, units: list[Unit]) -> list[Unit]:
         """Reserve pages for the units that run now, as a continuous-batching scheduler does:
 
         1. *running* units (every row holds pages), oldest admission first, grow by their new
@@ -429,8 +277,8 @@ class PagedLM(nn.Module):
         in_batch = {id(r) for u in units for r in u.rows}
         running = sorted((u for u in units if u.resident), key=lambda u: u.admitted)
         waiting = sorted((u for u in units if not u.resident), key=lambda u: u.arrived)
-        chosen: list[_Unit] = []
-        deferred: list[_Unit] = []
+        chosen: list[Unit] = []
+        deferred: list[Unit] = []
         while running:
             unit = running.pop(0)
             while not self._grow(state, unit):
@@ -469,7 +317,7 @@ class PagedLM(nn.Module):
             chosen.append(oldest)
         return chosen
 
-    def _grow(self, state: _State, unit: _Unit) -> bool:
+    def _grow(self, state: PagedState, unit: Unit) -> bool:
         """Room for a running unit's new tokens (all rows or none grow)."""
         pool = state.pool
         grow = [len(w) - pool.num_tokens(r.seq) for r, w in zip(unit.rows, unit.want)]
@@ -487,9 +335,9 @@ class PagedLM(nn.Module):
             return False
         return True
 
-    def _admit(self, state: _State, unit: _Unit) -> bool:
+    def _admit(self, state: PagedState, unit: Unit) -> bool:
         """Pages for a waiting unit's rows, reusing cached prefix pages; all rows or none."""
-        done: list[_Row] = []
+        done: list[Row] = []
         try:
             for r, w in zip(unit.rows, unit.want):
                 r.computed = state.pool.allocate_with_prefix(
@@ -506,7 +354,7 @@ class PagedLM(nn.Module):
             return False
         return True
 
-    def _evict_idle(self, state: _State, in_batch: set[int]) -> bool:
+    def _evict_idle(self, state: PagedState, in_batch: set[int]) -> bool:
         """Free the least recently used resident sequence of a request not in this batch."""
         idle = [r for r in state.rows.values() if r.resident and id(r) not in in_batch]
         if not idle:
@@ -514,18 +362,18 @@ class PagedLM(nn.Module):
         self._evict(state, min(idle, key=lambda r: r.last_used))
         return True
 
-    def _preempt(self, state: _State, unit: _Unit) -> None:
+    def _preempt(self, state: PagedState, unit: Unit) -> None:
         for r in unit.rows:
             if r.resident:
                 self._evict(state, r)
 
-    def _evict(self, state: _State, row: _Row) -> None:
+    def _evict(self, state: PagedState, row: Row) -> None:
         state.pool.free(row.seq)
         row.resident, row.computed = False, 0
         state.evictions += 1
 
     def _forward(
-        self, state: _State, rows: list[tuple[_Row, list[int], int]]
+        self, state: PagedState, rows: list[tuple[Row, list[int], int]]
     ) -> dict[int, torch.Tensor]:
         """One packed forward: each row's tokens ``want[computed:end]`` (rows with nothing to
         compute this time are left out); logits by ``id(row)``. Rows keep their ``tokens``
@@ -549,7 +397,7 @@ class PagedLM(nn.Module):
         assert logits is not None or not rows
         return {id(r): logits[i] for i, (r, _, _) in enumerate(rows)} if logits is not None else {}
 
-    def _logits(self, state: _State, rows: list[_Row], chunks: list[SeqChunk]) -> torch.Tensor:
+    def _logits(self, state: PagedState, rows: list[Row], chunks: list[SeqChunk]) -> torch.Tensor:
         """One packed forward of ``chunks`` (``rows[i]``'s new tokens): logits [rows, vocab]
         after each chunk's last token. A subclass that feeds more than token embeddings (image
         features) runs its own."""
@@ -557,9 +405,9 @@ class PagedLM(nn.Module):
 
     # ---------------------------------------------------------------- state
 
-    def _ensure_state(self) -> _State:
+    def _ensure_state(self) -> PagedState:
         if self._state is None:
-            self._state = _State(self.lm, self.config_kv, self._attention)
+            self._state = PagedState(self.lm, self.config_kv, self._attention)
         return self._state
 
     def kv_pool_nbytes(self, tensor_parallel: int = 1) -> int:
