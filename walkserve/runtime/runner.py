@@ -99,7 +99,7 @@ class NodeRunner:
         stats: BatchStats | None = None,
     ) -> None:
         self.rank = rank
-        self.stats = stats if stats is not None else BatchStats()
+        self.stats = stats  # call sizes, recorded only when given (a rank runs without: they grow)
         self.interp = Interpreter(captured)
         callables = build_callables(captured, plan, rank, stats=self.stats)
         self._nodes: dict[tuple[str, str], _Node] = {}
