@@ -6,7 +6,7 @@ contiguous tensor, with ``glue="separate"`` its own node). One call carries one 
 [1, 16] float32 tensor (inline in the message).
 
     in process      bare Python call fn(x) vs BatchedComponent([([x], {})]) and
-                    NodeExecutor.run (a glue node through Interpreter.op; a component node)
+                    NodeRunner.run (a glue node through Interpreter.op; a component node)
     cross process   WorkerPool.submit_batch(...).result(): conductor -> worker -> conductor,
                     typed messages over ZeroMQ (ipc); a 1-rank pool
     floor           the same round trip with nothing but ZeroMQ: a spawned process echoing
@@ -59,7 +59,7 @@ from walkserve.lowering.batched import build_callables
 from walkserve.lowering.lower import lower
 from walkserve.runtime.config import PoolConfig
 from walkserve.runtime.pool import WorkerPool
-from walkserve.runtime.worker import NodeExecutor
+from walkserve.runtime.runner import NodeRunner, RunItem
 
 RESULTS = Path(__file__).parent / "results" / "dispatch.json"
 TARGETS = {"in_process_p50_us": 50.0, "cross_process_p50_us": 300.0, "idle_rss_mb": 400.0}
@@ -110,8 +110,10 @@ def in_process(calls: int, warmup: int) -> dict[str, dict[str, float]]:
     captured = capture.trace(model, sample)
     plan = lower(captured, sample, glue="separate", check_capture=False)
     batched = build_callables(captured, plan)["echo:ident"]
-    executor = NodeExecutor(captured, plan, 0)
     x = sample["x"]
+    executor = NodeRunner(captured, plan, 0)
+    ident = RunItem(0, ("ident",), {"x": x}, ("ident",))
+    glue = RunItem(1, ("contiguous",), {"ident": x}, ("contiguous",))
 
     def bare(v: torch.Tensor) -> torch.Tensor:
         return v
@@ -122,10 +124,10 @@ def in_process(calls: int, warmup: int) -> dict[str, dict[str, float]]:
             "bare_glue_op": percentiles(lambda: x.contiguous(), calls, warmup),
             "batched_component": percentiles(lambda: batched([([x], {})]), calls, warmup),
             "executor_component": percentiles(
-                lambda: executor.run("echo", "ident", [{"x": x}]), calls, warmup
+                lambda: executor.run("echo", "ident", [ident]), calls, warmup
             ),
             "executor_glue": percentiles(
-                lambda: executor.run("echo", "contiguous", [{"ident": x}]), calls, warmup
+                lambda: executor.run("echo", "contiguous", [glue]), calls, warmup
             ),
         }
 
