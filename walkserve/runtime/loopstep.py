@@ -198,6 +198,7 @@ class LoopStepper(SharedSteps):
                     if key is not None:
                         joins.setdefault((loop.walk, node.name, key), []).append((run, call))
                         continue
+                    run.solo = True  # a call no cohort can hold: it must not dissolve others
             self._item(groups, run, node, call)
         for (walk, _node, key), members in joins.items():
             size = self.max_batch or len(members)
