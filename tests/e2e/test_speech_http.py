@@ -534,7 +534,6 @@ def test_chat_media_with_audio_out_runs_speak_audio(client: Any, ref: Any, eos: 
 
 def test_chat_media_refusals_name_the_field(client: Any) -> None:
     png = picture("PNG")
-    wav = audiocodec.encode(CLIP[:1600], "wav", 16000)
     cases = [
         (
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
@@ -583,14 +582,91 @@ def test_chat_media_refusals_name_the_field(client: Any) -> None:
                 model=OMNI, messages=[{"role": "user", "content": [part]}], max_tokens=2
             )
         assert info.value.body["param"] == param, part
-    two = [image_part(png), audio_part(wav, "wav")]
-    with pytest.raises(openai.BadRequestError, match=r"at most 1 media part") as info:
+    two = [image_part(png)] * 5
+    with pytest.raises(openai.BadRequestError, match=r"at most 4 media part") as info:
         client.chat.completions.create(
             model=OMNI, messages=[{"role": "user", "content": two}], max_tokens=2
         )
-    assert info.value.body["param"] == "messages[0].content[1]"
+    assert info.value.body["param"] == "messages[0].content[4]"
     assistant = {"role": "assistant", "content": [image_part(png)]}
     with pytest.raises(openai.BadRequestError, match=r"go in user messages"):
         client.chat.completions.create(
             model=OMNI, messages=[{"role": "user", "content": "x"}, assistant], max_tokens=2
         )
+
+
+@pytest.fixture(scope="module")
+def tiny_walks() -> Any:
+    return qwen3_omni.tiny()[0]
+
+
+def clips_features(clips: list[bytes]) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """Several clips' walk inputs as upstream's processor makes them: WhisperFeatureExtractor
+    called once on all of them (padded to the longest), and each clip's placeholders."""
+    from transformers import WhisperFeatureExtractor
+
+    audio_config = CONFIG.thinker_config.audio_config
+    waves = [audiocodec.decode(clip, 16000, 60.0).numpy() for clip in clips]
+    extractor = WhisperFeatureExtractor(feature_size=audio_config.num_mel_bins)
+    out = extractor(
+        waves,
+        sampling_rate=16000,
+        padding=True,
+        truncation=False,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    mask = out["attention_mask"].to(torch.int64)
+    thinker = CONFIG.thinker_config
+    ids = []
+    for frames in mask.sum(-1).tolist():
+        count = int(qwen3_omni.audio_token_count(frames, audio_config.n_window))
+        ids.append([thinker.audio_start_token_id, *[thinker.audio_token_id] * count])
+        ids[-1].append(thinker.audio_end_token_id)
+    return {"input_features": out["input_features"], "feature_attention_mask": mask}, ids
+
+
+def test_images_and_clips_in_one_message_equal_upstream_generate(
+    client: Any, tiny_walks: Any, eos: int
+) -> None:
+    """Two images and two audio clips in one message (data URLs and input_audio parts): the
+    reply equals upstream ``thinker.generate()`` on the processor's inputs for the same media
+    (the images through the image processor one by one, the clips through the feature
+    extractor at once)."""
+    images = [picture("PNG", (30, 20)), picture("JPEG", (40, 24))]
+    clips = [
+        audiocodec.encode(CLIP[:12000], "wav", 16000),
+        audiocodec.encode(CLIP[3000:8000] * 0.5, "flac", 16000),
+    ]
+    pictures = [image_features(data) for data in images]
+    audio, clip_ids = clips_features(clips)
+    user = [10, *b"Hi", *pictures[0][1], *clip_ids[0], *b"and", *pictures[1][1], *clip_ids[1]]
+    ids = qwen3_omni.chat_prompt(CONFIG, user, 10)
+    want = tiny_walks.upstream.thinker.generate(
+        ids,
+        **audio,
+        pixel_values=torch.cat([p[0]["pixel_values"] for p in pictures]),
+        image_grid_thw=torch.cat([p[0]["image_grid_thw"] for p in pictures]),
+        max_new_tokens=8,
+        eos_token_id=eos,
+        do_sample=False,
+    )[0, ids.shape[1] :].tolist()
+    want = want[: want.index(eos)] if eos in want else want
+    text = bytes(t for t in want if t < 238).decode("utf-8", errors="replace")
+    assert text
+    content = [{"type": "text", "text": "Hi"}, image_part(images[0]), audio_part(clips[0], "wav")]
+    content += [{"type": "text", "text": "and"}, image_part(images[1], "image/jpeg")]
+    content += [audio_part(clips[1], "flac")]
+    messages = [{"role": "user", "content": content}]
+    reply = client.chat.completions.create(model=OMNI, messages=messages, max_tokens=8)
+    assert reply.choices[0].message.content == text
+    assert reply.usage.prompt_tokens == ids.shape[1]
+    with pytest.raises(openai.BadRequestError, match=r"audio and images in one request") as info:
+        client.chat.completions.create(
+            model=OMNI,
+            messages=messages,
+            modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "wav"},
+            max_tokens=4,
+        )
+    assert info.value.body["param"] == "messages"
