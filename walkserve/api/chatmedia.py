@@ -8,7 +8,10 @@ ids, and splices those ids where the marks are in the rendered prompt::
                                                             resampled to task.sample_rate
     image_url {url: data:image/png|jpeg|webp;base64,...}  -> imagecodec.decode (Pillow), under
                                                             the server's max_image_pixels
-    image_url http(s) / file URLs, video_url, file        -> 400 naming the field
+    image_url http(s) / file URLs                         -> read as the deployer's
+                                                            ``mediafetch.MediaFetch`` allows
+                                                            (off by default: a 400)
+    video_url, file                                       -> 400 naming the field
 
 Media parts go in user messages; at most ``task.max_parts`` per request. A kind's parts go to
 its ``MediaWalk.inputs`` together, in order (``per_part`` for processors that take each alone:
@@ -29,6 +32,7 @@ import torch
 
 from walkserve.api import audiocodec, imagecodec, media
 from walkserve.api.errors import bad
+from walkserve.api.mediafetch import MediaFetch
 from walkserve.api.profile import (
     ChatMediaTask,
     Encode,
@@ -51,6 +55,7 @@ class Part:
     data: bytes
     where: str  # the field named by a 400 about the data
     mark: str
+    url: str | None = None  # an image to read (``MediaFetch.read``) instead of ``data``
 
 
 def _b64(data: str, where: str) -> bytes:
@@ -61,21 +66,10 @@ def _b64(data: str, where: str) -> bytes:
 
 
 def image_bytes(url: str, where: str) -> bytes:
-    """The image of a data URL; a 400 for other URLs (not fetched by this server)."""
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme in ("http", "https"):
-        raise bad(
-            f"{where}: remote image URLs are not enabled on this server; send the image as a"
-            " data URL (data:image/png;base64,...)",
-            where,
-        )
+    """The image of a data URL."""
     m = DATA_URL.fullmatch(url)
     if m is None:
-        raise bad(
-            f"{where}: image URLs other than data URLs (file paths, {scheme or 'no'} scheme) are"
-            " not enabled on this server; send data:image/png;base64,...",
-            where,
-        )
+        raise bad(f"{where}: not a data URL (data:image/png;base64,...)", where)
     mime, params = m.group(1).lower(), m.group(2).lower().split(";")
     if mime not in IMAGE_TYPES:
         raise bad(f"{where}: a data URL of {mime or 'no type'!r}; send one of {IMAGE_TYPES}", where)
@@ -88,10 +82,16 @@ class MediaParts:
     """The media parts of one request, met in order by ``chatprompt.render``."""
 
     def __init__(
-        self, task: ChatMediaTask, model: str, max_image_pixels: int, speaking: bool = False
+        self,
+        task: ChatMediaTask,
+        model: str,
+        max_image_pixels: int,
+        speaking: bool = False,
+        fetch: MediaFetch | None = None,
     ) -> None:
         self.task, self.model, self.speaking = task, model, speaking
         self.max_image_pixels = max_image_pixels
+        self.fetch = fetch or MediaFetch()
         self.parts: list[Part] = []
 
     def _walk(self, kind: str, where: str) -> MediaWalk:
@@ -140,8 +140,12 @@ class MediaParts:
             found = Part("audio", _b64(part.input_audio.data, data_where), data_where, "")
         elif part.type == "image_url":
             self._walk("image", where)
-            url_where = f"{where}.image_url.url"
-            found = Part("image", image_bytes(part.image_url.url, url_where), url_where, "")
+            url, url_where = part.image_url.url, f"{where}.image_url.url"
+            if url[:5].lower() == "data:":
+                found = Part("image", image_bytes(url, url_where), url_where, "")
+            else:
+                self.fetch.check(url, url_where)
+                found = Part("image", b"", url_where, "", url=url)
         else:  # text and refusal parts never reach the marks
             raise bad(f"{where}: unexpected content part {part.type!r}", where)
         found = dataclasses.replace(found, mark=MARK.format(len(self.parts)))
@@ -181,7 +185,8 @@ class MediaParts:
                 return audiocodec.decode(
                     part.data, self.task.sample_rate, self.task.max_audio_seconds
                 )
-            return media.image_to_uint8(imagecodec.decode(part.data, self.max_image_pixels))
+            data = part.data if part.url is None else self.fetch.read(part.url, part.where)
+            return media.image_to_uint8(imagecodec.decode(data, self.max_image_pixels))
         except ValueError as e:
             raise bad(f"{part.where}: {e}", part.where) from None
 
