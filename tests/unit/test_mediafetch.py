@@ -10,6 +10,7 @@ import http.server
 import io
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Location", "/a.png")
             self.end_headers()
             return
+        if self.path == "/slow":  # a body that drips in
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            for _ in range(10):
+                self.wfile.write(b"x" * 100)
+                self.wfile.flush()
+                time.sleep(0.15)
+            return
         body = png() if self.path == "/a.png" else b"x" * 100_000
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
@@ -122,6 +132,9 @@ def test_urls_are_fetched_from_allowed_hosts_only(origin: str) -> None:
     assert info.value.param == W
     with pytest.raises(ApiError, match="'localhost' is not in"):
         fetch.read(f"{origin}/redirect", W)  # to another host
+    hasty = MediaFetch(domains=frozenset({"127.0.0.1"}), timeout_s=0.5)
+    with pytest.raises(ApiError, match=r"took longer than 0\.5 s"):
+        hasty.read(f"{origin}/slow", W)
     other = MediaFetch(domains=frozenset({"example.com"}))
     with pytest.raises(ApiError, match=r"'127\.0\.0\.1' is not in this server's allowed"):
         other.check(f"{origin}/a.png", W)

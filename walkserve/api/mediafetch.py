@@ -5,7 +5,8 @@ Both are off by default: data URLs only.
     file:///abs/path or /abs/path   read only inside ``local_dir``: the path is resolved with
                                     realpath first, so ``..`` and symlinks cannot leave it
     http(s)://host/...              fetched only from a host in ``domains``, at most
-                                    ``max_bytes``, within ``timeout_s``; a redirect is followed
+                                    ``max_bytes``, within ``timeout_s`` (the
+                                    body's reading included); a redirect is followed
                                     (at most ``MAX_REDIRECTS``) only to an allowed host
 
 ``check`` refuses a URL the policy does not allow (cheap: it runs while the prompt is rendered,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -112,6 +114,7 @@ class MediaFetch:
     def _fetch(self, url: str, where: str) -> bytes:
         import httpx
 
+        deadline = time.monotonic() + self.timeout_s  # httpx's timeout is per read
         with httpx.Client(timeout=self.timeout_s, follow_redirects=False) as client:
             for _ in range(MAX_REDIRECTS + 1):
                 self._host(url, where)
@@ -122,18 +125,20 @@ class MediaFetch:
                             continue
                         if response.status_code != 200:
                             raise bad(f"{where}: the URL answered {response.status_code}", where)
-                        return self._body(response, where)
+                        return self._body(response, where, deadline)
                 except httpx.HTTPError as e:
                     raise bad(f"{where}: the URL could not be fetched ({e})", where) from None
         raise bad(f"{where}: more than {MAX_REDIRECTS} redirects", where)
 
-    def _body(self, response: object, where: str) -> bytes:
+    def _body(self, response: object, where: str, deadline: float) -> bytes:
         import httpx
 
         assert isinstance(response, httpx.Response)
         data = bytearray()
         for chunk in response.iter_bytes():
             data += chunk
+            if time.monotonic() > deadline:
+                raise bad(f"{where}: the fetch took longer than {self.timeout_s} s", where)
             if len(data) > self.max_bytes:
                 raise bad(
                     f"{where}: the body is larger than the limit of {self.max_bytes} bytes", where
