@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any
 
+from walkserve.api import mediafetch
+
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,6 +90,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="CORS: a JSON list ('[\"https://a.example\"]') or comma-separated origins; none by"
         " default",
     )
+    mediafetch.add_flags(sv)
     sv.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this key")
     sv.add_argument("--ssl-certfile", metavar="FILE", help="... and this certificate")
     sv.add_argument(
@@ -469,6 +472,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_names=names,
         allowed_origins=_origins(args.allowed_origins),
         walk_limits=limits,
+        media=mediafetch.from_args(args),  # ValueError naming the flag
     )
     progress = StartupProgress()
     try:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -74,3 +75,13 @@ def _serve(*args: str) -> Iterator[ServeProcess]:
 @pytest.fixture(scope="session")
 def walkserve_serve() -> Callable[..., AbstractContextManager[ServeProcess]]:
     return _serve
+
+
+OMNI = "walkserve.adapters.qwen3_omni:tiny_audible"
+
+
+@pytest.fixture(scope="session")
+def omni(walkserve_serve: Callable[..., AbstractContextManager[ServeProcess]]) -> Iterator[Any]:
+    """The tiny Qwen3-Omni served once for the speech and chat-media modules."""
+    with walkserve_serve("--model", OMNI) as server:
+        yield server

@@ -1,15 +1,16 @@
 """Speech over HTTP with the official ``openai`` client: ``walkserve serve`` of the tiny
-Qwen3-Omni (``tiny_audible``: its code2wav's output scaled so that the waveform survives
-pcm16); the tiny Orpheus's voices are in ``test_speech_orpheus_http``. Every result is checked against the same walk run by
-the reference interpreter with the same inputs, built here with the adapters' own prompt
-builders; audio is compared as 16-bit PCM (the relation: equal within one LSB of rounding)."""
+Qwen3-Omni (the session's ``omni`` server, shared with ``test_chat_media_http``;
+``tiny_audible``: its code2wav's output scaled so that the waveform survives pcm16); the tiny
+Orpheus's voices are in ``test_speech_orpheus_http``. Every result is checked against the same
+walk run by the reference interpreter with the same inputs, built with the adapters' own prompt
+builders (``omni_reference``); audio is compared as 16-bit PCM (the relation: equal within one
+LSB of rounding)."""
 
 from __future__ import annotations
 
 import base64
 import json
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,21 +19,23 @@ import torch
 
 openai = pytest.importorskip("openai")
 
+from omni_reference import (  # noqa: E402 (tests/e2e, on pytest's path)
+    CLIP,
+    CONFIG,
+    LIMITS,
+    OMNI,
+    SPEAKERS,
+    assert_pcm_close,
+    chat_ids,
+    clip_features,
+    ref_pcm,
+    transcript,
+)
+
 from walkserve.adapters import omni_http, omni_transcribe, qwen3_omni  # noqa: E402
 from walkserve.adapters.registry import capture_model  # noqa: E402
 from walkserve.api import audiocodec, media  # noqa: E402
 from walkserve.api.metrics import read_metric  # noqa: E402
-
-OMNI = "walkserve.adapters.qwen3_omni:tiny_audible"
-CONFIG = qwen3_omni.tiny_config()
-SPEAKERS = CONFIG.talker_config.speaker_id
-LIMITS = omni_http.TINY_LIMITS
-
-
-@pytest.fixture(scope="module")
-def omni(walkserve_serve: Any) -> Iterator[Any]:
-    with walkserve_serve("--model", OMNI) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -45,24 +48,9 @@ def ref() -> Any:
     return capture_model(OMNI)
 
 
-def chat_ids(user_text: str) -> torch.Tensor:
-    """The ChatML prompt of one user turn, by the adapter's own builder ([1, P])."""
-    return qwen3_omni.chat_prompt(CONFIG, list(b"\n" + user_text.encode()), 10)
-
-
-def pcm(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.int16).to(torch.int32)
-
-
-def ref_pcm(waveform: torch.Tensor) -> torch.Tensor:
-    return pcm(media.pcm16(waveform))
-
-
-def assert_pcm_close(got: bytes, want: torch.Tensor) -> None:
-    samples = pcm(got)
-    assert samples.shape == want.shape and samples.numel() > 0
-    assert want.abs().max() > 1000  # audible: the comparison means something
-    assert (samples - want).abs().max().item() <= 1  # float rounding may flip one LSB
+@pytest.fixture(scope="module")
+def eos() -> int:
+    return qwen3_omni.tiny()[0].eos
 
 
 def ref_speech(ref: Any, text: str, speaker: str, max_tokens: int) -> dict[str, Any]:
@@ -73,19 +61,6 @@ def ref_speech(ref: Any, text: str, speaker: str, max_tokens: int) -> dict[str, 
         "speaker_id": SPEAKERS[speaker],
     }
     return dict(ref.run(inputs, walk="speak"))
-
-
-def transcript(out: dict[str, Any], eos: int, max_tokens: int) -> str:
-    """The reply's text: t0 then the streamed tokens, up to (without) EOS, at most
-    ``max_tokens``; the tiny tokenizer's bytes (ids >= 238 are specials, dropped)."""
-    tokens = [int(out["first_token"]), *out["text_tokens"].reshape(-1).tolist()][:max_tokens]
-    tokens = tokens[: tokens.index(eos)] if eos in tokens else tokens
-    return bytes(t for t in tokens if t < 238).decode("utf-8", errors="replace")
-
-
-@pytest.fixture(scope="module")
-def eos() -> int:
-    return qwen3_omni.tiny()[0].eos
 
 
 # ---------------------------------------------------------------- /v1/audio/speech
@@ -302,8 +277,6 @@ def test_bad_speed_and_unknown_formats_are_400s_naming_the_field(client: Any) ->
 
 # ---------------------------------------------------------------- /v1/audio/transcriptions
 
-CLIP = torch.sin(torch.arange(32000) / 11.0) * 0.3  # 2 s at 16 kHz
-
 
 def ref_transcription(
     ref: Any, eos: int, clip: bytes, language: str | None = None, context: str | None = None
@@ -319,34 +292,6 @@ def ref_transcription(
         "max_new_tokens": LIMITS.max_text_tokens,
     }
     return transcript(dict(ref.run(inputs, walk="chat_audio")), eos, LIMITS.max_text_tokens)
-
-
-def clip_features(clip: bytes) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """The clip's walk inputs as upstream's processor makes them (the upload decoded by PyAV to
-    16 kHz, WhisperFeatureExtractor called with the processor's arguments) and its
-    placeholders ``<|audio_start|> <|audio_pad|> x N <|audio_end|>``."""
-    from transformers import WhisperFeatureExtractor
-
-    audio_config = CONFIG.thinker_config.audio_config
-    wave = audiocodec.decode(clip, 16000, 60.0)
-    extractor = WhisperFeatureExtractor(feature_size=audio_config.num_mel_bins)
-    features = extractor(
-        wave.numpy(),
-        sampling_rate=16000,
-        padding=True,
-        truncation=False,
-        return_attention_mask=True,
-        return_tensors="pt",
-    )
-    frames = int(features["attention_mask"].sum())
-    thinker = CONFIG.thinker_config
-    count = int(qwen3_omni.audio_token_count(frames, audio_config.n_window))
-    placeholders = [thinker.audio_start_token_id, *[thinker.audio_token_id] * count]
-    inputs = {
-        "input_features": features["input_features"],
-        "feature_attention_mask": features["attention_mask"].to(torch.int64),
-    }
-    return inputs, [*placeholders, thinker.audio_end_token_id]
 
 
 def test_transcription_equals_the_thinkers_greedy_reply(client: Any, ref: Any, eos: int) -> None:
@@ -406,191 +351,3 @@ def test_metrics_have_the_viability_gauge(omni: Any, client: Any) -> None:
     assert judged is not None and judged >= 2  # the streamed tests' chunks
     first = read_metric(text, "walkserve:time_to_first_audio_seconds_count")
     assert first is not None and first >= 3
-
-
-# ---------------------------------------------------------------- media parts in chat
-
-
-def image_features(data: bytes) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """An image's walk inputs as upstream's processor makes them (Pillow's RGB image through
-    the Qwen2-VL image processor of the tiny vision tower's sizes, at most 64 x 64 pixels) and
-    its placeholders ``<|vision_start|> <|image_pad|> x t*h*w/4 <|vision_end|>``."""
-    import io
-
-    from PIL import Image
-    from transformers import Qwen2VLImageProcessorPil
-
-    vision = CONFIG.thinker_config.vision_config
-    processor = Qwen2VLImageProcessorPil(
-        patch_size=vision.patch_size,
-        merge_size=vision.spatial_merge_size,
-        temporal_patch_size=vision.temporal_patch_size,
-        size={"shortest_edge": 64, "longest_edge": 64 * 64},
-    )
-    out = processor(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
-    thinker = CONFIG.thinker_config
-    count = int(out["image_grid_thw"].prod()) // vision.spatial_merge_size**2
-    placeholders = [thinker.vision_start_token_id, *[thinker.image_token_id] * count]
-    inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-    return inputs, [*placeholders, thinker.vision_end_token_id]
-
-
-def picture(fmt: str, size: tuple[int, int] = (30, 20)) -> bytes:
-    import io
-
-    from PIL import Image
-
-    g = torch.Generator().manual_seed(5)
-    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels.numpy(), "RGB").save(out, format=fmt)
-    return out.getvalue()
-
-
-def solid_png(width: int, height: int) -> bytes:
-    import io
-
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), (200, 10, 10)).save(out, format="PNG")
-    return out.getvalue()
-
-
-def audio_part(clip: bytes, fmt: str) -> dict[str, Any]:
-    return {"type": "input_audio", "input_audio": {"data": b64(clip), "format": fmt}}
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def image_part(data: bytes, mime: str = "image/png") -> dict[str, Any]:
-    url = f"data:{mime};base64,{b64(data)}"
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
-def test_chat_audio_part_equals_the_chat_audio_walk(client: Any, ref: Any, eos: int) -> None:
-    clip = audiocodec.encode(CLIP[:12000], "wav", 16000)  # 0.75 s
-    features, placeholders = clip_features(clip)
-    user = [10, *b"Hi", *placeholders, *b"what?"]  # the part where it is, text joined to it
-    inputs = {"input_ids": qwen3_omni.chat_prompt(CONFIG, user, 10), **features}
-    want = transcript(dict(ref.run({**inputs, "max_new_tokens": 9}, walk="chat_audio")), eos, 9)
-    assert want
-    content = [{"type": "text", "text": "Hi"}, audio_part(clip, "wav")]
-    content.append({"type": "text", "text": "what?"})
-    messages = [{"role": "user", "content": content}]
-    reply = client.chat.completions.create(model=OMNI, messages=messages, max_tokens=9)
-    assert reply.choices[0].message.content == want
-    assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
-    stream = client.chat.completions.create(
-        model=OMNI, messages=messages, max_tokens=9, stream=True
-    )
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
-
-
-def test_chat_image_part_equals_the_chat_image_walk(client: Any, ref: Any, eos: int) -> None:
-    answers = set()
-    kinds = [("PNG", "image/png", (30, 20)), ("JPEG", "image/jpeg", (30, 20))]
-    kinds.append(("WEBP", "image/webp", (200, 90)))  # resized by the processor to <= 64 x 64
-    for fmt, mime, size in kinds:
-        data = picture(fmt, size)
-        features, placeholders = image_features(data)
-        user = [10, *placeholders, *b"Describe."]
-        inputs = {"input_ids": qwen3_omni.chat_prompt(CONFIG, user, 10), **features}
-        run = dict(ref.run({**inputs, "max_new_tokens": 8}, walk="chat_image"))
-        want = transcript(run, eos, 8)
-        content = [image_part(data, mime), {"type": "text", "text": "Describe."}]
-        reply = client.chat.completions.create(
-            model=OMNI, messages=[{"role": "user", "content": content}], max_tokens=8
-        )
-        assert reply.choices[0].message.content == want, fmt
-        answers.add(want)
-    assert len(answers) > 1  # the image is read: the lossy formats' pixels change the reply
-
-
-def test_chat_media_with_audio_out_runs_speak_audio(client: Any, ref: Any, eos: int) -> None:
-    clip = audiocodec.encode(CLIP[:8000], "flac", 16000)
-    features, placeholders = clip_features(clip)
-    inputs = {
-        "input_ids": qwen3_omni.chat_prompt(CONFIG, [10, *placeholders], 10),
-        **features,
-        "max_new_tokens": 5,
-        "max_audio_tokens": LIMITS.chat_audio_tokens,
-        "speaker_id": SPEAKERS["ethan"],
-    }
-    want = dict(ref.run(inputs, walk="speak_audio"))
-    reply = client.chat.completions.create(
-        model=OMNI,
-        messages=[{"role": "user", "content": [audio_part(clip, "flac")]}],
-        modalities=["text", "audio"],
-        audio={"voice": "ethan", "format": "wav"},
-        max_tokens=5,
-    )
-    message = reply.choices[0].message
-    assert message.audio.transcript == transcript(want, eos, 5)
-    assert_pcm_close(base64.b64decode(message.audio.data)[44:], ref_pcm(want["waveform"]))
-
-
-def test_chat_media_refusals_name_the_field(client: Any) -> None:
-    png = picture("PNG")
-    wav = audiocodec.encode(CLIP[:1600], "wav", 16000)
-    cases = [
-        (
-            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
-            r"remote image URLs are not enabled on this server",
-            "messages[0].content[0].image_url.url",
-        ),
-        (
-            {"type": "image_url", "image_url": {"url": "/etc/cat.png"}},
-            r"other than data URLs",
-            "messages[0].content[0].image_url.url",
-        ),
-        (
-            image_part(png, "image/gif"),
-            r"'image/gif'",
-            "messages[0].content[0].image_url.url",
-        ),
-        (
-            image_part(b"not an image"),
-            r"not a PNG, JPEG or WebP",
-            "messages[0].content[0].image_url.url",
-        ),
-        (
-            image_part(solid_png(4097, 4096)),  # the server's max_image_pixels, 4096 x 4096
-            r"limit is 16777216 pixels",
-            "messages[0].content[0].image_url.url",
-        ),
-        (
-            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
-            r"takes no video",
-            "messages[0].content[0]",
-        ),
-        (
-            {"type": "input_audio", "input_audio": {"data": "!!", "format": "wav"}},
-            r"is not base64",
-            "messages[0].content[0].input_audio.data",
-        ),
-        (
-            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "ogg"}},
-            r"'ogg' is not supported",
-            "messages[0].content[0].input_audio.format",
-        ),
-    ]
-    for part, match, param in cases:
-        with pytest.raises(openai.BadRequestError, match=match) as info:
-            client.chat.completions.create(
-                model=OMNI, messages=[{"role": "user", "content": [part]}], max_tokens=2
-            )
-        assert info.value.body["param"] == param, part
-    two = [image_part(png), audio_part(wav, "wav")]
-    with pytest.raises(openai.BadRequestError, match=r"at most 1 media part") as info:
-        client.chat.completions.create(
-            model=OMNI, messages=[{"role": "user", "content": two}], max_tokens=2
-        )
-    assert info.value.body["param"] == "messages[0].content[1]"
-    assistant = {"role": "assistant", "content": [image_part(png)]}
-    with pytest.raises(openai.BadRequestError, match=r"go in user messages"):
-        client.chat.completions.create(
-            model=OMNI, messages=[{"role": "user", "content": "x"}, assistant], max_tokens=2
-        )

@@ -41,8 +41,11 @@ TASK = TextTask(
 
 
 def fake_walk(name: str, mark: int) -> MediaWalk:
-    def inputs(value: torch.Tensor) -> tuple[dict[str, Any], list[int]]:
-        return {f"{name}_shape": tuple(value.shape)}, [mark, mark + 1]
+    def inputs(values: list[torch.Tensor]) -> tuple[dict[str, Any], list[list[int]]]:
+        shapes = [tuple(value.shape) for value in values]
+        return {f"{name}_shape": shapes[0] if len(shapes) == 1 else shapes}, [
+            [mark + 2 * i, mark + 2 * i + 1] for i in range(len(values))
+        ]
 
     return MediaWalk(name, inputs, speak_walk=f"speak_{name}")
 
@@ -113,6 +116,26 @@ def test_speaking_picks_the_speak_walk() -> None:
     assert parts.prompt(rendered, encode)[0] == "speak_image"
 
 
+def test_audio_and_images_in_one_request_run_the_mixed_walk() -> None:
+    wav = audiocodec.encode(torch.zeros(800), "wav", 16000)
+    audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode()}}
+    audio["input_audio"]["format"] = "wav"
+    image = image_part(data_url(png()))
+    msgs = messages(image, {"type": "text", "text": "a"}, audio, image)
+    with pytest.raises(ApiError, match="cannot take audio and images in one request"):
+        build(msgs, dataclasses.replace(MEDIA, max_parts=3))
+    task = dataclasses.replace(MEDIA, max_parts=3, mixed_walk="both")
+    walk, inputs, ids = build(msgs, task)
+    assert walk == "both"
+    assert inputs == {"image_shape": [(2, 3, 3), (2, 3, 3)], "audio_shape": (800,)}
+    want = [*encode("user: "), 800, 801, *encode("a"), 900, 901, 802, 803]
+    assert ids == [*want, *encode("\nassistant:")]  # each part's ids where it is
+    speaking = chatmedia.MediaParts(task, "m", 1 << 20, speaking=True)
+    rendered = chatprompt.render(TASK, msgs, None, "m", speaking.mark)
+    with pytest.raises(ApiError, match="in one request with audio output"):
+        speaking.prompt(rendered, encode)
+
+
 @pytest.mark.parametrize(
     ("part", "match", "param"),
     [
@@ -156,7 +179,7 @@ def test_limits_kind_and_role() -> None:
 
 def test_qwen3_inputs_satisfy_the_walks_placeholder_checks() -> None:
     from walkserve.adapters import omni_chatmedia, qwen3_omni
-    from walkserve.adapters.omni_transcribe import tiny_extractor
+    from walkserve.adapters.omni_transcribe import tiny_extractor, whisper_features
 
     config = qwen3_omni.tiny_config()
     thinker = config.thinker_config
@@ -168,7 +191,7 @@ def test_qwen3_inputs_satisfy_the_walks_placeholder_checks() -> None:
     task = profile.chat_media
     assert task is not None and task.image is not None and task.audio is not None
     image = torch.randint(0, 256, (20, 30, 3), dtype=torch.uint8)
-    inputs, ids = task.image.inputs(image)
+    inputs, [ids] = task.image.inputs([image])
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 8]]  # 16 x 32 pixels: 4 x 8 patches of 4
     assert ids == [
         thinker.vision_start_token_id,
@@ -178,12 +201,12 @@ def test_qwen3_inputs_satisfy_the_walks_placeholder_checks() -> None:
     check = qwen3_omni.ImagePlaceholders(thinker.image_token_id, 2)
     check(torch.tensor([ids]), inputs["pixel_values"], inputs["image_grid_thw"])
     clip = torch.sin(torch.arange(8000) / 5.0)
-    inputs, ids = task.audio.inputs(clip)
+    inputs, [ids] = task.audio.inputs([clip])
     qwen3_omni.AudioPlaceholders(thinker.audio_token_id, 50)(
         torch.tensor([ids]), inputs["feature_attention_mask"]
     )
     assert ids[0] == thinker.audio_start_token_id and ids[-1] == thinker.audio_end_token_id
-    want, _ = omni_chatmedia.whisper_features(extractor)(clip)
+    want, _ = whisper_features(extractor)(clip)  # one clip: as the transcriptions route
     assert torch.equal(inputs["input_features"], want)
 
 
@@ -259,6 +282,31 @@ def test_qwen3_chat_media_equals_upstreams_processor(monkeypatch: pytest.MonkeyP
         assert inputs.keys() == want.keys() - {"input_ids", "attention_mask"}
         for name, value in inputs.items():
             assert torch.equal(value, want[name]), name
+    # Two images and two clips of different lengths in one message: one call of each upstream
+    # processor for all of them (the clips padded to the longest), ids where the parts are.
+    other = torch.randint(0, 256, (30, 20, 3), dtype=torch.uint8, generator=g)
+    short = audiocodec.encode(clip[:5000], "flac", 16000)
+    content = [{"type": "text", "text": "Hi"}, cases[0][0], cases[1][0]]
+    content += [{"type": "text", "text": "and"}, image_part(data_url(png_of(other)))]
+    content += [{"type": "input_audio", "input_audio": {"data": base64.b64encode(short).decode()}}]
+    content[-1]["input_audio"]["format"] = "flac"
+    content += [{"type": "text", "text": "what?"}]
+    parts = chatmedia.MediaParts(profile.chat_media, "omni", 1 << 20)
+    rendered = chatprompt.render(text, messages(*content), None, "omni", parts.mark)
+    walk, inputs, ids = parts.prompt(rendered, tiny.encode)
+    assert walk == "chat_media"
+    tags = cases[0][1] + cases[1][1]
+    prompt = omni_http.chatml([("user", f"Hi{tags}and{tags}what?")])
+    clips = [audiocodec.decode(data, 16000, 30.0).numpy() for data in (wav, short)]
+    want = upstream(
+        text=[prompt], images=[image.numpy(), other.numpy()], audio=clips, return_tensors="pt"
+    )
+    assert ids == want["input_ids"][0].tolist()
+    assert inputs.keys() == want.keys() - {"input_ids", "attention_mask"}
+    for name, value in inputs.items():
+        assert torch.equal(value, want[name]), name
+    assert inputs["feature_attention_mask"].shape[0] == 2
+    assert inputs["image_grid_thw"].shape[0] == 2
 
 
 def png_of(image: torch.Tensor) -> bytes:

@@ -248,7 +248,7 @@ def test_placeholder_count_must_match_the_features(tiny: Any) -> None:
     with pytest.raises(ValueError, match="audio placeholder tokens"):
         walks.speak_audio(**short)
     two = {**r, "feature_attention_mask": r["feature_attention_mask"].repeat(2, 1)}
-    with pytest.raises(ValueError, match="one audio per prompt row"):
+    with pytest.raises(ValueError, match="one feature row per clip"):
         walks.chat_audio(
             **{
                 k: two[k]
@@ -267,3 +267,68 @@ def test_image_placeholders_must_match_the_grid(tiny: Any) -> None:
         walks.chat_image(**short)
     with pytest.raises(ValueError, match="patches"):
         walks.chat_image(**{**short, "pixel_values": r["pixel_values"][:-1]})
+
+
+def mixed(
+    walks: q.Qwen3OmniWalks, grids: list[tuple[int, int]], clips: list[int]
+) -> dict[str, Any]:
+    """A prompt with images and audio clips in one user turn, interleaved (image, clip, image,
+    ...), laid out as upstream's processor does; the clips padded to the longest as its
+    feature extractor pads a batch."""
+    config = walks.upstream.config
+    thinker = config.thinker_config
+    user: list[int] = []
+    pixels, grid_rows, features, masks = [], [], [], []
+    longest = max(clips) if clips else 0
+    for i in range(max(len(grids), len(clips))):
+        if i < len(grids):
+            r = q.image_request(config, grids[i], seed=10 + i)
+            h, w = grids[i]
+            count = h * w // thinker.vision_config.spatial_merge_size**2
+            user += [thinker.vision_start_token_id, *[thinker.image_token_id] * count]
+            user += [thinker.vision_end_token_id]
+            pixels.append(r["pixel_values"])
+            grid_rows.append(r["image_grid_thw"])
+        if i < len(clips):
+            a = q.audio_request(config, clips[i], padding=longest - clips[i], seed=20 + i)
+            count = int(q.audio_token_count(clips[i], thinker.audio_config.n_window))
+            user += [thinker.audio_start_token_id, *[thinker.audio_token_id] * count]
+            user += [thinker.audio_end_token_id]
+            features.append(a["input_features"])
+            masks.append(a["feature_attention_mask"])
+    user += [44, 45, 46]
+    return {
+        "input_ids": q.chat_prompt(config, user),
+        "input_features": torch.cat(features),
+        "feature_attention_mask": torch.cat(masks),
+        "pixel_values": torch.cat(pixels),
+        "image_grid_thw": torch.cat(grid_rows),
+        "max_new_tokens": 10,
+        "max_audio_tokens": 30,
+        "speaker_id": q.TINY_SPEAKER,
+    }
+
+
+MIXED = [([(4, 4)], [64]), ([(8, 12), (6, 2)], [150, 37])]
+
+
+@pytest.mark.parametrize("grids, clips", MIXED)
+def test_chat_media_with_images_and_clips_equals_upstream_generate(
+    tiny: Any, grids: list[tuple[int, int]], clips: list[int]
+) -> None:
+    """Images and audio clips in one prompt: the thinker's text (``chat_media``) equals
+    upstream ``thinker.generate()`` on the same inputs (its rotary positions count the clips
+    too)."""
+    walks, captured = tiny
+    r = mixed(walks, grids, clips)
+    media = {k: r[k] for k in q.MEDIA_INPUTS}
+    want = walks.upstream.thinker.generate(
+        r["input_ids"],
+        **media,
+        max_new_tokens=r["max_new_tokens"],
+        eos_token_id=walks.eos,
+        do_sample=False,
+    )
+    keys = ("input_ids", *q.MEDIA_INPUTS, "max_new_tokens")
+    got = captured.run({k: r[k] for k in keys}, walk="chat_media")
+    assert torch.equal(text_of(got), want[:, r["input_ids"].shape[1] :])

@@ -139,7 +139,7 @@ def test_profile_image_inputs_are_the_processors(kind: str, tmp_path: Path) -> N
     assert media.image.walk == "prefill_image"
     image = picture(3, (40, 24))
     ref = tiny.reference_inputs(kind, tmp_path, user(1, ""), [image])
-    inputs, placeholders = media.image.inputs(torch.from_numpy(np.array(image)))
+    inputs, [placeholders] = media.image.inputs([torch.from_numpy(np.array(image))])
     assert torch.equal(inputs["pixel_values"], ref["pixel_values"])
     assert inputs.keys() == walk_inputs(kind, ref).keys()
     for key, value in walk_inputs(kind, ref).items():

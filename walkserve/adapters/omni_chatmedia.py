@@ -1,9 +1,10 @@
-"""Chat messages with an audio clip or an image for Qwen3-Omni's thinker: the
-``ChatMediaTask`` of its profile, over the ``chat_audio`` / ``chat_image`` walks (and
-``speak_audio`` / ``speak_image`` for audio out). Each part becomes what upstream's
-``Qwen3OmniMoeProcessor`` makes of it:
+"""Chat messages with audio clips and images for Qwen3-Omni's thinker: the ``ChatMediaTask``
+of its profile, over the ``chat_audio`` / ``chat_image`` walks (``speak_audio`` /
+``speak_image`` for audio out) and ``chat_media`` for both kinds in one request. The parts
+become what upstream's ``Qwen3OmniMoeProcessor`` makes of them:
 
-    audio  WhisperFeatureExtractor features and frame mask (``omni_transcribe.whisper_features``),
+    audio  WhisperFeatureExtractor features and frame masks of all clips at once (padded to
+           the longest, as the processor calls it),
            placeholders <|audio_start|> <|audio_pad|> x audio_token_count(frames) <|audio_end|>
     image  the image processor (``Qwen2VLImageProcessorPil``: the checkpoint's
            ``preprocessor_config.json``, or one built for a tiny config's patch, merge and
@@ -23,9 +24,10 @@ from typing import Any
 
 import torch
 
-from walkserve.adapters.omni_transcribe import whisper_features
+from walkserve.api.chatmedia import per_part
 from walkserve.api.profile import ChatMediaTask, MediaInputs, MediaWalk, ModelProfile
 
+MAX_PARTS = 4  # media parts per request (each clip and image is encoded in the prefill)
 TINY_IMAGE_PIXELS = 64 * 64  # the tiny vision tower's images at most (resized by the processor)
 
 
@@ -72,8 +74,9 @@ def checkpoint_image_processor(path: str, vision_config: Any) -> Any | None:
 
 
 def image_inputs(processor: Any, start: int, pad: int, end: int) -> MediaInputs:
-    """An image [H, W, 3] uint8 -> ``pixel_values``, ``image_grid_thw`` as upstream's processor
-    calls its image processor, and the image's placeholders."""
+    """Images [H, W, 3] uint8 -> ``pixel_values``, ``image_grid_thw`` as upstream's processor
+    calls its image processor (each image alone: the same patches), and each one's
+    placeholders."""
     merge = int(processor.merge_size)
 
     def inputs(image: torch.Tensor) -> tuple[dict[str, Any], list[int]]:
@@ -85,21 +88,28 @@ def image_inputs(processor: Any, start: int, pad: int, end: int) -> MediaInputs:
         media = {"pixel_values": out["pixel_values"], "image_grid_thw": grid.to(torch.int64)}
         return media, [start, *[pad] * count, end]
 
-    return inputs
+    return per_part(inputs)
 
 
 def audio_inputs(extractor: Any, start: int, pad: int, end: int, n_window: int) -> MediaInputs:
-    """A clip [samples] at the extractor's rate -> ``input_features``,
-    ``feature_attention_mask`` and the clip's placeholders."""
+    """Clips [samples] at the extractor's rate -> ``input_features`` [clips, mel, T],
+    ``feature_attention_mask`` [clips, T] (the extractor called on all of them at once, as
+    upstream's processor calls it: padded to the longest) and each clip's placeholders."""
     from walkserve.adapters.qwen3_omni import audio_token_count
 
-    features = whisper_features(extractor)
-
-    def inputs(clip: torch.Tensor) -> tuple[dict[str, Any], list[int]]:
-        feats, mask = features(clip)
-        count = int(audio_token_count(int(mask.sum()), n_window))
-        media = {"input_features": feats, "feature_attention_mask": mask}
-        return media, [start, *[pad] * count, end]
+    def inputs(clips: list[torch.Tensor]) -> tuple[dict[str, Any], list[list[int]]]:
+        out = extractor(
+            [clip.numpy() for clip in clips],
+            sampling_rate=extractor.sampling_rate,
+            padding=True,
+            truncation=False,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        mask = out["attention_mask"].to(torch.int64)  # [clips, T]
+        counts = audio_token_count(mask.sum(-1), n_window).tolist()
+        media = {"input_features": out["input_features"], "feature_attention_mask": mask}
+        return media, [[start, *[pad] * int(count), end] for count in counts]
 
     return inputs
 
@@ -111,8 +121,10 @@ def with_qwen3_chat_media(
     image_processor: Any | None,
     max_audio_seconds: float,
 ) -> ModelProfile:
-    """``profile`` (a Qwen3-Omni profile) whose chat takes one audio clip (with an extractor)
-    or one image (with an image processor) per request; ``config`` its ``Qwen3OmniMoeConfig``."""
+    """``profile`` (a Qwen3-Omni profile) whose chat takes audio clips (with an extractor) and
+    images (with an image processor), up to ``MAX_PARTS`` per request, both kinds in one
+    request through ``chat_media`` (text out only: no ``speak_media``, see its module);
+    ``config`` its ``Qwen3OmniMoeConfig``."""
     thinker = config.thinker_config
     audio = image = None
     if extractor is not None:
@@ -145,5 +157,7 @@ def with_qwen3_chat_media(
         image=image,
         sample_rate=int(extractor.sampling_rate) if extractor is not None else 16000,
         max_audio_seconds=max_audio_seconds,
+        max_parts=MAX_PARTS,
+        mixed_walk="chat_media" if audio is not None and image is not None else None,
     )
     return dataclasses.replace(profile, chat_media=task)

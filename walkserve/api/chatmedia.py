@@ -8,11 +8,15 @@ ids, and splices those ids where the marks are in the rendered prompt::
                                                             resampled to task.sample_rate
     image_url {url: data:image/png|jpeg|webp;base64,...}  -> imagecodec.decode (Pillow), under
                                                             the server's max_image_pixels
-    image_url http(s) / file URLs, video_url, file        -> 400 naming the field
+    image_url http(s) / file URLs                         -> read as the deployer's
+                                                            ``mediafetch.MediaFetch`` allows
+                                                            (off by default: a 400)
+    video_url, file                                       -> 400 naming the field
 
-Media parts go in user messages; at most ``task.max_parts`` per request (several parts' inputs
-are concatenated along dimension 0, in the order of the parts: a VLM's images). Raises
-``ApiError``.
+Media parts go in user messages; at most ``task.max_parts`` per request. A kind's parts go to
+its ``MediaWalk.inputs`` together, in order (``per_part`` for processors that take each alone:
+their tensors concatenated along dimension 0); a request with audio and images runs the task's
+``mixed_walk``. Raises ``ApiError``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,15 @@ import torch
 
 from walkserve.api import audiocodec, imagecodec, media
 from walkserve.api.errors import bad
-from walkserve.api.profile import ChatMediaTask, Encode, MediaWalk, TextTask
+from walkserve.api.mediafetch import MediaFetch
+from walkserve.api.profile import (
+    ChatMediaTask,
+    Encode,
+    MediaInputs,
+    MediaWalk,
+    OneMedia,
+    TextTask,
+)
 from walkserve.api.schemas import ContentPart
 
 AUDIO_FORMATS = ("wav", "mp3", "flac")
@@ -43,6 +55,7 @@ class Part:
     data: bytes
     where: str  # the field named by a 400 about the data
     mark: str
+    url: str | None = None  # an image to read (``MediaFetch.read``) instead of ``data``
 
 
 def _b64(data: str, where: str) -> bytes:
@@ -53,21 +66,10 @@ def _b64(data: str, where: str) -> bytes:
 
 
 def image_bytes(url: str, where: str) -> bytes:
-    """The image of a data URL; a 400 for other URLs (not fetched by this server)."""
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme in ("http", "https"):
-        raise bad(
-            f"{where}: remote image URLs are not enabled on this server; send the image as a"
-            " data URL (data:image/png;base64,...)",
-            where,
-        )
+    """The image of a data URL."""
     m = DATA_URL.fullmatch(url)
     if m is None:
-        raise bad(
-            f"{where}: image URLs other than data URLs (file paths, {scheme or 'no'} scheme) are"
-            " not enabled on this server; send data:image/png;base64,...",
-            where,
-        )
+        raise bad(f"{where}: not a data URL (data:image/png;base64,...)", where)
     mime, params = m.group(1).lower(), m.group(2).lower().split(";")
     if mime not in IMAGE_TYPES:
         raise bad(f"{where}: a data URL of {mime or 'no type'!r}; send one of {IMAGE_TYPES}", where)
@@ -80,10 +82,16 @@ class MediaParts:
     """The media parts of one request, met in order by ``chatprompt.render``."""
 
     def __init__(
-        self, task: ChatMediaTask, model: str, max_image_pixels: int, speaking: bool = False
+        self,
+        task: ChatMediaTask,
+        model: str,
+        max_image_pixels: int,
+        speaking: bool = False,
+        fetch: MediaFetch | None = None,
     ) -> None:
         self.task, self.model, self.speaking = task, model, speaking
         self.max_image_pixels = max_image_pixels
+        self.fetch = fetch or MediaFetch()
         self.parts: list[Part] = []
 
     def _walk(self, kind: str, where: str) -> MediaWalk:
@@ -102,8 +110,8 @@ class MediaParts:
     def mark(self, part: ContentPart, where: str, role: str) -> str:
         if part.type == "video_url":
             raise bad(
-                f"{where}: model {self.model!r} takes no video (its walks read one image or one"
-                " audio clip); send image_url or input_audio",
+                f"{where}: model {self.model!r} takes no video (its walks read images and audio"
+                " clips); send image_url or input_audio",
                 where,
             )
         if part.type == "file":
@@ -132,8 +140,12 @@ class MediaParts:
             found = Part("audio", _b64(part.input_audio.data, data_where), data_where, "")
         elif part.type == "image_url":
             self._walk("image", where)
-            url_where = f"{where}.image_url.url"
-            found = Part("image", image_bytes(part.image_url.url, url_where), url_where, "")
+            url, url_where = part.image_url.url, f"{where}.image_url.url"
+            if url[:5].lower() == "data:":
+                found = Part("image", image_bytes(url, url_where), url_where, "")
+            else:
+                self.fetch.check(url, url_where)
+                found = Part("image", b"", url_where, "", url=url)
         else:  # text and refusal parts never reach the marks
             raise bad(f"{where}: unexpected content part {part.type!r}", where)
         found = dataclasses.replace(found, mark=MARK.format(len(self.parts)))
@@ -142,33 +154,55 @@ class MediaParts:
 
     def prompt(self, rendered: str, encode: Encode) -> tuple[str, dict[str, Any], list[int]]:
         """(the walk, the media walk inputs, the prompt ids) of the rendered prompt (which
-        holds each part's mark once). CPU work: decodes the media."""
+        holds each part's mark once). CPU work: decodes the media; each kind's parts go to
+        its walk's inputs together, in order."""
         if rendered.count("\x00media") != len(self.parts):
             raise bad("a text part holds the reserved text '\\x00media'", "messages")
-        walks, ids, rest = set(), [], rendered
+        kinds = sorted({part.kind for part in self.parts})
         inputs: dict[str, Any] = {}
-        for part in self.parts:
-            walk = self._walk(part.kind, part.where)
+        placeholders: dict[str, list[int]] = {}  # mark -> ids
+        for kind in kinds:
+            parts = [part for part in self.parts if part.kind == kind]
+            walk = self._walk(kind, parts[0].where)
+            decoded = [self._decode(part) for part in parts]
             try:
-                if part.kind == "audio":
-                    clip = audiocodec.decode(
-                        part.data, self.task.sample_rate, self.task.max_audio_seconds
-                    )
-                    part_inputs, placeholders = walk.inputs(clip)
-                else:
-                    image = imagecodec.decode(part.data, self.max_image_pixels)
-                    part_inputs, placeholders = walk.inputs(media.image_to_uint8(image))
+                found, ids = walk.inputs(decoded)
             except ValueError as e:
-                raise bad(f"{part.where}: {e}", part.where) from None
+                where = parts[0].where if len(parts) == 1 else "messages"
+                raise bad(f"{where}: {e}", where) from None
+            inputs.update(found)
+            placeholders.update(zip((part.mark for part in parts), ids))
+        out, rest = [], rendered
+        for part in self.parts:
             before, rest = rest.split(part.mark, 1)
-            ids += [*encode(before), *placeholders]
-            for key, value in part_inputs.items():  # several parts: in order, along dim 0
-                inputs[key] = torch.cat([inputs[key], value]) if key in inputs else value
-            walks.add(walk.speak_walk if self.speaking else walk.walk)
-        ids += encode(rest)
-        if len(walks) != 1:
-            raise bad("the media parts of one request need one walk", "messages")
-        return walks.pop() or "", inputs, ids
+            out += [*encode(before), *placeholders[part.mark]]
+        out += encode(rest)
+        return self._walk_name(kinds), inputs, out
+
+    def _decode(self, part: Part) -> Any:
+        try:
+            if part.kind == "audio":
+                return audiocodec.decode(
+                    part.data, self.task.sample_rate, self.task.max_audio_seconds
+                )
+            data = part.data if part.url is None else self.fetch.read(part.url, part.where)
+            return media.image_to_uint8(imagecodec.decode(data, self.max_image_pixels))
+        except ValueError as e:
+            raise bad(f"{part.where}: {e}", part.where) from None
+
+    def _walk_name(self, kinds: list[str]) -> str:
+        if len(kinds) == 1:
+            walk = self._walk(kinds[0], "messages")
+            return (walk.speak_walk if self.speaking else walk.walk) or ""
+        name = self.task.mixed_speak_walk if self.speaking else self.task.mixed_walk
+        if name is None:
+            out = " with audio output" if self.speaking else ""
+            raise bad(
+                f"model {self.model!r} cannot take audio and images in one request{out}; send"
+                " one kind",
+                "messages",
+            )
+        return name
 
 
 def media_text_task(task: TextTask, walk: str, inputs: dict[str, Any]) -> TextTask:
@@ -177,3 +211,20 @@ def media_text_task(task: TextTask, walk: str, inputs: dict[str, Any]) -> TextTa
     return dataclasses.replace(
         task, walk=walk, ext_walk=None, extra_inputs={**task.extra_inputs, **inputs}
     )
+
+
+def per_part(one: OneMedia) -> MediaInputs:
+    """``MediaInputs`` of a processor that handles each part alone (images): each part's
+    tensors concatenated along dimension 0, in order."""
+
+    def inputs(parts: list[Any]) -> tuple[dict[str, Any], list[list[int]]]:
+        joined: dict[str, Any] = {}
+        ids = []
+        for part in parts:
+            found, part_ids = one(part)
+            for key, value in found.items():
+                joined[key] = torch.cat([joined[key], value]) if key in joined else value
+            ids.append(part_ids)
+        return joined, ids
+
+    return inputs

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from walkserve.api import audio, jsonsafe
 from walkserve.api.admission import Admission, Ticket
 from walkserve.api.errors import ApiError, ClientGone, bad
+from walkserve.api.mediafetch import MediaFetch
 from walkserve.api.metrics import Metrics
 from walkserve.api.profile import ModelProfile, Voice, Voices
 from walkserve.runtime.conductor import StreamItem
@@ -44,6 +45,7 @@ class ApiConfig:
     # ``/v1/walks/*``: how long its inputs, how many loop iterations and rows one request may
     # ask for (``runtime.limits``); the task routes have their profile's limits
     walk_limits: WalkLimits = field(default_factory=lambda: DEFAULT_WALK_LIMITS)
+    media: MediaFetch = field(default_factory=MediaFetch)  # image URLs besides data URLs
 
     def __post_init__(self) -> None:
         if self.max_queued is not None and self.max_queued < 1:

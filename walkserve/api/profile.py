@@ -193,9 +193,12 @@ class TranscriptionTask:
     extra_inputs: Mapping[str, Any] = field(default_factory=dict)
 
 
-#: one decoded media part (a clip [samples] float at ``ChatMediaTask.sample_rate``, or an
-#: image [H, W, 3] uint8 RGB) -> (the walk's media inputs, the prompt ids that stand for it)
-MediaInputs = Callable[[Any], tuple[dict[str, Any], list[int]]]
+#: a request's decoded media parts of one kind, in order (clips [samples] float at
+#: ``ChatMediaTask.sample_rate``, or images [H, W, 3] uint8 RGB) -> (the walk's media inputs
+#: for all of them, the prompt ids that stand for each), as an upstream processor is called
+#: with the list (an audio feature extractor pads the clips to the longest)
+MediaInputs = Callable[[list[Any]], tuple[dict[str, Any], list[list[int]]]]
+OneMedia = Callable[[Any], tuple[dict[str, Any], list[int]]]  # one part -> (inputs, ids)
 
 
 @dataclass(frozen=True)
@@ -215,13 +218,17 @@ class ChatMediaTask:
     """``/v1/chat/completions`` with media parts in the messages: ``input_audio`` clips
     (decoded by PyAV, resampled to ``sample_rate``) through ``audio``, ``image_url`` data URLs
     (decoded by Pillow under the server's ``max_image_pixels``) through ``image``; None: that
-    kind is a 400. The part's ids go where the part stands in the rendered prompt."""
+    kind is a 400. The part's ids go where the part stands in the rendered prompt. A request
+    with both kinds runs ``mixed_walk`` (``mixed_speak_walk`` for audio out) with both kinds'
+    inputs; None: a 400."""
 
     audio: MediaWalk | None = None
     image: MediaWalk | None = None
     sample_rate: int = 16000
     max_audio_seconds: float = 30.0
-    max_parts: int = 1  # media parts per request (the walks read one)
+    max_parts: int = 1  # media parts per request
+    mixed_walk: str | None = None  # the walk of requests with audio and images
+    mixed_speak_walk: str | None = None  # with audio out
 
 
 @dataclass(frozen=True)

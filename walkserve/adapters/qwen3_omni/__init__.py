@@ -43,12 +43,13 @@ with greedy defaults, ``temperature`` / ``top_p`` / ``top_k`` (thinker), ``talke
 ``predictor_*`` (code predictor) and one ``seed``; each of the three samplers draws its own
 stream seeded by ``(seed, row, step)``, so a request's tokens do not depend on its batch
 (upstream's draws, from the global RNG, are not reproduced). Not reproduced: video input (and
-audio in video), several clips or images in one prompt, audio and image in one request,
-batches of several rows in one request.
+audio in video), speech out for audio and images in one prompt (upstream ``generate()``
+fails on it; ``chat_media`` gives text), batches of several rows in one request. Several clips
+and images in one prompt: ``media_walks``.
 
 The package, by concept: ``decoders`` (thinker, talker and code predictor on the paged KV pool,
 called as the upstream modules), ``inputs`` (what the decoders are fed, built as ``generate()``
-builds it), ``walks`` (``Qwen3OmniWalks``), ``instances`` (the tiny model, request builders,
+builds it), ``walks`` (``Qwen3OmniWalks``), ``media_walks`` (its walks with media), ``instances`` (the tiny model, request builders,
 the upstream reference, the checkpoint loader) and ``profiles`` (HTTP). Every public name is
 importable from the package.
 """

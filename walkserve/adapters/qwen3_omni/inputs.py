@@ -6,6 +6,7 @@ and the walks' constants (feed markers, loop bounds, sampling defaults)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -139,8 +140,14 @@ class MropePositions(nn.Module):
         object.__setattr__(self, "owner", owner)  # the thinker or talker; not a submodule
         self.talker_tokens = talker_tokens
 
-    def forward(self, input_ids: Tensor, image_grid_thw: Tensor) -> tuple[Tensor, Tensor]:
-        # input_ids: [B, P], image_grid_thw: [images, 3] -> ([4, B, S], [B, 2])
+    def forward(
+        self,
+        input_ids: Tensor,
+        image_grid_thw: Tensor,
+        feature_attention_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        # input_ids: [B, P], image_grid_thw: [images, 3], feature_attention_mask: [clips, T]
+        # (audio clips in the prompt too: their lengths) -> ([4, B, S], [B, 2])
         ids = input_ids
         if self.talker_tokens is not None:
             user = user_mask(input_ids, self.talker_tokens)
@@ -149,7 +156,10 @@ class MropePositions(nn.Module):
             ids = torch.cat([user_ids, pad], dim=1)  # [B, U + 9]
         batch, length = ids.shape
         owner: Any = self.owner
-        mrope, _ = owner.get_rope_index(ids, image_grid_thw, None, torch.ones_like(ids))
+        seqlens = None if feature_attention_mask is None else feature_attention_mask.sum(-1)
+        mrope, _ = owner.get_rope_index(
+            ids, image_grid_thw, None, torch.ones_like(ids), audio_seqlens=seqlens
+        )
         text = torch.arange(length, device=ids.device).expand(1, batch, length)
         positions = torch.cat([text, mrope], dim=0)  # [4, B, S]
         return positions, positions[[0, 1], :, -1].t()  # rope: [B, 2]
@@ -245,62 +255,74 @@ def audio_token_count(frames: int | Tensor, n_window: int) -> Tensor:
     return count
 
 
+def placeholder_runs(input_ids: Tensor, token: int) -> list[int]:
+    """The lengths of the runs of ``token`` in ``input_ids`` [B, P], row by row, in order: one
+    run per media item (each between its start and end tokens), so that the items of requests
+    batched along dimension 0 stay in the order of their rows."""
+    runs: list[int] = []
+    for row in (input_ids == token).tolist():
+        for hit, group in itertools.groupby(row):
+            if hit:
+                runs.append(len(list(group)))
+    return runs
+
+
 class AudioPlaceholders(nn.Module):
-    """Checks that each row of a prompt holds as many audio placeholder tokens as the audio
-    encoder makes of its features (``feature_attention_mask`` counts the frames); returns the
-    prompt unchanged. Upstream would otherwise scatter the features out of place or fail deep
-    inside the thinker."""
+    """Checks that a prompt holds one run of audio placeholder tokens per clip (row of
+    ``feature_attention_mask``, in order), each as long as the audio encoder makes of the
+    clip's frames; returns the prompt unchanged. Upstream would otherwise scatter the features
+    out of place or fail deep inside the thinker."""
 
     def __init__(self, audio_token: int, n_window: int) -> None:
         super().__init__()
         self.audio_token, self.n_window = audio_token, n_window
 
     def forward(self, input_ids: Tensor, feature_attention_mask: Tensor) -> Tensor:
-        # input_ids: [B, P], feature_attention_mask: [B, T] -> input_ids
-        if feature_attention_mask.shape[0] != input_ids.shape[0]:
+        # input_ids: [B, P], feature_attention_mask: [clips, T] -> input_ids
+        have = placeholder_runs(input_ids, self.audio_token)
+        if feature_attention_mask.shape[0] != len(have):
             raise ValueError(
-                f"{feature_attention_mask.shape[0]} audio feature rows for {input_ids.shape[0]} "
-                "prompt rows: give one audio per prompt row"
+                f"{feature_attention_mask.shape[0]} audio feature rows for {len(have)} runs of "
+                "audio placeholders in the prompt: give one feature row per clip"
             )
-        want = audio_token_count(feature_attention_mask.sum(-1), self.n_window)  # [B]
-        have = (input_ids == self.audio_token).sum(-1)  # [B]
-        if not bool((want == have).all()):
+        want = audio_token_count(feature_attention_mask.sum(-1), self.n_window).tolist()
+        if want != have:
             raise ValueError(
-                f"the prompt holds {have.tolist()} audio placeholder tokens but the audio "
-                f"encoder makes {want.tolist()} of the given features: lay the prompt out as "
+                f"the prompt holds {have} audio placeholder tokens but the audio "
+                f"encoder makes {want} of the given features: lay the prompt out as "
                 "<|audio_start|> + audio_token_count(frames) x <|audio_pad|> + <|audio_end|>"
             )
         return input_ids
 
 
 class ImagePlaceholders(nn.Module):
-    """Checks one image per prompt row, as many image placeholder tokens in the row as the
-    vision encoder makes of its patch grid (t * h * w / merge^2), and ``pixel_values`` holding
-    every patch; returns the prompt unchanged."""
+    """Checks one run of image placeholder tokens per image (row of ``image_grid_thw``, in
+    order), each as long as the vision encoder makes of its patch grid (t * h * w / merge^2),
+    and ``pixel_values`` holding every patch; returns the prompt unchanged."""
 
     def __init__(self, image_token: int, merge: int) -> None:
         super().__init__()
         self.image_token, self.merge = image_token, merge
 
     def forward(self, input_ids: Tensor, pixel_values: Tensor, image_grid_thw: Tensor) -> Tensor:
-        # input_ids: [B, P], pixel_values: [patches, C * T * p * p], image_grid_thw: [B, 3]
-        if image_grid_thw.shape != (input_ids.shape[0], 3):
+        # input_ids: [B, P], pixel_values: [patches, C * T * p * p], image_grid_thw: [images, 3]
+        have = placeholder_runs(input_ids, self.image_token)
+        if image_grid_thw.dim() != 2 or image_grid_thw.shape != (len(have), 3):
             raise ValueError(
                 f"image_grid_thw has shape {tuple(image_grid_thw.shape)}; give one (t, h, w) "
-                f"row per prompt row ({input_ids.shape[0]}), one image each"
+                f"row per image ({len(have)} runs of image placeholders in the prompt)"
             )
-        patches = image_grid_thw.prod(-1)  # [B]
+        patches = image_grid_thw.prod(-1)  # [images]
         if int(patches.sum()) != pixel_values.shape[0]:
             raise ValueError(
                 f"pixel_values holds {pixel_values.shape[0]} patches but image_grid_thw says "
                 f"{int(patches.sum())}"
             )
-        want = patches // self.merge**2
-        have = (input_ids == self.image_token).sum(-1)
-        if not bool((want == have).all()):
+        want = (patches // self.merge**2).tolist()
+        if want != have:
             raise ValueError(
-                f"the prompt holds {have.tolist()} image placeholder tokens but the vision "
-                f"encoder makes {want.tolist()} of the given grid: lay the prompt out as "
+                f"the prompt holds {have} image placeholder tokens but the vision "
+                f"encoder makes {want} of the given grid: lay the prompt out as "
                 "<|vision_start|> + t*h*w/merge^2 x <|image_pad|> + <|vision_end|>"
             )
         return input_ids

@@ -32,7 +32,6 @@ from walkserve.adapters.qwen3_omni.decoders import (
     ThinkerOnPool,
 )
 from walkserve.adapters.qwen3_omni.inputs import (
-    AUDIO_INPUTS,
     FEED_EOS,
     FEED_PAD,
     GREEDY,
@@ -50,9 +49,10 @@ from walkserve.adapters.qwen3_omni.inputs import (
     _speak_sampling,
     step_positions,
 )
+from walkserve.adapters.qwen3_omni.media_walks import MediaWalks
 
 
-class Qwen3OmniWalks(nn.Module):
+class Qwen3OmniWalks(MediaWalks, nn.Module):
     """Walks ``chat`` (thinker only) and ``speak`` (thinker -> talker -> code2wav) around an
     upstream ``Qwen3OmniMoeForConditionalGeneration``."""
 
@@ -153,48 +153,6 @@ class Qwen3OmniWalks(nn.Module):
         first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, sampling=sampling)
         return {"first_token": first, "text_tokens": text_tokens}
 
-    @walk(inputs=AUDIO_INPUTS)
-    def chat_audio(
-        self,
-        input_ids: Tensor,
-        input_features: Tensor,
-        feature_attention_mask: Tensor,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-    ) -> dict[str, Tensor]:
-        """``chat`` with one audio clip per prompt row: log-mel ``input_features`` [B, mel, T]
-        and ``feature_attention_mask`` [B, T] (1 = a real frame), the prompt holding
-        ``audio_token_count(frames)`` audio placeholders between audio start and end."""
-        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
-        media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
-        sampling = (temperature, top_p, top_k, seed)
-        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, media, sampling=sampling)
-        return {"first_token": first, "text_tokens": text_tokens}
-
-    @walk(inputs={"input_ids": SEQUENCE})
-    def chat_image(
-        self,
-        input_ids: Tensor,
-        pixel_values: Tensor,
-        image_grid_thw: Tensor,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-    ) -> dict[str, Tensor]:
-        """``chat`` with one image per prompt row: ``pixel_values`` [patches, C * T * p * p] and
-        ``image_grid_thw`` [B, 3] as upstream's image processor makes them, the prompt holding
-        t * h * w / merge^2 image placeholders between vision start and end."""
-        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
-        media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-        sampling = (temperature, top_p, top_k, seed)
-        first, text_tokens, _, _ = self._think(input_ids, max_new_tokens, media, sampling=sampling)
-        return {"first_token": first, "text_tokens": text_tokens}
-
     def _think(
         self,
         input_ids: Tensor,
@@ -214,8 +172,8 @@ class Qwen3OmniWalks(nn.Module):
         attribute, which concurrent requests would share."""
         extra: dict[str, Any] = dict(media or {})
         if "image_grid_thw" in extra:
-            positions = self.thinker_positions(input_ids, extra["image_grid_thw"])
-            extra["position_ids"] = positions[0]  # [4, B, P]
+            mrope = self._positions(self.thinker_positions, input_ids, extra)
+            extra["position_ids"] = mrope[0]  # [4, B, P]
         if hidden:
             extra["output_hidden_states"] = True
         out = self.thinker_lm(input_ids=input_ids, use_cache=True, **extra)
@@ -224,7 +182,7 @@ class Qwen3OmniWalks(nn.Module):
         first = token = self.thinker_sampler(out.logits[:, -1:], 0, *sampling)  # [B, 1]: t0
         count = token * 0 + 1  # [B, 1] (elementwise: runs in the thinker's dispatch)
         if "position_ids" in extra:
-            rope = positions[1]  # [B, 2]
+            rope = mrope[1]  # [B, 2]
         else:
             rope = (token * 0).repeat(1, 2) + (input_ids.shape[1] - 1)  # [B, 2]
         # The first step's positions; each step then makes the next one's after its forward,
@@ -301,88 +259,6 @@ class Qwen3OmniWalks(nn.Module):
         )
         return self._speak(input_ids, max_new_tokens, max_audio_tokens, speaker_id, None, *sampling)
 
-    @walk(inputs=AUDIO_INPUTS)
-    def speak_audio(
-        self,
-        input_ids: Tensor,
-        input_features: Tensor,
-        feature_attention_mask: Tensor,
-        max_new_tokens: int,
-        max_audio_tokens: int,
-        speaker_id: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-        talker_temperature: float = 0.0,
-        talker_top_p: float = 1.0,
-        talker_top_k: int = 0,
-        predictor_temperature: float = 0.0,
-        predictor_top_p: float = 1.0,
-        predictor_top_k: int = 0,
-        talker_repetition_penalty: float = 1.0,
-    ) -> dict[str, Tensor]:
-        """``speak`` with one audio clip per prompt row (inputs as in ``chat_audio``)."""
-        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
-        media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
-        sampling = _speak_sampling(
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            talker_temperature,
-            talker_top_p,
-            talker_top_k,
-            predictor_temperature,
-            predictor_top_p,
-            predictor_top_k,
-            talker_repetition_penalty,
-        )
-        return self._speak(
-            input_ids, max_new_tokens, max_audio_tokens, speaker_id, media, *sampling
-        )
-
-    @walk(inputs={"input_ids": SEQUENCE})
-    def speak_image(
-        self,
-        input_ids: Tensor,
-        pixel_values: Tensor,
-        image_grid_thw: Tensor,
-        max_new_tokens: int,
-        max_audio_tokens: int,
-        speaker_id: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-        talker_temperature: float = 0.0,
-        talker_top_p: float = 1.0,
-        talker_top_k: int = 0,
-        predictor_temperature: float = 0.0,
-        predictor_top_p: float = 1.0,
-        predictor_top_k: int = 0,
-        talker_repetition_penalty: float = 1.0,
-    ) -> dict[str, Tensor]:
-        """``speak`` with one image per prompt row (inputs as in ``chat_image``)."""
-        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
-        media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-        sampling = _speak_sampling(
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            talker_temperature,
-            talker_top_p,
-            talker_top_k,
-            predictor_temperature,
-            predictor_top_p,
-            predictor_top_k,
-            talker_repetition_penalty,
-        )
-        return self._speak(
-            input_ids, max_new_tokens, max_audio_tokens, speaker_id, media, *sampling
-        )
-
     def _speak(
         self,
         input_ids: Tensor,
@@ -406,7 +282,7 @@ class Qwen3OmniWalks(nn.Module):
             prompt = self.talker_prompt(input_ids, first, speaker_id, hidden)
         extra: dict[str, Any] = {}
         if media is not None and "image_grid_thw" in media:  # the talker's own mrope positions
-            positions = self.talker_positions(input_ids, media["image_grid_thw"])
+            positions = self._positions(self.talker_positions, input_ids, media)
             extra["position_ids"] = positions[0]  # [4, B, U + 9]
         out = self.talker_lm(
             inputs_embeds=prompt, use_cache=True, output_hidden_states=True, **extra
@@ -444,6 +320,15 @@ class Qwen3OmniWalks(nn.Module):
             "codes": codes,
             "waveform": waveform,
         }
+
+    @staticmethod
+    def _positions(
+        positions: MropePositions, input_ids: Tensor, media: Mapping[str, Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """``positions`` of a prompt with images (and audio clips, whose lengths they need)."""
+        if "feature_attention_mask" in media:
+            return positions(input_ids, media["image_grid_thw"], media["feature_attention_mask"])
+        return positions(input_ids, media["image_grid_thw"])
 
     def _pick_code(
         self, logits: Tensor, step: Tensor | int, sampling: tuple[Any, ...], seen: Tensor

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from walkserve.adapters.vlm.families import MODEL_TYPES, Family
-from walkserve.api.profile import ChatMediaTask, MediaInputs, MediaWalk, ModelProfile
+from walkserve.api.chatmedia import per_part
+from walkserve.api.profile import ChatMediaTask, MediaInputs, MediaWalk, ModelProfile, OneMedia
 
 __all__ = ["MAX_IMAGES", "checkpoint_profile", "image_inputs", "load_image_processor"]
 
@@ -67,6 +68,11 @@ def load_image_processor(path: str, config: Any) -> Any | None:
 
 
 def image_inputs(processor: Any, family: Family) -> MediaInputs:
+    """Images [H, W, 3] uint8 -> their walk inputs and each one's placeholders."""
+    return per_part(one_image(processor, family))
+
+
+def one_image(processor: Any, family: Family) -> OneMedia:
     """An image [H, W, 3] uint8 -> its walk inputs and placeholders (module docstring)."""
 
     def inputs(image: torch.Tensor) -> tuple[dict[str, Any], list[int]]:

@@ -63,7 +63,9 @@ async def chat_prompt(
     media parts the profile's media walk with the media inputs (``api.chatmedia``)."""
     if ctx.profile.chat_media is None:
         return task, task.encode(chatprompt.render(task, body.messages, body.tools, ctx.name))
-    parts = chatmedia.MediaParts(ctx.profile.chat_media, ctx.name, ctx.config.max_image_pixels)
+    parts = chatmedia.MediaParts(
+        ctx.profile.chat_media, ctx.name, ctx.config.max_image_pixels, fetch=ctx.config.media
+    )
     prompt = chatprompt.render(task, body.messages, body.tools, ctx.name, parts.mark)
     if not parts.parts:
         return task, task.encode(prompt)
@@ -241,7 +243,11 @@ async def run_chat_audio(
         ids = text_task_.encode(chatprompt.render(text_task_, body.messages, None, ctx.name))
     else:
         parts = chatmedia.MediaParts(
-            ctx.profile.chat_media, ctx.name, ctx.config.max_image_pixels, speaking=True
+            ctx.profile.chat_media,
+            ctx.name,
+            ctx.config.max_image_pixels,
+            speaking=True,
+            fetch=ctx.config.media,
         )
         prompt = chatprompt.render(text_task_, body.messages, None, ctx.name, parts.mark)
         if parts.parts:
