@@ -541,7 +541,7 @@ class WorkerPool(NodeBatches):
     def _dispatch(self, frames: list[bytes]) -> None:
         state = self._by_identity.get(frames[0])
         if state is None or len(frames) != 2:
-            log.warning("ignoring a message from an unknown peer")
+            self._from_unknown(frames)  # a remote rank's (new) process joins: poolremote
             return
         state.last_seen = time.monotonic()
         try:
@@ -564,6 +564,8 @@ class WorkerPool(NodeBatches):
             if isinstance(state.process, RemoteProcess):
                 state.process.pid = msg.pid
             log.info("remote rank %d joined (pid %d)", state.rank, msg.pid)
+        elif state.rank in self.config.remote_ranks and msg.pid == state.pid:
+            return  # a Join it sent again before its setup reached it (``rejoin``)
         if msg.pid != state.process.pid:
             log.warning("rank %d: Join from pid %d, expected %s", state.rank, msg.pid, state.pid)
             return

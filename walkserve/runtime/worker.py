@@ -259,7 +259,7 @@ class Worker:
                 self.reader.close()
             rx.close()
             self._tx.close()
-            ctx.term()
+            ctx.destroy()  # and any socket a subclass opened (a monitor)
             if self._orphaned:
                 self._clean_after_conductor()
 
@@ -298,14 +298,20 @@ class Worker:
 
     # ------------------------------------------------------------------ setup
 
+    def _join_again_after(self) -> float:
+        """Seconds to wait for the setup before joining again (a spawned worker: never)."""
+        return float("inf")
+
     def _await_setup(self, rx: zmq.Socket[bytes]) -> WorkerSetup | None:
         """The ``WorkerSetup`` (None after ``Shutdown``, or if none comes in time)."""
-        from walkserve.runtime.messages import MessageError, Shutdown, WorkerSetup, decode
+        from walkserve.runtime.messages import Join, MessageError, Shutdown, WorkerSetup, decode
 
         deadline = time.monotonic() + self.config.setup_timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
-            if not rx.poll(int(remaining * 1000) + 1):
-                break
+            if not rx.poll(int(min(remaining, self._join_again_after()) * 1000) + 1):
+                if deadline - time.monotonic() > 0:  # unanswered: a conductor not up yet
+                    self._send(Join(self.rank, os.getpid()))
+                continue
             try:
                 msg = decode(rx.recv())
             except MessageError as e:
@@ -464,12 +470,18 @@ class Worker:
                     else:
                         handler(msg)
                 self._beat()
-                if os.getppid() != self._ppid:  # a cheap syscall
-                    log.error("rank %d: the conductor process is gone; exiting", self.rank)
-                    self._orphaned = True
+                if self._conductor_gone():
                     break
         finally:
             self._stop()
+
+    def _conductor_gone(self) -> bool:
+        """The conductor process (this one's parent) died: clean what it left, exit."""
+        if os.getppid() == self._ppid:  # a cheap syscall
+            return False
+        log.error("rank %d: the conductor process is gone; exiting", self.rank)
+        self._orphaned = True
+        return True
 
     def _beat(self) -> bool:
         """Send a heartbeat if one is due (True then): from the io thread's loop, and while it

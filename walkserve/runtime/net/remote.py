@@ -5,7 +5,7 @@ Owns: parsing and binding of ``tcp://HOST:PORT`` control addresses (the report R
 the command ROUTER at PORT+1), ``RemoteProcess`` (what ``WorkerPool`` keeps in place of a
 ``multiprocessing`` process for a remote rank: no pid until its ``Join``, an exit code when the
 pool closes or the rank falls silent) and ``run_remote_worker`` (the worker side: keys from a
-directory, a ``WorkerConfig`` whose tensors all travel inline, then the ordinary ``Worker``).
+directory, a ``WorkerConfig`` whose tensors all travel inline, then ``rejoin``'s sessions).
 What crosses its boundary: addresses (str), key files, the typed messages of ``messages``
 over CURVE-encrypted TCP; never pickle, and no shared memory between hosts::
 
@@ -171,11 +171,14 @@ def run_remote_worker(
     setup_timeout_s: float = 120.0,
     heartbeat_s: float = 1.0,
     inline_max_bytes: int = 64 << 10,
+    rejoin_timeout_s: float = 300.0,
 ) -> int:
     """Join the conductor at ``conductor`` (its report socket, ``tcp://HOST:PORT``) as rank
-    ``rank``; serve until it sends Shutdown. Returns the exit code (0: clean)."""
+    ``rank``; serve until it sends Shutdown, joining again when it goes away (for up to
+    ``rejoin_timeout_s``: ``runtime.rejoin``). Returns the exit code (0: clean)."""
     from walkserve.runtime.net.auth import load_worker_keys
-    from walkserve.runtime.worker import Worker, WorkerConfig, default_threads
+    from walkserve.runtime.rejoin import run_sessions
+    from walkserve.runtime.worker import WorkerConfig, default_threads
 
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
@@ -197,7 +200,7 @@ def run_remote_worker(
         curve_secret_key=pair.secret,
     )
     log.info("rank %d joining %s", rank, conductor)
-    return Worker(rank, conductor, config).run()
+    return run_sessions(rank, conductor, config, rejoin_timeout_s)
 
 
 __all__ = [

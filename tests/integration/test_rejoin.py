@@ -1,0 +1,125 @@
+"""A remote rank's process comes and goes, and so does its server (``runtime.rejoin``,
+``poolremote``), with real processes over TCP on 127.0.0.1:
+
+- SIGKILL of a remote worker: once the rank is lost (silent past its deadline), a new
+  ``walkserve worker`` for that rank joins, is the rank's restart (``restarts`` 1), and the
+  next requests are served correctly; a join from yet another pid while it lives is refused.
+- The server goes away (its sockets close without a word, as when its process is killed) and
+  a new one binds the same address: the still-running remote worker joins it and serves.
+
+Outputs are compared with the same walks run in-process (``assert_outputs_match``). After each
+test every worker process has ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from test_remote import _PORTS, Hosts, check_walks, start_workers, stop
+from waiting import wait_for
+
+from walkserve.adapters.examples import example_placement
+from walkserve.lowering.placement import Placement
+from walkserve.runtime.config import PoolConfig
+from walkserve.runtime.messages import Join, encode
+from walkserve.runtime.net.auth import load_worker_keys
+from walkserve.runtime.server import Server, serve
+
+LOCAL = Hosts("127.0.0.1", (), "processes over TCP on 127.0.0.1")
+NAME = "example-cfg-image"
+
+
+def _placement() -> Placement:
+    base = Placement.from_file(example_placement(NAME, 2))
+    return dataclasses.replace(base, hosts={1: "host-b"})
+
+
+def _pool(port: int, keys: Path) -> PoolConfig:
+    # a lost remote rank is given up after max(unresponsive_after_s, 3 heartbeats): 1 s
+    return PoolConfig(
+        bind=f"tcp://127.0.0.1:{port}",
+        keys_dir=str(keys),
+        heartbeat_s=0.2,
+        unresponsive_after_s=1.0,
+    )
+
+
+def _serving(server: Server, pid: int, restarts: int) -> bool:
+    h = server.health()[1]
+    return h.status == "ready" and h.pid == pid and h.restarts == restarts
+
+
+def _fake_join(keys: Path, port: int, pid: int) -> None:
+    """A CURVE peer holding rank 1's keys that joins as rank 1 from ``pid``."""
+    server_public, pair = load_worker_keys(keys, 1)
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.setsockopt(zmq.ROUTING_ID, b"walkserve-rank-1-gfake")
+        sock.curve_serverkey = server_public.encode()
+        sock.curve_publickey = pair.public.encode()
+        sock.curve_secretkey = pair.secret.encode()
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(encode(Join(1, pid)))
+        sock.close()
+    finally:
+        ctx.term()
+
+
+def test_a_new_worker_replaces_a_killed_remote_rank(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = next(_PORTS)
+    procs: list[Any] = start_workers(LOCAL, port, [1], tmp_path)
+    try:
+        with serve(NAME, _placement(), pool_config=_pool(port, tmp_path)) as server:
+            assert _serving(server, procs[0].pid, 0)
+            check_walks(server, NAME, 1)
+            procs[0].kill()
+            procs[0].wait(10)
+            assert wait_for(lambda: server.health()[1].status == "dead", 10.0)
+            assert not server.pool.serving(1)
+            procs += start_workers(LOCAL, port, [1], tmp_path)
+            assert wait_for(lambda: _serving(server, procs[1].pid, 1), 15.0), server.health()
+            check_walks(server, NAME, 2)
+
+            with caplog.at_level(logging.WARNING, logger="walkserve.pool"):
+                _fake_join(tmp_path, port, 4242)
+                refused = "remote rank 1: refused a join from pid 4242"
+                assert wait_for(lambda: refused in caplog.text, 5.0), caplog.text
+            assert _serving(server, procs[1].pid, 1)
+            check_walks(server, NAME, 1)
+    finally:
+        codes = stop(procs)
+    assert codes[1] == 0, codes
+
+
+def test_a_remote_worker_joins_the_restarted_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = next(_PORTS)
+    procs = start_workers(LOCAL, port, [1], tmp_path, ["--rejoin-timeout", "30"])
+    try:
+        with serve(NAME, _placement(), pool_config=_pool(port, tmp_path)) as first:
+            check_walks(first, NAME, 1)
+            # gone without a word to rank 1 (no Shutdown), as when its process is killed
+            send = first.pool._send
+
+            def not_to_rank_1(state: Any, data: bytes, *, now: bool = False) -> None:
+                if state.rank != 1:
+                    send(state, data, now=now)
+
+            monkeypatch.setattr(first.pool, "_send", not_to_rank_1)
+        assert procs[0].poll() is None, "the remote worker exited with its server"
+        with serve(NAME, _placement(), pool_config=_pool(port, tmp_path)) as second:
+            assert _serving(second, procs[0].pid, 0)
+            check_walks(second, NAME, 2)
+    finally:
+        codes = stop(procs)
+    assert codes == [0], codes
