@@ -4,8 +4,11 @@
 - SIGKILL of a remote worker: once the rank is lost (silent past its deadline), a new
   ``walkserve worker`` for that rank joins, is the rank's restart (``restarts`` 1), and the
   next requests are served correctly; a join from yet another pid while it lives is refused.
+- SIGSTOP of a remote worker past its deadline: a new worker replaces it; SIGCONT of the old
+  one does not disturb the new one (the old one is told to stop, and exits 0).
 - The server goes away (its sockets close without a word, as when its process is killed) and
-  a new one binds the same address: the still-running remote worker joins it and serves.
+  a new one binds the same address: the still-running remote worker joins it and serves;
+  when that one goes away too and none follows, the worker exits 1 after ``--rejoin-timeout``.
 
 Outputs are compared with the same walks run in-process (``assert_outputs_match``). After each
 test every worker process has ended.
@@ -13,8 +16,11 @@ test every worker process has ended.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +46,12 @@ def _placement() -> Placement:
 
 
 def _pool(port: int, keys: Path) -> PoolConfig:
-    # a lost remote rank is given up after max(unresponsive_after_s, 3 heartbeats): 1 s
+    # a lost remote rank is given up after max(unresponsive_after_s, 3 heartbeats): 3 s
     return PoolConfig(
         bind=f"tcp://127.0.0.1:{port}",
         keys_dir=str(keys),
         heartbeat_s=0.2,
-        unresponsive_after_s=1.0,
+        unresponsive_after_s=3.0,
     )
 
 
@@ -100,26 +106,59 @@ def test_a_new_worker_replaces_a_killed_remote_rank(
     assert codes[1] == 0, codes
 
 
+def test_a_stopped_remote_rank_replaced_and_its_old_process_told_to_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = next(_PORTS)
+    procs: list[Any] = start_workers(LOCAL, port, [1], tmp_path)
+    try:
+        with serve(NAME, _placement(), pool_config=_pool(port, tmp_path)) as server:
+            procs[0].send_signal(signal.SIGSTOP)
+            assert wait_for(lambda: server.health()[1].status == "dead", 10.0)
+            procs += start_workers(LOCAL, port, [1], tmp_path)
+            assert wait_for(lambda: _serving(server, procs[1].pid, 1), 15.0), server.health()
+            with caplog.at_level(logging.WARNING, logger="walkserve.pool"):
+                procs[0].send_signal(signal.SIGCONT)
+                assert procs[0].wait(10) == 0  # told to stop
+            assert "a replaced process of remote rank 1 spoke again" in caplog.text
+            assert _serving(server, procs[1].pid, 1)
+            check_walks(server, NAME, 2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            procs[0].send_signal(signal.SIGCONT)
+        codes = stop(procs)
+    assert codes == [0, 0], codes
+
+
 def test_a_remote_worker_joins_the_restarted_server(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = next(_PORTS)
-    procs = start_workers(LOCAL, port, [1], tmp_path, ["--rejoin-timeout", "30"])
+    procs = start_workers(LOCAL, port, [1], tmp_path, ["--rejoin-timeout", "5"])
     try:
         with serve(NAME, _placement(), pool_config=_pool(port, tmp_path)) as first:
             check_walks(first, NAME, 1)
-            # gone without a word to rank 1 (no Shutdown), as when its process is killed
-            send = first.pool._send
-
-            def not_to_rank_1(state: Any, data: bytes, *, now: bool = False) -> None:
-                if state.rank != 1:
-                    send(state, data, now=now)
-
-            monkeypatch.setattr(first.pool, "_send", not_to_rank_1)
+            _vanish(first, monkeypatch)
         assert procs[0].poll() is None, "the remote worker exited with its server"
         with serve(NAME, _placement(), pool_config=_pool(port, tmp_path)) as second:
             assert _serving(second, procs[0].pid, 0)
             check_walks(second, NAME, 2)
+            _vanish(second, monkeypatch)
+        start = time.monotonic()
+        assert procs[0].wait(15) == 1  # no server within --rejoin-timeout: it gives up
+        assert 4.0 < time.monotonic() - start < 10.0
     finally:
         codes = stop(procs)
-    assert codes == [0], codes
+    assert codes == [1], codes
+
+
+def _vanish(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``server`` close without a word to rank 1 (no Shutdown), as when its process is
+    killed; rank 0 (spawned) is stopped as usual."""
+    send = server.pool._send
+
+    def not_to_rank_1(state: Any, data: bytes, *, now: bool = False) -> None:
+        if state.rank != 1:
+            send(state, data, now=now)
+
+    monkeypatch.setattr(server.pool, "_send", not_to_rank_1)

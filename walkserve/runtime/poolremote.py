@@ -132,6 +132,8 @@ class RemoteRanks:
             closing=lambda: self._closed,
             last_seen=lambda: holder[0].last_seen if holder else None,
             dead_after_s=max(self.config.unresponsive_after_s, 3 * self.config.heartbeat_s),
+            starting=lambda: bool(holder) and holder[0].status == "starting",
+            start_timeout_s=self.config.start_timeout_s,
         )
 
     # ------------------------------------------------------------------ joins (io thread)

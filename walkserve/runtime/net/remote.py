@@ -76,7 +76,8 @@ class RemoteProcess:
     ``WorkerPool`` uses: ``pid``, ``exitcode``, ``sentinel``, ``join``, ``kill``, ``close``).
 
     ``sentinel`` is a pipe that becomes readable when the rank is given up: silent for
-    ``dead_after_s`` after it was last seen (a watchdog thread asks ``last_seen``), or killed.
+    ``dead_after_s`` after it was last seen (a watchdog thread asks ``last_seen``; while
+    ``starting()``, building from its setup without heartbeats, ``start_timeout_s``), or killed.
     When ``closing()`` is true (the pool sent Shutdown) ``join`` settles it with exit code 0."""
 
     def __init__(
@@ -85,6 +86,8 @@ class RemoteProcess:
         closing: Callable[[], bool],
         last_seen: Callable[[], float | None],
         dead_after_s: float,
+        starting: Callable[[], bool] = lambda: False,
+        start_timeout_s: float = 120.0,
     ) -> None:
         self.rank = rank
         self.name = f"walkserve-remote-{rank}"
@@ -93,6 +96,8 @@ class RemoteProcess:
         self._closing = closing
         self._last_seen = last_seen
         self._dead_after_s = dead_after_s
+        self._starting = starting
+        self._start_timeout_s = start_timeout_s
         self._read, self._write = os.pipe()
         self.sentinel = self._read
         self._ended = threading.Event()
@@ -102,10 +107,9 @@ class RemoteProcess:
     def _watchdog(self) -> None:
         while not self._ended.wait(0.2):
             seen = self._last_seen()
-            if seen is not None and time.monotonic() - seen > self._dead_after_s:
-                log.error(
-                    "remote rank %d silent for %.0f s; giving it up", self.rank, self._dead_after_s
-                )
+            limit = self._start_timeout_s if self._starting() else self._dead_after_s
+            if seen is not None and time.monotonic() - seen > limit:
+                log.error("remote rank %d silent for %.0f s; giving it up", self.rank, limit)
                 self._end(1)
 
     def _end(self, code: int) -> None:
