@@ -78,6 +78,15 @@ def _fake_join(keys: Path, port: int, pid: int) -> None:
         ctx.term()
 
 
+def _replace(server: Server, procs: list[Any], port: int, keys: Path) -> None:
+    """Wait until rank 1 is lost (its requests fail fast), then start a new worker for it
+    and wait until it serves as the rank's restart."""
+    assert wait_for(lambda: server.health()[1].status == "dead", 10.0), server.health()
+    assert not server.pool.serving(1)
+    procs += start_workers(LOCAL, port, [1], keys)
+    assert wait_for(lambda: _serving(server, procs[-1].pid, 1), 15.0), server.health()
+
+
 def test_a_new_worker_replaces_a_killed_remote_rank(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -89,10 +98,7 @@ def test_a_new_worker_replaces_a_killed_remote_rank(
             check_walks(server, NAME, 1)
             procs[0].kill()
             procs[0].wait(10)
-            assert wait_for(lambda: server.health()[1].status == "dead", 10.0)
-            assert not server.pool.serving(1)
-            procs += start_workers(LOCAL, port, [1], tmp_path)
-            assert wait_for(lambda: _serving(server, procs[1].pid, 1), 15.0), server.health()
+            _replace(server, procs, port, tmp_path)
             check_walks(server, NAME, 2)
 
             with caplog.at_level(logging.WARNING, logger="walkserve.pool"):
@@ -114,9 +120,7 @@ def test_a_stopped_remote_rank_replaced_and_its_old_process_told_to_stop(
     try:
         with serve(NAME, _placement(), pool_config=_pool(port, tmp_path)) as server:
             procs[0].send_signal(signal.SIGSTOP)
-            assert wait_for(lambda: server.health()[1].status == "dead", 10.0)
-            procs += start_workers(LOCAL, port, [1], tmp_path)
-            assert wait_for(lambda: _serving(server, procs[1].pid, 1), 15.0), server.health()
+            _replace(server, procs, port, tmp_path)
             with caplog.at_level(logging.WARNING, logger="walkserve.pool"):
                 procs[0].send_signal(signal.SIGCONT)
                 assert procs[0].wait(10) == 0  # told to stop

@@ -183,6 +183,16 @@ class RemoteRanks:
         state.last_seen = time.monotonic()
         self._on_join(state, msg)
 
+    def _remote_joined(self, state: RankState, msg: Join) -> bool:
+        """Note remote rank ``state``'s pid from its ``Join``; True: a Join it sent again."""
+        if state.pid is not None:
+            return msg.pid == state.pid
+        state.pid = msg.pid  # its pid on its host
+        if isinstance(state.process, RemoteProcess):
+            state.process.pid = msg.pid
+        log.info("remote rank %d joined (pid %d)", state.rank, msg.pid)
+        return False
+
     def _replace_remote(self, state: RankState, identity: bytes, pid: int) -> None:
         """Remote rank ``state``'s process is lost (or joined again from scratch): fail what
         it held (as at a death, if that is not done yet), then take ``identity`` as its
