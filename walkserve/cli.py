@@ -225,6 +225,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=64 << 10,
         help="with Mooncake, smaller tensors still travel inline (default 65536)",
     )
+    wk.add_argument(
+        "--rejoin-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to keep joining again after the server went away, then exit 1 (default 300)",
+    )
 
     p = sub.add_parser("trace", help="capture a model and print its Walk Graph")
     p.add_argument(
@@ -638,6 +644,7 @@ def _worker(args: argparse.Namespace) -> int:
         args.threads,
         setup_timeout_s=args.setup_timeout,
         inline_max_bytes=args.inline_max_bytes,
+        rejoin_timeout_s=args.rejoin_timeout,
     )
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "WorkerConfig",
     "default_threads",
     "routing_id",
+    "routing_rank",
 ]
 
 KiB = 1 << 10
@@ -195,6 +196,12 @@ def routing_id(rank: int, generation: int = 0) -> bytes:
     if generation == 0:
         return f"walkserve-rank-{rank}".encode()
     return f"walkserve-rank-{rank}-g{generation}".encode()
+
+
+def routing_rank(identity: bytes) -> int | None:
+    """The rank a ``routing_id`` names (None: not one)."""
+    parts = identity.decode(errors="replace").split("-")
+    return int(parts[2]) if len(parts) >= 3 and parts[2].isdigit() else None
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -41,7 +41,8 @@ process (no zombies) and removes its sockets' directory.
 
 Beyond one host (``runtime.net``; ``poolremote``, which ``WorkerPool`` extends): with ``PoolConfig.bind`` both ROUTERs listen on TCP as
 CURVE servers admitting only known keys; ``remote_ranks`` are not spawned but awaited (a
-``RemoteProcess`` stands in for their process: given up when silent too long), their tensors
+``RemoteProcess`` stands in for their process: given up when silent too long, and a new
+process's Join is then the rank's restart), their tensors
 travel inline, through Mooncake or (same host, ``set_remote_data``) shared memory, and the
 link to each is measured at start-up (``links``, ``measure_link``).
 """
@@ -92,7 +93,7 @@ from walkserve.runtime.messages import (
     encode,
 )
 from walkserve.runtime.net.link import LinkModel
-from walkserve.runtime.net.remote import INLINE_ALL, RemoteProcess
+from walkserve.runtime.net.remote import INLINE_ALL
 from walkserve.runtime.poolbatches import NodeBatches
 from walkserve.runtime.poolregions import RegionTraffic
 from walkserve.runtime.poolstate import (
@@ -541,7 +542,7 @@ class WorkerPool(NodeBatches):
     def _dispatch(self, frames: list[bytes]) -> None:
         state = self._by_identity.get(frames[0])
         if state is None or len(frames) != 2:
-            log.warning("ignoring a message from an unknown peer")
+            self._from_unknown(frames)  # a remote rank's (new) process joins: poolremote
             return
         state.last_seen = time.monotonic()
         try:
@@ -559,11 +560,8 @@ class WorkerPool(NodeBatches):
         handler(state, msg)
 
     def _on_join(self, state: RankState, msg: Join) -> None:
-        if state.rank in self.config.remote_ranks and state.pid is None:
-            state.pid = msg.pid  # a remote worker: its pid on its host
-            if isinstance(state.process, RemoteProcess):
-                state.process.pid = msg.pid
-            log.info("remote rank %d joined (pid %d)", state.rank, msg.pid)
+        if state.rank in self.config.remote_ranks and self._remote_joined(state, msg):
+            return  # a Join it sent again before its setup reached it (``rejoin``)
         if msg.pid != state.process.pid:
             log.warning("rank %d: Join from pid %d, expected %s", state.rank, msg.pid, state.pid)
             return

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 import zmq
@@ -122,9 +123,17 @@ class RankSupervision:
                 state.error = f"could not start it again: {e}"
             self.fail_waiting(state, f"worker rank {state.rank} failed: {e}")
             return
+        self.adopt(state, process, routing_id(state.rank, generation), generation)
+
+    def adopt(
+        self, state: RankState, process: BaseProcess, identity: bytes, generation: int
+    ) -> None:
+        """Make ``process`` (heard as ``identity``) rank ``state``'s, one generation later: a
+        restart, or a remote rank's replacement (``poolremote``)."""
+        pool = self.pool
         with pool._send_lock, pool._lock:
             state.process, state.pid, state.generation = process, process.pid, generation
-            state.identity = routing_id(state.rank, generation)
+            state.identity = identity
             state.exitcode = state.spec = state.last_seen = state.hung = None
             state.kv = []
             state.started = time.monotonic()

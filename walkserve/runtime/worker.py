@@ -59,7 +59,8 @@ Signals: a spawned worker leads a process group of its own, so that signals mean
 server's group (Ctrl-C, SIGTERM from a supervisor) reach the server only, which drains and
 then stops its workers (``Shutdown``). SIGINT is ignored all the same (the conductor decides),
 SIGTERM sent to the worker itself stops it cleanly. A worker whose parent process is gone exits by itself (it
-checks at each heartbeat) and removes the conductor's socket directory. Its sockets' routing
+checks at each heartbeat) and removes the conductor's socket directory; a remote one
+(``rejoin.RemoteWorker``) watches its connection instead, and joins again when it drops. Its sockets' routing
 id carries ``WorkerConfig.generation``: a restarted rank's new process is heard, the old one
 (if it still runs) is not.
 """
@@ -99,7 +100,6 @@ __all__ = [
     "WorkerConfig",
     "component_counters",
     "default_threads",
-    "forbid_pickle",
     "routing_id",
     "worker_main",
 ]
@@ -240,6 +240,8 @@ class Worker:
             self._send(AttachPools([self.pool.spec]))
             self._send(Hello(self.rank, os.getpid()))
             if self.config.forbid_pickle:
+                from walkserve.runtime.nopickle import forbid_pickle
+
                 forbid_pickle()
             # Ctrl-C reaches the whole process group: the conductor decides when workers stop.
             # SIGTERM (multiprocessing's exit stops daemonic children with it): a clean stop.
@@ -259,7 +261,7 @@ class Worker:
                 self.reader.close()
             rx.close()
             self._tx.close()
-            ctx.term()
+            ctx.destroy()  # and any socket a subclass opened (a monitor)
             if self._orphaned:
                 self._clean_after_conductor()
 
@@ -298,14 +300,20 @@ class Worker:
 
     # ------------------------------------------------------------------ setup
 
+    def _join_again_after(self) -> float:
+        """Seconds to wait for the setup before joining again (a spawned worker: never)."""
+        return float("inf")
+
     def _await_setup(self, rx: zmq.Socket[bytes]) -> WorkerSetup | None:
         """The ``WorkerSetup`` (None after ``Shutdown``, or if none comes in time)."""
-        from walkserve.runtime.messages import MessageError, Shutdown, WorkerSetup, decode
+        from walkserve.runtime.messages import Join, MessageError, Shutdown, WorkerSetup, decode
 
         deadline = time.monotonic() + self.config.setup_timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
-            if not rx.poll(int(remaining * 1000) + 1):
-                break
+            if not rx.poll(int(min(remaining, self._join_again_after()) * 1000) + 1):
+                if deadline - time.monotonic() > 0:  # unanswered: a conductor not up yet
+                    self._send(Join(self.rank, os.getpid()))
+                continue
             try:
                 msg = decode(rx.recv())
             except MessageError as e:
@@ -464,12 +472,18 @@ class Worker:
                     else:
                         handler(msg)
                 self._beat()
-                if os.getppid() != self._ppid:  # a cheap syscall
-                    log.error("rank %d: the conductor process is gone; exiting", self.rank)
-                    self._orphaned = True
+                if self._conductor_gone():
                     break
         finally:
             self._stop()
+
+    def _conductor_gone(self) -> bool:
+        """The conductor process (this one's parent) died: clean what it left, exit."""
+        if os.getppid() == self._ppid:  # a cheap syscall
+            return False
+        log.error("rank %d: the conductor process is gone; exiting", self.rank)
+        self._orphaned = True
+        return True
 
     def _beat(self) -> bool:
         """Send a heartbeat if one is due (True then): from the io thread's loop, and while it
@@ -643,20 +657,3 @@ def _recv(sock: zmq.Socket[bytes]) -> bytes | None:
         return sock.recv(zmq.NOBLOCK)
     except zmq.Again:
         return None
-
-
-def forbid_pickle() -> None:
-    """From now on, every pickle entry point in this process raises (and so does reducing a
-    tensor). Nothing on walkserve's data path pickles; this makes sure of it."""
-    import _pickle
-    import pickle
-
-    import torch
-
-    def forbidden(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("pickle is forbidden in walkserve workers")
-
-    for module in (pickle, _pickle):
-        for name in ("dumps", "loads", "dump", "load", "Pickler", "Unpickler"):
-            setattr(module, name, forbidden)
-    torch.Tensor.__reduce_ex__ = forbidden  # type: ignore[method-assign,assignment]

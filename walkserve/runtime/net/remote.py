@@ -5,7 +5,7 @@ Owns: parsing and binding of ``tcp://HOST:PORT`` control addresses (the report R
 the command ROUTER at PORT+1), ``RemoteProcess`` (what ``WorkerPool`` keeps in place of a
 ``multiprocessing`` process for a remote rank: no pid until its ``Join``, an exit code when the
 pool closes or the rank falls silent) and ``run_remote_worker`` (the worker side: keys from a
-directory, a ``WorkerConfig`` whose tensors all travel inline, then the ordinary ``Worker``).
+directory, a ``WorkerConfig`` whose tensors all travel inline, then ``rejoin``'s sessions).
 What crosses its boundary: addresses (str), key files, the typed messages of ``messages``
 over CURVE-encrypted TCP; never pickle, and no shared memory between hosts::
 
@@ -76,7 +76,8 @@ class RemoteProcess:
     ``WorkerPool`` uses: ``pid``, ``exitcode``, ``sentinel``, ``join``, ``kill``, ``close``).
 
     ``sentinel`` is a pipe that becomes readable when the rank is given up: silent for
-    ``dead_after_s`` after it was last seen (a watchdog thread asks ``last_seen``), or killed.
+    ``dead_after_s`` after it was last seen (a watchdog thread asks ``last_seen``; while
+    ``starting()``, building from its setup without heartbeats, ``start_timeout_s``), or killed.
     When ``closing()`` is true (the pool sent Shutdown) ``join`` settles it with exit code 0."""
 
     def __init__(
@@ -85,6 +86,8 @@ class RemoteProcess:
         closing: Callable[[], bool],
         last_seen: Callable[[], float | None],
         dead_after_s: float,
+        starting: Callable[[], bool] = lambda: False,
+        start_timeout_s: float = 120.0,
     ) -> None:
         self.rank = rank
         self.name = f"walkserve-remote-{rank}"
@@ -93,6 +96,8 @@ class RemoteProcess:
         self._closing = closing
         self._last_seen = last_seen
         self._dead_after_s = dead_after_s
+        self._starting = starting
+        self._start_timeout_s = start_timeout_s
         self._read, self._write = os.pipe()
         self.sentinel = self._read
         self._ended = threading.Event()
@@ -102,10 +107,9 @@ class RemoteProcess:
     def _watchdog(self) -> None:
         while not self._ended.wait(0.2):
             seen = self._last_seen()
-            if seen is not None and time.monotonic() - seen > self._dead_after_s:
-                log.error(
-                    "remote rank %d silent for %.0f s; giving it up", self.rank, self._dead_after_s
-                )
+            limit = self._start_timeout_s if self._starting() else self._dead_after_s
+            if seen is not None and time.monotonic() - seen > limit:
+                log.error("remote rank %d silent for %.0f s; giving it up", self.rank, limit)
                 self._end(1)
 
     def _end(self, code: int) -> None:
@@ -171,11 +175,14 @@ def run_remote_worker(
     setup_timeout_s: float = 120.0,
     heartbeat_s: float = 1.0,
     inline_max_bytes: int = 64 << 10,
+    rejoin_timeout_s: float = 300.0,
 ) -> int:
     """Join the conductor at ``conductor`` (its report socket, ``tcp://HOST:PORT``) as rank
-    ``rank``; serve until it sends Shutdown. Returns the exit code (0: clean)."""
+    ``rank``; serve until it sends Shutdown, joining again when it goes away (for up to
+    ``rejoin_timeout_s``: ``runtime.rejoin``). Returns the exit code (0: clean)."""
     from walkserve.runtime.net.auth import load_worker_keys
-    from walkserve.runtime.worker import Worker, WorkerConfig, default_threads
+    from walkserve.runtime.rejoin import run_sessions
+    from walkserve.runtime.worker import WorkerConfig, default_threads
 
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
@@ -197,7 +204,7 @@ def run_remote_worker(
         curve_secret_key=pair.secret,
     )
     log.info("rank %d joining %s", rank, conductor)
-    return Worker(rank, conductor, config).run()
+    return run_sessions(rank, conductor, config, rejoin_timeout_s)
 
 
 __all__ = [
