@@ -29,6 +29,7 @@ accumulated pieces and last outputs are the rows of the joint ones that hold it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,11 @@ class CohortSpec:
     outputs: tuple[str, ...]  # the loop's outputs (values of the body node)
     out_dims: dict[str, int | None]  # batch dim of each value the body node makes
     accumulated: dict[str, int]  # channel -> loop output index
+
+    @functools.cached_property
+    def batched(self) -> tuple[tuple[str, int], ...]:
+        """(value, batch dim) of the body node's batched values."""
+        return tuple((n, d) for n, d in self.out_dims.items() if d is not None)
 
 
 @dataclass(frozen=True)
@@ -92,34 +98,42 @@ class Cohort:
     carried: dict[str, Any]  # carried parameters, joint
     slabs: dict[str, torch.Tensor]  # per-step parameters: [.., length at dim, ..], joint
     steps: int = 0
+    total: int = 0  # rows of every run
     last: list[Any] | None = None
     pieces: dict[str, list[Any]] = field(default_factory=dict)
+    _steps: dict[str, Sequence[torch.Tensor]] | None = None
 
     def call(self) -> tuple[list[Any], dict[str, Any]]:
         """This step's arguments: every run's rows, concatenated."""
-        return [self._value(a) for a in self.spec.args], {
-            k: self._value(a) for k, a in self.spec.kwargs
-        }
+        steps = self._steps
+        if steps is None:  # each per-step slice's views, once per cohort
+            spec = self.spec
+            steps = self._steps = {
+                p: slab.unbind(spec.select[p][0]) for p, slab in self.slabs.items()
+            }
+        i = self.steps
+        carried, fixed = self.carried, self.fixed
 
-    def _value(self, arg: _Arg) -> Any:
-        kind, v = arg
-        if kind == "const":
-            return v
-        if v in self.carried:
-            return self.carried[v]
-        if v in self.slabs:
-            return self.slabs[v].select(self.spec.select[v][0], self.steps)
-        return self.fixed[v]
+        def value(arg: _Arg) -> Any:
+            kind, v = arg
+            if kind == "const":
+                return v
+            if v in carried:
+                return carried[v]
+            if v in steps:
+                return steps[v][i]
+            return fixed[v]
+
+        return [value(a) for a in self.spec.args], {k: value(a) for k, a in self.spec.kwargs}
 
     def advance(self, values: Mapping[str, Any]) -> bool:
         """Commit a step's joint values; False (nothing committed) when a batched value does
         not hold every run's rows, as ``Join.split`` refuses it."""
-        total = sum(self.rows)
-        spec = self.spec
-        for name, dim in spec.out_dims.items():
-            if dim is None or name not in values:
+        total, spec = self.total, self.spec
+        for name, dim in spec.batched:
+            v = values.get(name)
+            if v is None:
                 continue
-            v = values[name]
             if not isinstance(v, torch.Tensor) or v.dim() <= dim or v.shape[dim] != total:
                 return False
         try:
@@ -265,7 +279,8 @@ def form(spec: CohortSpec, members: Sequence[Member], key: Any) -> Cohort | None
                 carried[p] = _cat([m.carried[p] for m in members], out)
     except (KeyError, IndexError, RuntimeError, TypeError, AttributeError):
         return None
-    return Cohort(spec, key, [m.rows for m in members], length, fixed, carried, slabs)
+    rows = [m.rows for m in members]
+    return Cohort(spec, key, rows, length, fixed, carried, slabs, total=sum(rows))
 
 
 def _left(spec: CohortSpec, m: Member) -> int:
