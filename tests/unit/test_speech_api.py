@@ -325,8 +325,8 @@ def test_checkpoint_chat_media_with_its_preprocessors(tmp_path: Path) -> None:
     file.write_text(json.dumps(both))
     media = profile_for(str(tmp_path)).chat_media
     assert media is not None and media.audio is not None and media.image is not None
-    inputs, ids = media.image.inputs(torch.zeros(16, 24, 3, dtype=torch.uint8))
-    assert inputs["image_grid_thw"].tolist() == [[1, 4, 6]] and len(ids) == 2 + 6
+    inputs, ids = media.image.inputs([torch.zeros(16, 24, 3, dtype=torch.uint8)])  # one part
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 6]] and [len(i) for i in ids] == [2 + 6]
     file.write_text(json.dumps(both | {"patch_size": 14}))
     with pytest.raises(ValueError, match="not the vision tower's"):
         profile_for(str(tmp_path))
