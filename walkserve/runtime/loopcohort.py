@@ -7,8 +7,8 @@ their batch dimensions when it forms, every step calls the component on those jo
 keeps the joint outputs as the next step's carried values, and each run's rows are cut out only
 when the cohort dissolves (vLLM's persistent batch, for a captured loop)::
 
-    spec = cohort_spec(node, body, join)          # None: this loop does not keep cohorts
-    cohort = form(spec, [(start, i, carried, rows), ...], key)   # None: one of them cannot
+    spec = cohort_spec(node, body, ops, join)     # None: this loop does not keep cohorts
+    cohort = form(spec, [Member(start, i, carried, rows), ...])  # None: one of them cannot
     call = cohort.call()                          # this step's joint arguments
     ok = cohort.advance(values)                   # False: values not batched as captured
     states = cohort.dissolve()                    # per run: carried, last, pieces, steps
@@ -91,13 +91,13 @@ class Left:
 @dataclass(eq=False)
 class Cohort:
     spec: CohortSpec
-    key: Any  # the joined call's key: a run whose first call has another key cannot join
     rows: list[int]
     length: int  # steps it may take
     fixed: dict[str, Any]  # invariant parameters, joint
     carried: dict[str, Any]  # carried parameters, joint
     slabs: dict[str, torch.Tensor]  # per-step parameters: [.., length at dim, ..], joint
     steps: int = 0
+    offsets: list[int] = field(default_factory=list)  # each run's first row
     total: int = 0  # rows of every run
     last: list[Any] | None = None
     pieces: dict[str, list[Any]] = field(default_factory=dict)
@@ -155,8 +155,7 @@ class Cohort:
             return None
         out = self.spec.outputs[self.spec.accumulated[channel]]
         dim = self.spec.out_dims[out]
-        at = sum(self.rows[:k])
-        return pieces[-1] if dim is None else pieces[-1].narrow(dim, at, self.rows[k])
+        return pieces[-1] if dim is None else pieces[-1].narrow(dim, self.offsets[k], self.rows[k])
 
     def done(self) -> bool:
         return self.steps >= self.length
@@ -171,8 +170,7 @@ class Cohort:
         out_dims = [spec.out_dims[o] for o in spec.outputs]
         acc_dims = {ch: out_dims[k] for ch, k in spec.accumulated.items()}
         left: list[Left] = []
-        at = 0
-        for n in self.rows:
+        for at, n in zip(self.offsets, self.rows):
 
             def rows(v: Any, dim: int | None, a: int = at, n: int = n) -> Any:
                 return v if dim is None else v.narrow(dim, a, n)
@@ -186,17 +184,16 @@ class Cohort:
                     self.steps,
                 )
             )
-            at += n
         return left
 
 
 def cohort_spec(
-    node: ir.LoopNode, body: Sequence[NodePlan], join: Join | None
+    node: ir.LoopNode, body: Sequence[NodePlan], ops: Mapping[str, ir.Op], join: Join | None
 ) -> CohortSpec | None:
-    """The ``CohortSpec`` of a simple loop with this body, or None (see the module docstring)."""
+    """The ``CohortSpec`` of a simple loop with this body (``ops``: the body's ops by name),
+    or None (see the module docstring)."""
     if join is None or node.stop is not None or len(body) != 1:
         return None
-    ops = {n.name: n for n in ir.iter_nodes(node.body) if isinstance(n, ir.Op)}
     comp = ops.get(body[0].ops[0])
     if comp is None:
         return None
@@ -250,8 +247,8 @@ def cohort_spec(
     )
 
 
-def form(spec: CohortSpec, members: Sequence[Member], key: Any) -> Cohort | None:
-    """A cohort of ``members`` (whose first calls share ``key``), or None when one of them
+def form(spec: CohortSpec, members: Sequence[Member]) -> Cohort | None:
+    """A cohort of ``members`` (whose first calls share one join key), or None when one of them
     has nothing left to run or a value the cohort cannot join."""
     length = min(_left(spec, m) for m in members)
     if length < 1:
@@ -280,7 +277,8 @@ def form(spec: CohortSpec, members: Sequence[Member], key: Any) -> Cohort | None
     except (KeyError, IndexError, RuntimeError, TypeError, AttributeError):
         return None
     rows = [m.rows for m in members]
-    return Cohort(spec, key, rows, length, fixed, carried, slabs, total=sum(rows))
+    offsets = [sum(rows[:k]) for k in range(len(rows))]
+    return Cohort(spec, rows, length, fixed, carried, slabs, offsets=offsets, total=sum(rows))
 
 
 def _left(spec: CohortSpec, m: Member) -> int:

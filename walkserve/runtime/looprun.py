@@ -157,7 +157,7 @@ class LoopCompiler:
                 join := joinable(
                     body, ops, (self.regions.walk_of.get(walk, walk), node.name), self.joins
                 ),
-                cohort_spec(node, body, join) if self.cohorts else None,
+                cohort_spec(node, body, ops, join) if self.cohorts else None,
             )
         return loop
 

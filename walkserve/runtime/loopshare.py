@@ -36,6 +36,7 @@ class Band:
     loop: SimpleLoop
     cohort: Cohort
     runs: list[LoopRun]
+    streaming: list[tuple[int, LoopRun]]  # (row block, run) of the runs with a client's stream
 
 
 class SharedSteps:
@@ -108,10 +109,8 @@ class SharedSteps:
             ):
                 self._dissolve(band)
 
-    def _band(
-        self, members: list[tuple[LoopRun, tuple[list[Any], dict[str, Any]]]], key: Any
-    ) -> bool:
-        """Form a cohort of ``members`` (their first calls joined under ``key``); False when
+    def _band(self, members: list[tuple[LoopRun, tuple[list[Any], dict[str, Any]]]]) -> bool:
+        """Form a cohort of ``members`` (their first calls share one join key); False when
         their loop keeps none or one of them cannot be held (then they join call by call)."""
         loop = members[0][0].loop
         if loop.cohort is None or loop.join is None:
@@ -120,13 +119,14 @@ class SharedSteps:
             return False
         join = loop.join
         cohort = form(
-            loop.cohort, [Member(r.start, r.i, r.carried, join._rows(c)) for r, c in members], key
+            loop.cohort, [Member(r.start, r.i, r.carried, join._rows(c)) for r, c in members]
         )
         if cohort is None:
             for run, _ in members:
                 run.solo = True
             return False
-        band = Band(loop, cohort, [r for r, _ in members])
+        runs = [r for r, _ in members]
+        band = Band(loop, cohort, runs, [(k, r) for k, r in enumerate(runs) if r.start.streams])
         for run in band.runs:
             run.band = band
         self._bands.append(band)
@@ -154,7 +154,7 @@ class SharedSteps:
         if not cohort.advance(r.values):
             self._dissolve(band, alone=True)  # not batched as captured: each run by itself
             return
-        for k, run in enumerate(band.runs):
+        for k, run in band.streaming:
             for ch in run.start.streams:  # a client's stream: each commit's piece, as it is made
                 piece = cohort.piece(ch, k)
                 if piece is not None and run.item in self._runs:

@@ -200,11 +200,11 @@ class LoopStepper(SharedSteps):
                         continue
                     run.solo = True  # a call no cohort can hold: it must not dissolve others
             self._item(groups, run, node, call)
-        for (walk, _node, key), members in joins.items():
+        for (walk, _node, _key), members in joins.items():
             size = self.max_batch or len(members)
             for k in range(0, len(members), size):
                 part = members[k : k + size]
-                if not self._band(part, key):
+                if not self._band(part):
                     self._join(groups, walk, part)
         for band in self._bands:
             self._band_item(groups, band)
