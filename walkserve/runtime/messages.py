@@ -402,7 +402,7 @@ class RankStatsReply(_Msg, frozen=True):
     speculated_steps: NonNegInt
     wasted_steps: NonNegInt
     batch_sizes: dict[int, int]  # items per step -> steps (region runs and node batches)
-    # counters of the rank's components that keep some (``worker.component_counters``):
+    # counters of the rank's components that keep some (``components.component_counters``):
     # "component path/counter" -> count since the rank started (an encoder cache's hits)
     counters: dict[str, NonNegInt] = {}
 
