@@ -194,14 +194,21 @@ REGION_OUTPUTS = {
     cancel=st.lists(st.one_of(st.none(), st.integers(0, 5)), min_size=5, max_size=5),
     which=st.sampled_from(["rollout", "recur"]),
     stream=st.booleans(),
+    lane=st.integers(0, 3),
 )
 def test_cohorts_with_arrivals_and_cancels_give_the_interpreters_outputs(
-    lengths: list[int], arrive: list[int], cancel: list[int | None], which: str, stream: bool
+    lengths: list[int],
+    arrive: list[int],
+    cancel: list[int | None],
+    which: str,
+    stream: bool,
+    lane: int,
 ) -> None:
     """The rank scheduler and the real runner, step by step: runs arrive at different steps
     (a cohort dissolves and forms again with them) and some are cancelled mid-cohort; every
     other run gets the interpreter's outputs (streamed pieces too, in order), the steps ran as
-    cohorts, and nothing is held at the end."""
+    cohorts, and nothing is held at the end. ``lane``: after each round, up to that many steps
+    of the engine's fast lane (``again()``), as the engine takes them while no command waits."""
     from walkserve.runtime.rankscheduler import (
         RankScheduler,
         RegionDone,
@@ -218,7 +225,7 @@ def test_cohorts_with_arrivals_and_cancels_give_the_interpreters_outputs(
     reqs = {k: make(k, n) for k, n in enumerate(lengths)}
     outputs: dict[int, dict[str, Any]] = {}
     pieces: dict[int, list[tuple[int, Any]]] = {k: [] for k in reqs}
-    step = 0
+    step = lanes = 0
     while len(outputs) < len(reqs) and step < 100:
         for k in reqs:
             if arrive[k] == step:
@@ -226,8 +233,15 @@ def test_cohorts_with_arrivals_and_cancels_give_the_interpreters_outputs(
             if cancel[k] is not None and arrive[k] + cancel[k] == step and k not in outputs:
                 sched.cancel(f"q{k}")
                 outputs[k] = {}
-        for s in sched.schedule():
+        steps = sched.schedule()
+        for s in steps:
             sched.update(s, runner.run(s.walk, s.node, s.items))
+        for _ in range(lane if steps else 0):
+            again = sched.again()
+            if again is None:
+                break
+            lanes += 1
+            sched.update(again, runner.run(again.walk, again.node, again.items))
         for rep in sched.reports():
             assert not isinstance(rep, RegionFailed), rep
             if isinstance(rep, RegionDone) and rep.item not in outputs:
@@ -250,3 +264,43 @@ def test_cohorts_with_arrivals_and_cancels_give_the_interpreters_outputs(
     if any(outputs.values()):
         assert sched.loops.counters()["loop_stepper/cohort_steps"] > 0
     assert sched.stats().live_values == 0 and sched.idle()
+
+
+def test_the_fast_lane_steps_a_lone_cohort_until_the_rank_is_told_something() -> None:
+    """``again()`` repeats a lone cohort's step only while nothing reached the rank: a new
+    run (a command) stops it until ``schedule`` has seen it; the outputs are the
+    interpreter's either way."""
+    from walkserve.runtime.rankscheduler import RankScheduler, RegionDone
+    from walkserve.runtime.regionwalk import region_walks
+
+    captured, plan = setup()
+    runner = NodeRunner(captured, plan, 0)
+    sched = RankScheduler(region_walks(captured, plan, 0), joins=runner.joinable())
+    region = plan.regions["rollout"][0].name
+    reqs = {0: rollout_inputs(0, 12), 1: rollout_inputs(1, 6)}
+    sched.start(0, "q0", "rollout", region, reqs[0], False)
+    assert sched.again() is None  # the start: schedule() first
+
+    def round_() -> int:
+        for s in sched.schedule():
+            sched.update(s, runner.run(s.walk, s.node, s.items))
+        n = 0
+        while (again := sched.again()) is not None:
+            sched.update(again, runner.run(again.walk, again.node, again.items))
+            n += 1
+            if n == 3 and 1 not in started:
+                started.add(1)
+                sched.start(1, "q1", "rollout", region, reqs[1], False)
+                assert sched.again() is None  # a newcomer joins at the next schedule()
+                break
+        return n
+
+    started: set[int] = set()
+    lane = [round_() for _ in range(6)]
+    assert sum(lane) > 0 and lane[0] == 0  # the first round's conductor had the loop to start
+    assert sched.loops.counters()["loop_stepper/lane_steps"] == sum(lane)
+    done = {r.item: r.outputs for r in sched.reports() if isinstance(r, RegionDone)}
+    for k, r in reqs.items():
+        want = captured.run(r, "rollout")
+        testing.assert_outputs_match({"states": done[k]["step.state.all"]}, want)
+    assert sched.idle() and sched.stats().live_values == 0

@@ -318,6 +318,10 @@ class _Snapshot(Collector):
 COMPONENT_COUNTERS = {
     "mm_cache_queries": "Images looked up in a vision tower's encoder cache.",
     "mm_cache_hits": "Images found in a vision tower's encoder cache (not encoded again).",
+    "cohort_steps": "Loop steps run as one call over a cohort's joint state (component "
+    "loop_stepper).",
+    "lane_steps": "Cohort steps made by a rank's fast lane, with no scheduling pass.",
+    "joined_steps": "Loop steps whose requests' calls were joined into one call.",
 }
 
 

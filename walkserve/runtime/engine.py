@@ -7,7 +7,14 @@ objects (``rankscheduler.RankScheduler`` decides, ``runner.NodeRunner`` runs)::
         apply(commands())                        # region starts, node batches, cancels, ...
         for step in scheduler.schedule():        # every ready item of every run, by node
             scheduler.update(step, runner.run(step.walk, step.node, step.items))
+        while no command waits and (step := scheduler.again()):   # the fast lane
+            scheduler.update(step, runner.run(step.walk, step.node, step.items))
         send(reports)                            # RegionEvents, BatchDone: what others need
+
+The fast lane: when all the rank runs is one cohort of a simple loop (``loopcohort``) and no
+command waits, its next step is made by ``scheduler.again()`` instead of a whole ``schedule()``
+(a rollout or a decode of one request, or of requests that joined it, steps with no scheduling
+pass per iteration); any command ends the lane until ``schedule()`` has seen it.
 
 It blocks for commands only when the last step ran nothing, so region runs advance back to back
 with no process crossing per iteration: a decode loop of 96 tokens is 96 steps here, one
@@ -44,6 +51,7 @@ from walkserve.runtime.rankscheduler import (
     RegionOutput,
     RegionStreamed,
     Report,
+    Step,
 )
 from walkserve.runtime.runner import ItemResult, NodeRunner, RunItem
 from walkserve.runtime.transport import ObjectStore, Token, Transport, shm_handles
@@ -190,14 +198,7 @@ class EngineLoop:
                 assert command is not None
                 self._apply(command)
             steps = self.scheduler.schedule()
-            for step in steps:
-                results = self._run(step.walk, step.node, step.items)
-                try:
-                    self.scheduler.update(step, results)
-                except Exception as e:  # a bug of ours: its requests fail, the rank goes on
-                    log.exception("rank %d: results of %s:%s", self.rank, step.walk, step.node)
-                    self.scheduler.fail_step(step, f"rank {self.rank}: {type(e).__name__}: {e}")
-                del step, results  # a finished step must not keep its values (a KV cache)
+            self._steps(steps, stopping)
             self._report(self.scheduler.reports())
             wait = not steps
             if wait or self._due():
@@ -256,6 +257,28 @@ class EngineLoop:
                     | (self.counters() if self.counters is not None else {}),
                 )
             )
+
+    def _steps(self, steps: list[Step], stopping: threading.Event) -> None:
+        """Run ``steps``, then the fast lane: a lone cohort steps back to back while no
+        command waits. (A method, so that no step outlives it: a finished step must not keep
+        its values, such as a KV cache whose pages its release frees.)"""
+        for step in steps:
+            self._step(step)
+        while steps and self._commands.empty() and not stopping.is_set():
+            again = self.scheduler.again()
+            if again is None:
+                break
+            self._step(again)
+            if self._due():
+                self._flush()
+
+    def _step(self, step: Step) -> None:
+        results = self._run(step.walk, step.node, step.items)
+        try:
+            self.scheduler.update(step, results)
+        except Exception as e:  # a bug of ours: its requests fail, the rank goes on
+            log.exception("rank %d: results of %s:%s", self.rank, step.walk, step.node)
+            self.scheduler.fail_step(step, f"rank {self.rank}: {type(e).__name__}: {e}")
 
     def _run(self, walk: str, node: str, items: Sequence[Any]) -> list[ItemResult]:
         try:

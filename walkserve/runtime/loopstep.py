@@ -84,6 +84,7 @@ class LoopStepper(SharedSteps):
         self.steps = 0
         self.cohort_steps = 0  # runner items of cohorts (one per cohort per step)
         self.joined_steps = 0  # runner items of runs joined call by call
+        self.lane_steps = 0  # cohort steps made by again() (the engine's fast lane)
 
     def start(self, item: WorkItem) -> None:
         assert item.loop is not None
@@ -160,6 +161,7 @@ class LoopStepper(SharedSteps):
         return {
             "loop_stepper/cohort_steps": self.cohort_steps,
             "loop_stepper/joined_steps": self.joined_steps,
+            "loop_stepper/lane_steps": self.lane_steps,
         }
 
     def reports(self) -> list[LoopReport]:
@@ -212,6 +214,24 @@ class LoopStepper(SharedSteps):
         self.cohort_steps += len(self._banded)
         self.joined_steps += len(self._joined)
         return [(walk, node, items) for (walk, node), items in groups.items()]
+
+    def again(self) -> tuple[str, str, list[RunItem]] | None:
+        """(walk, node, items) of the next step when all this stepper runs is one cohort
+        without a client stream and its last step was updated: what ``schedule`` would make
+        now (nothing waits, nothing joins or dissolves it), for the engine's fast lane; None
+        otherwise."""
+        if len(self._bands) != 1 or self._waiting or self._joined or self._banded:
+            return None
+        band = self._bands[0]
+        if band.streaming or len(band.runs) != len(self._runs):
+            return None
+        groups: dict[tuple[str, str], list[RunItem]] = {}
+        self._band_item(groups, band)
+        self.steps += 1
+        self.cohort_steps += 1
+        self.lane_steps += 1
+        ((walk, node), items), *_ = groups.items()
+        return walk, node, items
 
     def _item(
         self,

@@ -172,6 +172,9 @@ class RankScheduler:
         self._external: list[Step] = []
         self._reports: list[Report] = []
         self.batch_sizes: dict[int, int] = {}
+        # Nothing reached the rank since the last schedule(), whose inner conductor had
+        # nothing ready, and no step since reported anything to it: again() may repeat a cohort.
+        self._settled = False
 
     # ------------------------------------------------------------------ commands
 
@@ -186,6 +189,7 @@ class RankScheduler:
     ) -> None:
         """Run region ``region`` of ``walk`` for ``request`` (the conductor's item ``item``);
         ``stream``: report its client streams item by item (else only forwarded streams)."""
+        self._settled = False
         name = region_walk_name(walk, region)
         plan = self.regions.regions.get(name)
         run_id = str(item)
@@ -220,6 +224,7 @@ class RankScheduler:
 
     def feed(self, item: int, stream: str, pieces: Sequence[Any], finished: bool) -> None:
         """Items of fed stream ``stream`` of region item ``item``, from another region."""
+        self._settled = False
         run = self._runs.get(str(item))
         if run is None:
             return
@@ -229,6 +234,7 @@ class RankScheduler:
 
     def credit(self, item: int, channel: str, items: int) -> None:
         """Region item ``item`` may commit items of ``channel`` up to ``items``."""
+        self._settled = False
         if str(item) in self._runs:
             self.loops.credit(str(item), channel, items)
             self.conductor.credit(str(item), channel, items)
@@ -236,15 +242,18 @@ class RankScheduler:
 
     def add_batch(self, batch: int, walk: str, node: str, items: Sequence[Runnable]) -> None:
         """A node batch from the conductor: run as it is at the next ``schedule``."""
+        self._settled = False
         self._external.append(Step(walk, node, list(items), batch))
 
     def cancel(self, request: str) -> None:
         """Drop every run of ``request`` (no report)."""
+        self._settled = False
         for run_id in self._by_request.pop(request, set()):
             self._drop(run_id)
 
     def drop(self, items: Sequence[int]) -> None:
         """Drop the runs of these region items (the conductor no longer wants them)."""
+        self._settled = False
         for item in items:
             run = self._runs.get(str(item))
             if run is not None:
@@ -257,13 +266,16 @@ class RankScheduler:
         """Every ready item of every run, one step per node (split at ``max_batch``), and the
         conductor's node batches."""
         groups: dict[tuple[str, str, str], list[Runnable]] = {}
-        for it in self.conductor.ready():
+        ready = self.conductor.ready()
+        self._settled = not ready
+        for it in ready:
             if it.kind == "loop":
                 self.loops.start(it)
                 continue
             key = (self.regions.walk_of[it.walk], it.node, it.kind)
             groups.setdefault(key, []).append(it)
-        self._loop_reports()
+        if self._loop_reports():
+            self._settled = False
         todo: list[tuple[str, str, Sequence[Runnable], bool]] = [
             (walk, node, group, False) for (walk, node, _), group in groups.items()
         ]
@@ -280,6 +292,22 @@ class RankScheduler:
         self._external = []
         return steps
 
+    def again(self) -> Step | None:
+        """The engine's fast lane: when all this rank runs is one cohort of a simple loop
+        (``LoopStepper.again``), nothing reached the rank since the last ``schedule`` (whose
+        inner conductor had nothing ready) and no step since reported anything to it, the step
+        ``schedule`` would make now, made without scheduling everything again; None otherwise
+        (call ``schedule``)."""
+        if not self._settled or self._external:
+            return None
+        found = self.loops.again()
+        if found is None:
+            return None
+        walk, node, items = found
+        n = sum(getattr(it, "joined", 0) or 1 for it in items)
+        self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
+        return Step(walk, node, items, None, True)
+
     def update(self, step: Step, results: Sequence[ItemResult]) -> None:
         """The results of ``step``, one per item, in order."""
         if step.external is not None:
@@ -287,9 +315,11 @@ class RankScheduler:
             return
         if step.loops:
             self.loops.update(results)
-            self._loop_reports()
+            if self._loop_reports():
+                self._settled = False
             self._collect()
             return
+        self._settled = False
         for r in results:
             if r.error is not None:
                 self.conductor.fail(r.item, r.error)
@@ -302,6 +332,7 @@ class RankScheduler:
     def fail_step(self, step: Step, error: str) -> None:
         """``update`` of ``step`` raised (a bug of ours, met by these requests' values): fail
         the runs it served and drop them, so that the rank serves the others on."""
+        self._settled = False
         if step.external is not None:
             self._reports.append(
                 NodeBatchDone(step.external, [ItemResult(it.id, error=error) for it in step.items])
@@ -321,14 +352,17 @@ class RankScheduler:
                 del self._by_request[run.request]
             self._drop(run_id)
 
-    def _loop_reports(self) -> None:
-        for rep in self.loops.reports():
+    def _loop_reports(self) -> int:
+        """Hand the loop stepper's reports to the inner conductor; how many there were."""
+        reports = self.loops.reports()
+        for rep in reports:
             if isinstance(rep, LoopStreamed):
                 self.conductor.streamed(rep.item, rep.channel, rep.index, rep.value)
             elif isinstance(rep, LoopDone):
                 self.conductor.complete(rep.item, rep.channels)
             else:
                 self.conductor.fail(rep.item, rep.error)
+        return len(reports)
 
     def reports(self) -> list[Report]:
         out, self._reports = self._reports, []

@@ -122,6 +122,7 @@ class Server:
             for w in captured.graph.walks.values()
         }
         self._inbox: queue.Queue[Any] = queue.Queue()  # callables run on the loop thread
+        self._admitted: list[Callable[[], None]] = []  # callers to wake after this dispatch
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
         # Continuous batching across the nodes the conductor drives (``batcher``): a node
@@ -198,9 +199,12 @@ class Server:
             try:
                 self.conductor.submit(rid, inputs, walk, stream=stream)
                 self._handles[rid] = handle
-                done.set_result(handle)
             except Exception as e:
                 done.set_exception(e)
+                return
+            # the caller is woken once this pass has dispatched the request's first work:
+            # its thread must not take the GIL from the dispatch that its request waits for
+            self._admitted.append(lambda: done.set_result(handle))
 
         self._inbox.put(admit)
         return done
@@ -339,11 +343,18 @@ class Server:
             except queue.Empty:
                 break
             if task is _STOP:
+                self._wake_admitted()
                 return True
             task()
         self._dispatch(self.conductor.ready())
+        self._wake_admitted()
         self._route(self.conductor.events())
         return False
+
+    def _wake_admitted(self) -> None:
+        admitted, self._admitted = self._admitted, []
+        for wake in admitted:
+            wake()
 
     def _fail_all(self, error: str) -> None:
         """Fail every live request (the conductor's state of each may be inconsistent)."""
@@ -353,6 +364,7 @@ class Server:
                 self.pool.release_request(rid)
             handle = self._handles.pop(rid)
             handle._finish(error)
+        self._wake_admitted()  # their callers get the handles, failed
 
     def _dispatch(self, items: list[WorkItem]) -> None:
         """Send ready ``items`` as the batcher groups them (one ``RunBatch`` per node batch,
