@@ -111,8 +111,14 @@ def test_loader_reads_a_local_checkpoint_with_its_speakers(tiny: Any, tmp_path: 
     torch.save(walks.upstream.speaker_map, tmp_path / "spk_dict.pt")
     loaded, sample = q.load_qwen25_omni(str(tmp_path), thinker_eos_id=walks.eos)
     assert sample["text_bos_id"] == q.TINY_SPEAKER_BOS
-    r = {**sample, "input_ids": chat_prompt(q._Ids(), [10, 11, 12, 13])}
+    # The sample holds every walk's inputs (the media walks' too): speak takes its own.
+    speak = {k: sample[k] for k in ("max_new_tokens", "max_audio_tokens", "text_bos_id")}
+    r = {**speak, "input_ids": chat_prompt(q._Ids(), [10, 11, 12, 13])}
     got, want = loaded.speak(**r), walks.speak(**r)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    media = {k: sample[k] for k in ("input_ids", *q.MEDIA_INPUTS, "max_new_tokens")}
+    got, want = loaded.chat_media(**media), walks.chat_media(**media)
     for key, value in want.items():
         assert torch.equal(got[key], value), key
     with pytest.raises(ValueError, match="unknown speaker"):

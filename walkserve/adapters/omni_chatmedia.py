@@ -1,4 +1,5 @@
-"""Chat messages with audio clips and images for Qwen3-Omni's thinker: the ``ChatMediaTask``
+"""Chat messages with audio clips and images for an Omni thinker (Qwen3-Omni's here; Qwen2.5-Omni's
+in ``qwen25_omni.profiles``, from the same pieces): the ``ChatMediaTask``
 of its profile, over the ``chat_audio`` / ``chat_image`` walks (``speak_audio`` /
 ``speak_image`` for audio out) and ``chat_media`` for both kinds in one request. The parts
 become what upstream's ``Qwen3OmniMoeProcessor`` makes of them:
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,25 +93,37 @@ def image_inputs(processor: Any, start: int, pad: int, end: int) -> MediaInputs:
     return per_part(inputs)
 
 
-def audio_inputs(extractor: Any, start: int, pad: int, end: int, n_window: int) -> MediaInputs:
+def audio_inputs(
+    extractor: Any,
+    start: int,
+    pad: int,
+    end: int,
+    count: Callable[[torch.Tensor], torch.Tensor],
+    padding: bool | str = True,
+) -> MediaInputs:
     """Clips [samples] at the extractor's rate -> ``input_features`` [clips, mel, T],
     ``feature_attention_mask`` [clips, T] (the extractor called on all of them at once, as
-    upstream's processor calls it: padded to the longest) and each clip's placeholders."""
-    from walkserve.adapters.qwen3_omni import audio_token_count
+    upstream's processor calls it: ``padding`` True pads to the longest, as Qwen3-Omni's
+    does; "max_length" to the extractor's 30 s, as Qwen2.5-Omni's does) and each clip's
+    placeholders, ``count(frames)`` [clips] of them."""
+    settings = {"padding": padding}
+    if padding is True:
+        settings["truncation"] = False
+    # Qwen2.5-Omni's processor pads to max_length and leaves truncation on: the task's
+    # max_audio_seconds keeps clips within the extractor's chunk, so nothing is cut.
 
     def inputs(clips: list[torch.Tensor]) -> tuple[dict[str, Any], list[list[int]]]:
         out = extractor(
             [clip.numpy() for clip in clips],
             sampling_rate=extractor.sampling_rate,
-            padding=True,
-            truncation=False,
             return_attention_mask=True,
             return_tensors="pt",
+            **settings,
         )
         mask = out["attention_mask"].to(torch.int64)  # [clips, T]
-        counts = audio_token_count(mask.sum(-1), n_window).tolist()
+        counts = count(mask.sum(-1)).tolist()
         media = {"input_features": out["input_features"], "feature_attention_mask": mask}
-        return media, [[start, *[pad] * int(count), end] for count in counts]
+        return media, [[start, *[pad] * int(n), end] for n in counts]
 
     return inputs
 
@@ -128,6 +142,9 @@ def with_qwen3_chat_media(
     thinker = config.thinker_config
     audio = image = None
     if extractor is not None:
+        from walkserve.adapters.qwen3_omni import audio_token_count
+
+        n_window = int(thinker.audio_config.n_window)
         audio = MediaWalk(
             "chat_audio",
             audio_inputs(
@@ -135,7 +152,7 @@ def with_qwen3_chat_media(
                 int(thinker.audio_start_token_id),
                 int(thinker.audio_token_id),
                 int(thinker.audio_end_token_id),
-                int(thinker.audio_config.n_window),
+                lambda frames: audio_token_count(frames, n_window),
             ),
             speak_walk="speak_audio",
         )
@@ -150,12 +167,26 @@ def with_qwen3_chat_media(
             ),
             speak_walk="speak_image",
         )
+    rate = int(extractor.sampling_rate) if extractor is not None else 16000
+    return with_chat_media(profile, audio, image, rate, max_audio_seconds)
+
+
+def with_chat_media(
+    profile: ModelProfile,
+    audio: MediaWalk | None,
+    image: MediaWalk | None,
+    sample_rate: int,
+    max_audio_seconds: float,
+) -> ModelProfile:
+    """``profile`` whose chat takes the media of ``audio`` / ``image`` (None: that kind is a
+    400), up to ``MAX_PARTS`` per request, both kinds in one request through ``chat_media``
+    (text out); ``profile`` unchanged with neither."""
     if audio is None and image is None:
         return profile
     task = ChatMediaTask(
         audio=audio,
         image=image,
-        sample_rate=int(extractor.sampling_rate) if extractor is not None else 16000,
+        sample_rate=sample_rate,
         max_audio_seconds=max_audio_seconds,
         max_parts=MAX_PARTS,
         mixed_walk="chat_media" if audio is not None and image is not None else None,

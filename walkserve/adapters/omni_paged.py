@@ -365,7 +365,10 @@ class PagedDecoder(nn.Module):
 
 class PagedThinker(PagedDecoder):
     """An Omni thinker (``thinker.model.language_model`` under ``thinker.lm_head``) fed the
-    embeddings of its text input; the Qwen3-Omni one adds its media (``qwen3_omni.decoders``)."""
+    embeddings of its input, as upstream's thinker forward merges them: audio features
+    (``get_audio_features``) and image features (``get_image_features``) scattered at their
+    placeholders (``get_placeholder_mask``). Qwen3-Omni's adds DeepStack
+    (``qwen3_omni.decoders``)."""
 
     def __init__(self, thinker: Any, config: PagedLMConfig | None = None) -> None:
         super().__init__(thinker.model.language_model, config)
@@ -376,12 +379,40 @@ class PagedThinker(PagedDecoder):
         input_ids: Tensor,
         cache: Any = None,
         use_cache: bool = True,
+        position_ids: Tensor | None = None,
+        input_features: Tensor | None = None,
+        feature_attention_mask: Tensor | None = None,
+        pixel_values: Tensor | None = None,
+        image_grid_thw: Tensor | None = None,
         output_hidden_states: bool = False,
     ) -> StackOutput:
         return self._call(locals())
 
     def prepare(self, args: dict[str, Any], context: int) -> Prepared:
-        return Prepared(self.thinker.get_input_embeddings()(args["input_ids"]))
+        embeds, visual, _ = self.merge_media(args)
+        return Prepared(embeds, args.get("position_ids"), visual)
+
+    def merge_media(self, args: dict[str, Any]) -> tuple[Tensor, Tensor | None, Any]:
+        """-> the call's input embeddings [B, T, D] with its media features at their
+        placeholders, the image placeholders [B, T] bool (None without images) and upstream's
+        ``get_image_features`` output (for DeepStack; None without images)."""
+        model = self.thinker.model
+        ids = args["input_ids"]
+        embeds = model.get_input_embeddings()(ids)  # [B, T, D]
+        if args.get("input_features") is not None:
+            audio = model.get_audio_features(
+                args["input_features"], args.get("feature_attention_mask"), None, return_dict=True
+            ).last_hidden_state
+            _, _, mask = model.get_placeholder_mask(ids, inputs_embeds=embeds)
+            embeds = embeds.masked_scatter(mask, audio.to(embeds.device, embeds.dtype))
+        if args.get("pixel_values") is None:
+            return embeds, None, None
+        image = model.get_image_features(
+            args["pixel_values"], args.get("image_grid_thw"), return_dict=True
+        )
+        features = torch.cat(image.pooler_output, dim=0).to(embeds.device, embeds.dtype)
+        mask, _, _ = model.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=features)
+        return embeds.masked_scatter(mask, features), mask[..., 0], image
 
     def head(self, hidden: Tensor, prepared: Prepared) -> Tensor:
         logits: Tensor = self.thinker.lm_head(hidden)

@@ -35,44 +35,12 @@ __all__ = ["PredictorOnPool", "TalkerOnPool", "ThinkerOnPool"]
 
 
 class ThinkerOnPool(PagedThinker):
-    """An upstream ``Qwen3OmniMoeThinkerForConditionalGeneration`` on the pool, with media."""
-
-    def forward(  # type: ignore[override]
-        self,
-        input_ids: Tensor,
-        cache: Any = None,
-        use_cache: bool = True,
-        position_ids: Tensor | None = None,
-        input_features: Tensor | None = None,
-        feature_attention_mask: Tensor | None = None,
-        pixel_values: Tensor | None = None,
-        image_grid_thw: Tensor | None = None,
-        output_hidden_states: bool = False,
-    ) -> StackOutput:
-        return self._call(locals())
+    """An upstream ``Qwen3OmniMoeThinkerForConditionalGeneration`` on the pool, with media and
+    DeepStack: the image features of the first layers added at the image placeholders."""
 
     def prepare(self, args: dict[str, Any], context: int) -> Prepared:
-        model = self.thinker.model  # Qwen3OmniMoeThinkerModel: its forward's merging steps
-        ids = args["input_ids"]
-        embeds = model.get_input_embeddings()(ids)  # [B, T, D]
-        if args.get("input_features") is not None:
-            audio = model.get_audio_features(
-                args["input_features"], args.get("feature_attention_mask"), None, return_dict=True
-            ).last_hidden_state
-            _, _, mask = model.get_placeholder_mask(ids, inputs_embeds=embeds)
-            embeds = embeds.masked_scatter(mask, audio.to(embeds.device, embeds.dtype))
-        visual = deepstack = None
-        if args.get("pixel_values") is not None:
-            image = model.get_image_features(
-                args["pixel_values"], args.get("image_grid_thw"), return_dict=True
-            )
-            features = torch.cat(image.pooler_output, dim=0).to(embeds.device, embeds.dtype)
-            mask, _, _ = model.get_placeholder_mask(
-                ids, inputs_embeds=embeds, image_features=features
-            )
-            embeds = embeds.masked_scatter(mask, features)
-            visual = mask[..., 0]  # [B, T]
-            deepstack = [torch.cat(f, dim=0) for f in image.deepstack_features]
+        embeds, visual, image = self.merge_media(args)
+        deepstack = None if image is None else [torch.cat(f) for f in image.deepstack_features]
         return Prepared(embeds, args.get("position_ids"), visual, deepstack)
 
 

@@ -277,6 +277,11 @@ class AudioPlaceholders(nn.Module):
         super().__init__()
         self.audio_token, self.n_window = audio_token, n_window
 
+    def count(self, frames: Tensor) -> Tensor:
+        """The encoder's tokens for each clip's ``frames`` [clips] (another Omni's formula in a
+        subclass)."""
+        return audio_token_count(frames, self.n_window)
+
     def forward(self, input_ids: Tensor, feature_attention_mask: Tensor) -> Tensor:
         # input_ids: [B, P], feature_attention_mask: [clips, T] -> input_ids
         have = placeholder_runs(input_ids, self.audio_token)
@@ -285,12 +290,13 @@ class AudioPlaceholders(nn.Module):
                 f"{feature_attention_mask.shape[0]} audio feature rows for {len(have)} runs of "
                 "audio placeholders in the prompt: give one feature row per clip"
             )
-        want = audio_token_count(feature_attention_mask.sum(-1), self.n_window).tolist()
+        want = self.count(feature_attention_mask.sum(-1)).tolist()
         if want != have:
             raise ValueError(
                 f"the prompt holds {have} audio placeholder tokens but the audio "
-                f"encoder makes {want} of the given features: lay the prompt out as "
-                "<|audio_start|> + audio_token_count(frames) x <|audio_pad|> + <|audio_end|>"
+                f"encoder makes {want} of the given features: lay the prompt out as audio "
+                "start + one audio placeholder per encoder token (the count of the clip's "
+                "frames) + audio end"
             )
         return input_ids
 

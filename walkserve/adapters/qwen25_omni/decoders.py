@@ -1,15 +1,18 @@
 """Qwen2.5-Omni's thinker and talker on the paged KV pool (``omni_paged``), called as the walks
-called the upstream modules (text-only input: the walks take no media):
+called the upstream modules:
 
-    ThinkerOnPool   input_ids [B, T] -> the text embeddings; ``lm_head``; with
-                    ``output_hidden_states`` the text model's hidden states (the walks read
-                    the embeddings' and the last layer's)
+    ThinkerOnPool   input_ids [B, T] (+ input_features / feature_attention_mask, or
+                    pixel_values / image_grid_thw at a prefill: ``PagedThinker`` merges them as
+                    upstream's forward does) -> ``lm_head``; with ``output_hidden_states`` the
+                    text model's hidden states (the walks read the embeddings' and the last
+                    layer's)
     TalkerOnPool    a prefill's inputs_embeds [B, T, D_thinker], or a step's input_ids [B, 1]
                     (codec embedding + the first of ``thinker_reply_part``, as upstream's
                     forward adds them) -> ``thinker_to_talker_proj``; ``codec_head`` in float
 
-Positions: ``context ..`` in all three M-RoPE rows, as upstream makes them for text without an
-attention mask (the walks give none: ``generate()`` gives the talker none either).
+Positions: a call's ``position_ids`` [3, B, T] (M-RoPE t / h / w) when the walk gives them (the
+media walks), else ``context ..`` in all three rows, as upstream makes them for text without
+an attention mask (``speak`` gives none: ``generate()`` gives the talker none either).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ __all__ = ["TalkerOnPool", "ThinkerOnPool"]
 
 
 class ThinkerOnPool(PagedThinker):
-    """An upstream ``Qwen2_5OmniThinkerForConditionalGeneration`` on the pool (text input)."""
+    """An upstream ``Qwen2_5OmniThinkerForConditionalGeneration`` on the pool."""
 
 
 class TalkerOnPool(PagedDecoder):

@@ -1,48 +1,23 @@
-"""Qwen2.5-Omni (``transformers.Qwen2_5OmniForConditionalGeneration``) as walks: thinker ->
-talker, streamed (``FixedChunk(1)``), -> token2wav (not streamed); thinker and talker token for
-token equal to upstream ``generate()`` (greedy, text-only input), the waveform equal to
-``generate()``'s under the same ``torch.manual_seed``. What crosses its boundary: walk inputs
-``input_ids`` [1, P], ``max_new_tokens`` (thinker, >= 3), ``max_audio_tokens`` (talker),
-``text_bos_id`` (the speaker's ``bos_token`` from ``model.speaker_map``: it also picks the
-speaker's token2wav conditioning and reference mel), and, with defaults, the sampling inputs
-``temperature``, ``top_p``, ``top_k`` (thinker), ``talker_temperature``, ``talker_top_p``,
-``talker_top_k``, ``talker_repetition_penalty`` (1: off) and ``seed`` (temperature 0: greedy;
-see ``speech_sampling``; ``seed`` also seeds token2wav's noise); outputs ``first_token``
-[1, 1], ``second_token`` [1, 1], ``text_tokens`` [1, n - 2] (streamed), ``first_code`` [1, 1]
-and ``codes`` [1, m - 1] (streamed): the talker's tokens, the final EOS or max-th one included;
-``waveform`` [1, 1, samples] float32 at 24 kHz (upstream returns [samples]; here with batch
-and channel).
-
-    thinker    prefill -> t0; step feeding t0 -> reply0, t1; loop feeding t1 .. t{n-2}:
-               each step emits reply_i = last hidden + input embedding of t_i, flagged if its
-               output t{i+1} is the last token (EOS / max_new_tokens)
-    talker     prefill(prompt hidden + embeds, speaker bos, reply0) -> c0; one step per
-               streamed reply_i; after the flagged one, a step on the text-EOS embedding, then
-               steps on the text-pad embedding until a codec EOS / max_audio_tokens (as
-               generate() does)
-    token2wav  after the talker: the codes up to the first codec EOS, decoded at once by
-               ``SeededToken2Wav`` under the request's seed (on the talker's rank)
-
-Not streamed: the waveform. Upstream token2wav is a DiT flow-matching model that starts from
-random noise and attends over the *whole* code sequence, then BigVGAN; chunking it would change
-its output, so the waveform is the walk's last, non-streamed stage. Its noise comes from the
-global RNG upstream: ``SeededToken2Wav`` forks the RNG and seeds it with the request's ``seed``,
-so the waveform depends on the request alone, and equals upstream ``generate()``'s when
-``torch.manual_seed(seed)`` is called just before ``generate()`` with greedy thinker and talker
-(nothing else in ``generate()`` draws from the RNG before token2wav).
-"""
+"""``Qwen25OmniWalks``: the walk ``speak`` (thinker -> talker -> token2wav) around an upstream
+``Qwen2_5OmniForConditionalGeneration``, its thinker and talker on the paged KV pool
+(``decoders``), and ``SeededToken2Wav``; the media walks are ``media_walks``'. See the package
+docstring for the flow."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from walkserve.adapters.qwen3_omni.inputs import _read_now
-from walkserve.adapters.qwen25_omni_pool import TalkerOnPool, ThinkerOnPool
+from walkserve.adapters.qwen3_omni.inputs import ImagePlaceholders, _read_now
+from walkserve.adapters.qwen25_omni.decoders import TalkerOnPool, ThinkerOnPool
+from walkserve.adapters.qwen25_omni.media_walks import (
+    MediaWalks,
+    Qwen25AudioPlaceholders,
+    RopePositions,
+)
 from walkserve.adapters.speech_sampling import SamplingDefaults, TokenSampler
 from walkserve.capture import (
     FixedChunk,
@@ -55,9 +30,6 @@ from walkserve.capture import (
 )
 from walkserve.capture.api import component
 from walkserve.runtime.kv.paged_lm import PagedLMConfig
-
-if TYPE_CHECKING:
-    from walkserve.api.profile import ModelProfile
 
 MAX_TALKER_STEPS = 4096
 MAX_THINKER_STEPS = 32768
@@ -136,8 +108,9 @@ class SeededToken2Wav(nn.Module):
         return [self(*args, **kwargs) for args, kwargs in calls]
 
 
-class Qwen25OmniWalks(nn.Module):
-    """Walks ``speak`` (thinker -> talker) around an upstream
+class Qwen25OmniWalks(MediaWalks, nn.Module):
+    """Walks ``speak`` (thinker -> talker) and, from ``MediaWalks``, ``chat_audio``,
+    ``chat_image`` and ``chat_media`` (thinker only) around an upstream
     ``Qwen2_5OmniForConditionalGeneration``."""
 
     def __init__(self, model: Any, thinker_eos_id: int, pool: PagedLMConfig | None = None) -> None:
@@ -146,6 +119,8 @@ class Qwen25OmniWalks(nn.Module):
         super().__init__()
         register_component(ThinkerOnPool, engine="kv_cache")
         register_component(TalkerOnPool, engine="kv_cache", speculative=False)
+        for cls in (Qwen25AudioPlaceholders, ImagePlaceholders, RopePositions):
+            register_component(cls, engine="stateless")
         object.__setattr__(self, "upstream", model)  # for reference runs; not a submodule
         self.thinker: Any = model.thinker
         self.talker: Any = model.talker
@@ -169,6 +144,11 @@ class Qwen25OmniWalks(nn.Module):
         # The decoders on the paged pool: concurrent requests share their forwards.
         self.thinker_lm = ThinkerOnPool(model.thinker, pool)
         self.talker_lm = TalkerOnPool(model.talker, pool)
+        thinker_config = model.config.thinker_config
+        self.audio_placeholders = Qwen25AudioPlaceholders(int(thinker_config.audio_token_index))
+        merge = int(thinker_config.vision_config.spatial_merge_size)
+        self.image_placeholders = ImagePlaceholders(int(thinker_config.image_token_index), merge)
+        self.thinker_positions = RopePositions(model.thinker)
 
     @walk(inputs={"input_ids": Input(dims={1: "dynamic"})})
     def speak(
@@ -356,331 +336,3 @@ class Qwen25OmniWalks(nn.Module):
         self, request: Mapping[str, Any], walk: str, outputs: Mapping[str, Any]
     ) -> str | None:
         return None
-
-
-def tiny_config() -> Any:
-    """A Qwen2.5-Omni config small enough for CPU tests (see ``reference/facts.md``)."""
-    from transformers import Qwen2_5OmniConfig
-
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
-    media = dict(audio_token_index=240, image_token_index=241, video_token_index=242)
-    media |= dict(audio_start_token_id=243, audio_end_token_id=238)
-    text = dict(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_parameters=rope,
-        initializer_range=0.15,
-        max_position_embeddings=4096,
-    )
-    thinker = dict(
-        text_config=text,
-        audio_config=dict(
-            num_mel_bins=16,
-            encoder_layers=1,
-            encoder_attention_heads=2,
-            encoder_ffn_dim=32,
-            d_model=16,
-            output_dim=32,
-            max_source_positions=100,
-            n_window=4,
-        ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=32,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=8,
-            fullatt_block_indexes=[0],
-        ),
-        user_token_id=246,
-        vision_start_token_id=244,
-        vision_end_token_id=239,
-        initializer_range=0.15,
-        **media,
-    )
-    talker = dict(
-        vocab_size=128,
-        tts_text_start_token_id=253,
-        tts_text_end_token_id=254,
-        tts_text_pad_token_id=252,
-        tts_codec_start_token_id=120,
-        tts_codec_end_token_id=121,
-        tts_codec_pad_token_id=122,
-        tts_codec_mask_token_id=123,
-        vision_start_token_id=244,
-        vision_end_token_id=239,
-        embedding_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rope_parameters=rope,
-        initializer_range=0.15,
-        max_position_embeddings=4096,
-        **media,
-    )
-    dit = dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        ff_mult=2,
-        emb_dim=16,
-        head_dim=16,
-        num_embeds=128,
-        mel_dim=16,
-        enc_emb_dim=16,
-        enc_dim=16,
-        enc_channels=[16, 16, 16, 16, 48],
-        enc_attention_channels=8,
-        enc_se_channels=8,
-        block_size=4,
-        look_ahead_layers=[1],
-        look_backward_layers=[0],
-    )
-    bigvgan = dict(
-        mel_dim=16,
-        upsample_initial_channel=128,
-        resblock_kernel_sizes=[3],
-        resblock_dilation_sizes=[[1, 3, 5]],
-        upsample_rates=[2, 2, 2, 2, 2, 2],
-        upsample_kernel_sizes=[4, 4, 4, 4, 4, 4],
-    )
-    return Qwen2_5OmniConfig(
-        thinker_config=thinker,
-        talker_config=talker,
-        token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan),
-    )
-
-
-TINY_SPEAKER_BOS = 250
-TINY_SPEAKER_BOS_2 = 248  # "Ethan"
-
-
-def tiny(seed: int = 0) -> tuple[Qwen25OmniWalks, dict[str, Any]]:
-    """Zero-argument factory: the tiny random model as walks, and a sample request. The
-    speaker map (normally ``spk_dict.pt``) is made by hand: "Chelsie" and "Ethan"."""
-    from transformers import Qwen2_5OmniForConditionalGeneration
-
-    from walkserve.adapters.qwen3_omni import chat_prompt
-
-    torch.manual_seed(seed)
-    config = tiny_config()
-    model = Qwen2_5OmniForConditionalGeneration(config).eval().requires_grad_(False)
-    model.speaker_map = {
-        "Chelsie": {
-            "bos_token": TINY_SPEAKER_BOS,
-            "cond": torch.randn(1, 16),
-            "ref_mel": torch.randn(1, 30, 16),
-        }
-    }
-    model.speaker_map["Ethan"] = {  # drawn after Chelsie's: her tensors stay as they were
-        "bos_token": TINY_SPEAKER_BOS_2,
-        "cond": torch.randn(1, 16),
-        "ref_mel": torch.randn(1, 24, 16),
-    }
-    prompt = chat_prompt(_Ids(), [10, 11, 12, 13])
-    walks = Qwen25OmniWalks(model, thinker_eos_id=251)  # <|im_end|>
-    sample = {
-        "input_ids": prompt,
-        "max_new_tokens": 12,
-        "max_audio_tokens": 30,
-        "text_bos_id": TINY_SPEAKER_BOS,
-    }
-    return walks, sample
-
-
-def upstream_speech(
-    walks: Qwen25OmniWalks, request: Mapping[str, Any], seed: int, speaker: str = "Chelsie"
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The reference for a ``speak`` request: greedy upstream ``generate()`` after
-    ``torch.manual_seed(seed)`` -> (new text tokens [1, n], talker tokens [1, m], waveform
-    [samples])."""
-    model: Any = walks.upstream
-    seen: dict[str, Tensor] = {}
-    talker_generate = model.talker.generate
-
-    def spy(*args: Any, **kwargs: Any) -> Tensor:
-        seen["codes"] = out = talker_generate(*args, **kwargs)
-        return out
-
-    model.talker.generate = spy
-    try:
-        torch.manual_seed(seed)
-        sequences, waveform = model.generate(
-            request["input_ids"],
-            speaker=speaker,
-            thinker_max_new_tokens=request["max_new_tokens"],
-            thinker_eos_token_id=walks.eos,
-            thinker_do_sample=False,
-            talker_max_new_tokens=request["max_audio_tokens"],
-            talker_do_sample=False,
-            talker_repetition_penalty=1.0,
-            talker_eos_token_id=list(walks.codec_eos),
-        )
-    finally:
-        del model.talker.generate
-    prompt = request["input_ids"].shape[1]
-    return sequences[:, prompt:], seen["codes"][:, prompt + 2 :], waveform
-
-
-class _Ids:
-    """The chat-template ids of the tiny config (Qwen2.5-Omni's config does not name them)."""
-
-    im_start_token_id = 250
-    im_end_token_id = 251
-    user_token_id = 246
-    assistant_token_id = 247
-
-
-def load_qwen25_omni(
-    path: str, speaker: str = "Chelsie", thinker_eos_id: int = 151645
-) -> tuple[Qwen25OmniWalks, dict[str, Any]]:
-    """A local Qwen2.5-Omni checkpoint directory (safetensors and its ``spk_dict.pt``, which
-    upstream reads with ``torch.load(weights_only=True)``) as walks; ``<|im_end|>`` ends the
-    thinker's reply."""
-    from transformers import Qwen2_5OmniForConditionalGeneration
-
-    model: Any = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, local_files_only=True)
-    model.eval().requires_grad_(False)
-    model.token2wav.float()  # as generate() runs it
-    if speaker not in model.speaker_map:
-        raise ValueError(
-            f"unknown speaker {speaker!r}; this checkpoint has {sorted(model.speaker_map)}"
-        )
-    walks = Qwen25OmniWalks(model, thinker_eos_id)
-    vocab = int(model.config.thinker_config.text_config.vocab_size)
-    ids = [151644, 872, 9707, 151645, 198, 151644, 77091, 198]  # user: "Hello", assistant
-    if max(ids) >= vocab:
-        ids = [i % vocab for i in ids]
-    sample = {
-        "input_ids": torch.tensor([ids]),
-        "max_new_tokens": 8,
-        "max_audio_tokens": 32,
-        "text_bos_id": int(model.speaker_map[speaker]["bos_token"]),
-    }
-    return walks, sample
-
-
-# ---------------------------------------------------------------------- HTTP profiles
-# (``/v1/chat/completions`` text and audio, ``/v1/audio/speech``: see ``adapters.omni_http``).
-# Text chat runs ``speak`` with a one-code talker (the model has no thinker-only walk).
-
-QWEN_IM_END = 151645  # <|im_end|>: the thinker's EOS (as load_qwen25_omni's default)
-
-
-def qwen25_walk_names(default_bos: int) -> Any:
-    """Which walks, inputs and outputs serve which route (``omni_http.OmniWalkNames``)."""
-    from walkserve.adapters.omni_http import OmniWalkNames
-
-    return OmniWalkNames(
-        chat_walk="speak",
-        speech_walk="speak",
-        prompt_input="input_ids",
-        text_limit_input="max_new_tokens",
-        audio_limit_input="max_audio_tokens",
-        leads=("first_token", "second_token"),
-        text_channel="text_tokens",
-        waveform="waveform",
-        chat_extra={"max_audio_tokens": 1, "text_bos_id": default_bos},
-    )
-
-
-def qwen25_voices(speakers: Mapping[str, int]) -> Any:
-    """The speaker map's speakers (``spk_dict.pt``) as voices, each setting ``text_bos_id``
-    (the speaker's ``bos_token``); "Chelsie" by default, as ``load_qwen25_omni``."""
-    from walkserve.adapters.omni_http import voices_from
-
-    if not speakers:
-        raise ValueError("the speaker map names no speakers")
-    return voices_from(speakers, "text_bos_id", "Chelsie")
-
-
-def tiny_profile(name: str) -> ModelProfile:
-    """``tiny``'s routes (speakers "Chelsie", "Ethan"); text through ``TinyChatTokenizer``."""
-    from walkserve.adapters.omni_http import (
-        TINY_LIMITS,
-        ChatIds,
-        TinyChatTokenizer,
-        chatml,
-        omni_profile,
-    )
-
-    ids = ChatIds(
-        im_start=_Ids.im_start_token_id,
-        im_end=_Ids.im_end_token_id,
-        system=245,
-        user=_Ids.user_token_id,
-        assistant=_Ids.assistant_token_id,
-    )
-    tok = TinyChatTokenizer(ids, first_special=238)
-    return omni_profile(
-        name,
-        qwen25_walk_names(TINY_SPEAKER_BOS),
-        TINY_LIMITS,
-        eos_id=_Ids.im_end_token_id,
-        vocab_size=256,
-        encode=tok.encode,
-        decode=tok.decode,
-        chat=chatml,
-        voices=qwen25_voices({"Chelsie": TINY_SPEAKER_BOS, "Ethan": TINY_SPEAKER_BOS_2}),
-    )
-
-
-def checkpoint_profile(path: str, name: str) -> ModelProfile:
-    """A local Qwen2.5-Omni checkpoint's routes: its tokenizer and chat template, its
-    speakers from ``spk_dict.pt`` (read with ``weights_only=True``)."""
-    from walkserve.adapters.omni_http import (
-        CHECKPOINT_LIMITS,
-        checkpoint_text,
-        omni_profile,
-    )
-
-    spk_path = os.path.join(path, "spk_dict.pt")
-    if not os.path.isfile(spk_path):
-        raise ValueError(f"{path} has no spk_dict.pt: the speakers of a Qwen2.5-Omni checkpoint")
-    spk = torch.load(spk_path, map_location="cpu", weights_only=True)
-    speakers = {str(k): int(v["bos_token"]) for k, v in spk.items()}
-    voices = qwen25_voices(speakers)
-    default_bos = speakers[voices.default]
-    encode, decode, chat = checkpoint_text(path)
-    from transformers import AutoConfig
-
-    config: Any = AutoConfig.from_pretrained(path, local_files_only=True)
-    return omni_profile(
-        name,
-        qwen25_walk_names(default_bos),
-        CHECKPOINT_LIMITS,
-        eos_id=QWEN_IM_END,
-        vocab_size=int(config.thinker_config.text_config.vocab_size),
-        encode=encode,
-        decode=decode,
-        chat=chat,
-        voices=voices,
-    )
-
-
-AUDIBLE_GAIN = 4e6  # the random token2wav's waveform peaks near 1.2e-7: under one pcm16 step
-
-
-def tiny_audible(seed: int = 0) -> tuple[Qwen25OmniWalks, dict[str, Any]]:
-    """``tiny`` with BigVGAN's output convolution scaled by ``AUDIBLE_GAIN``, so that its
-    waveform survives 16-bit PCM (HTTP tests compare audio as pcm16; the plain tiny model's
-    is all zeros). Thinker, talker and DiT are ``tiny``'s."""
-    walks, sample = tiny(seed)
-    bigvgan: Any = walks.token2wav.token2wav.code2wav_bigvgan_model
-    bigvgan.conv_post.weight.mul_(AUDIBLE_GAIN)  # Conv1d(channels, 1, 7): the waveform
-    return walks, sample
-
-
-def tiny_audible_profile(name: str) -> ModelProfile:
-    return tiny_profile(name)

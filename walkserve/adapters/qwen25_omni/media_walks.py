@@ -1,0 +1,232 @@
+"""``MediaWalks``: Qwen2.5-Omni's thinker with media in the prompt, mixed into
+``Qwen25OmniWalks`` (which owns the modules, the sampler and the EOS):
+
+    chat_audio    audio clips: input_features [clips, mel, T], feature_attention_mask [clips, T]
+    chat_image    images: pixel_values [patches, C * T * p * p], image_grid_thw [images, 3]
+    chat_media    both in one prompt (upstream's processor takes both)
+
+Text out only: no ``speak_*`` with media (upstream ``generate()`` hands the talker the media's
+grids and lengths for rotary positions of its own, which ``speak`` does not reproduce), so chat
+with media and audio out is refused (``ChatMediaTask``: no ``speak_walk``).
+
+The prompt holds one run of placeholders per clip and per image, in the order of their rows
+(``Qwen25AudioPlaceholders``, ``ImagePlaceholders`` check it), laid out as upstream's
+``Qwen2_5OmniProcessor`` does::
+
+    <|audio_bos|> <|AUDIO|> x audio_token_count(frames) <|audio_eos|>
+    <|vision_bos|> <|IMAGE|> x t*h*w/merge^2 <|vision_eos|>
+
+The thinker's prefill takes the encoder inputs (its audio and vision towers run inside it).
+Images move the rotary positions (``RopePositions``: upstream ``get_rope_index``, the clips'
+lengths counted too); upstream keeps that offset on the module (``rope_deltas``), the walks
+carry it per request into every decode step (``step_positions``). Outputs as ``speak``'s thinker
+part, so the profile's text task reads them: ``first_token`` [1, 1], ``second_token`` [1, 1],
+``text_tokens`` [1, n - 2] (streamed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from walkserve.adapters.qwen3_omni.inputs import (
+    AUDIO_INPUTS,
+    SEQUENCE,
+    AudioPlaceholders,
+    ImagePlaceholders,
+    _read_now,
+)
+from walkserve.capture import iterations, loop, walk
+
+if TYPE_CHECKING:
+    from walkserve.adapters.speech_sampling import TokenSampler
+
+MEDIA_INPUTS = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw")
+
+
+def audio_token_count(frames: int | Tensor) -> Tensor:
+    """Audio placeholders (= audio encoder outputs) for ``frames`` mel frames (an int or a
+    tensor of counts): upstream's own formula (``processing_qwen2_5_omni``), int64."""
+    from transformers.models.qwen2_5_omni import processing_qwen2_5_omni as upstream
+
+    count: Tensor = upstream._get_feat_extract_output_lengths(torch.as_tensor(frames))
+    return count
+
+
+class Qwen25AudioPlaceholders(AudioPlaceholders):
+    """``AudioPlaceholders`` with Qwen2.5-Omni's count of encoder tokens per clip."""
+
+    def __init__(self, audio_token: int) -> None:
+        super().__init__(audio_token, n_window=0)  # the count needs no window
+
+    def count(self, frames: Tensor) -> Tensor:
+        return audio_token_count(frames)
+
+
+class RopePositions(nn.Module):
+    """M-RoPE positions of a prompt with images: upstream ``get_rope_index`` of the thinker
+    (clips counted by their frames, ``feature_attention_mask``). -> ``position_ids`` [3, B, P]
+    (t / h / w rows) and ``rope`` [B, 1], the prompt's largest position: decode step k (k = 1
+    for the first token after the prefill) is at ``rope + k`` in all rows, as upstream's
+    ``rope_deltas`` put it."""
+
+    def __init__(self, thinker: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "thinker", thinker)  # not a submodule
+
+    def forward(
+        self, input_ids: Tensor, image_grid_thw: Tensor, feature_attention_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        # input_ids: [B, P], image_grid_thw: [images, 3], feature_attention_mask: [clips, T]
+        seqlens = None if feature_attention_mask is None else feature_attention_mask.sum(-1)
+        thinker: Any = self.thinker
+        positions, _ = thinker.get_rope_index(
+            input_ids, image_grid_thw, None, torch.ones_like(input_ids), False, seqlens
+        )
+        return positions, positions.amax(dim=0).amax(dim=-1, keepdim=True)  # [3, B, P], [B, 1]
+
+
+def step_positions(rope: Tensor, count: Tensor) -> Tensor:
+    """``position_ids`` [3, B, 1] of a decode step: ``rope`` [B, 1] + ``count`` [B, 1] (tokens
+    generated so far) in every row."""
+    return (rope + count).unsqueeze(0).repeat(3, 1, 1)
+
+
+class MediaWalks:
+    """The media walks, mixed into ``Qwen25OmniWalks``."""
+
+    if TYPE_CHECKING:
+        audio_placeholders: Qwen25AudioPlaceholders
+        image_placeholders: ImagePlaceholders
+        thinker_positions: RopePositions
+        thinker_sampler: TokenSampler
+        thinker_lm: Any
+        eos: int
+
+    @walk(inputs=AUDIO_INPUTS)
+    def chat_audio(
+        self,
+        input_ids: Tensor,
+        input_features: Tensor,
+        feature_attention_mask: Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> dict[str, Tensor]:
+        """The thinker's reply to a prompt with audio clips: log-mel ``input_features``
+        [clips, mel, T] and ``feature_attention_mask`` [clips, T] (1 = a real frame), as
+        upstream's processor makes them."""
+        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
+        media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
+        return self._chat(input_ids, max_new_tokens, media, (temperature, top_p, top_k, seed))
+
+    @walk(inputs={"input_ids": SEQUENCE})
+    def chat_image(
+        self,
+        input_ids: Tensor,
+        pixel_values: Tensor,
+        image_grid_thw: Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> dict[str, Tensor]:
+        """The thinker's reply to a prompt with images: ``pixel_values`` [patches,
+        C * T * p * p] and ``image_grid_thw`` [images, 3] as upstream's image processor makes
+        them."""
+        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
+        media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+        return self._chat(input_ids, max_new_tokens, media, (temperature, top_p, top_k, seed))
+
+    @walk(inputs=AUDIO_INPUTS)
+    def chat_media(
+        self,
+        input_ids: Tensor,
+        input_features: Tensor,
+        feature_attention_mask: Tensor,
+        pixel_values: Tensor,
+        image_grid_thw: Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> dict[str, Tensor]:
+        """The thinker's reply to a prompt with audio clips and images (inputs as in
+        ``chat_audio`` and ``chat_image``)."""
+        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
+        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
+        media = {
+            "input_features": input_features,
+            "feature_attention_mask": feature_attention_mask,
+            "pixel_values": pixel_values,
+            "image_grid_thw": image_grid_thw,
+        }
+        return self._chat(input_ids, max_new_tokens, media, (temperature, top_p, top_k, seed))
+
+    def _chat(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        media: Mapping[str, Tensor],
+        sampling: tuple[Any, ...],
+    ) -> dict[str, Tensor]:
+        """Prefill with the media -> t0; the step feeding t0 -> t1; the loop -> t2 ..
+        (EOS / max_new_tokens). ``sampling``: ``(temperature, top_p, top_k, seed)``. Every step
+        gets explicit positions from ``rope`` [B, 1], a per-request loop input."""
+        extra: dict[str, Any] = dict(media)
+        if "image_grid_thw" in media:
+            mask = media.get("feature_attention_mask")
+            positions, rope = self.thinker_positions(input_ids, media["image_grid_thw"], mask)
+            extra["position_ids"] = positions  # [3, B, P]
+        out = self.thinker_lm(input_ids=input_ids, use_cache=True, **extra)
+        cache = _read_now(out.cache)
+        first = self.thinker_sampler(out.logits[:, -1:], 0, *sampling)  # [B, 1]: t0
+        count = first * 0 + 1  # [B, 1]
+        if "image_grid_thw" not in media:  # plain positions (text, audio), as upstream's
+            rope = first * 0 + (input_ids.shape[1] - 1)  # [B, 1]
+        out = self.thinker_lm(
+            input_ids=first, cache=cache, use_cache=True, position_ids=step_positions(rope, count)
+        )
+        cache = _read_now(out.cache)
+        token = second = self.thinker_sampler(out.logits[:, -1:], 1, *sampling)  # [B, 1]: t1
+        count = count + 1
+        positions = step_positions(rope, count)  # [3, B, 1]: the next step's
+        tokens = []
+        for _ in iterations(max_new_tokens):
+            cache, token, count, positions, done = self.chat_step(
+                cache, token, count, positions, rope, max_new_tokens, *sampling
+            )
+            tokens.append(token)
+            if done:
+                break
+        return {"first_token": first, "second_token": second, "text_tokens": torch.cat(tokens, 1)}
+
+    @loop(max_iters="max_new_tokens")
+    def chat_step(
+        self,
+        cache: Any,
+        token: Tensor,
+        count: Tensor,
+        positions: Tensor,
+        rope: Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
+        out = self.thinker_lm(input_ids=token, cache=cache, use_cache=True, position_ids=positions)
+        cache = _read_now(out.cache)
+        logits = out.logits[:, -1:]  # [B, 1, V]
+        token = self.thinker_sampler(logits, count, temperature, top_p, top_k, seed)  # [B, 1]
+        count = count + 1
+        positions = step_positions(rope, count)  # [3, B, 1]: the next step's
+        last = (token == self.eos) | (count >= max_new_tokens)  # [B, 1]
+        return cache, token, count, positions, last.all()
