@@ -106,3 +106,26 @@ class Long(nn.Module):
 
 def long() -> tuple[nn.Module, dict[str, Any]]:
     return Long().eval(), {"h": torch.randn(1, 8), "steps": 4, "fail_at": -1}
+
+
+class Drift(nn.Module):
+    """``drift``: a loop whose runs step as a cohort (a carried state and nothing per
+    iteration but the state), so a lone request takes the engine's fast lane."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = Step()
+
+    @walk
+    def drift(self, h: torch.Tensor, steps: int) -> dict[str, torch.Tensor]:
+        for _ in iterations(steps):
+            h = self.advance(h)
+        return {"h": h}
+
+    @loop
+    def advance(self, h: torch.Tensor) -> torch.Tensor:
+        return self.step(h)  # type: ignore[no-any-return]
+
+
+def drift() -> tuple[nn.Module, dict[str, Any]]:
+    return Drift().eval(), {"h": torch.randn(1, 4, 8), "steps": 4}

@@ -77,6 +77,24 @@ def test_cancel_mid_region_frees_the_rank_and_its_kv_pages() -> None:
         assert_outputs_match(server.run(short, timeout=120), captured.run(short))
 
 
+def test_a_lone_cohort_takes_the_fast_lane_and_a_cancel_still_stops_it() -> None:
+    captured = capture_model("rank_local_models:drift")
+    with serve(captured) as server:
+        short = {"h": torch.randn(1, 4, 8), "steps": 40}
+        assert_outputs_match(server.run(short, "drift", timeout=120), captured.run(short, "drift"))
+        lane = server.stats().ranks[0].counters["loop_stepper/lane_steps"]
+        assert 0 < lane < 40  # most steps of a lone request: the first ones are scheduled
+        endless = {"h": torch.randn(1, 4, 8), "steps": 10_000_000}
+        handle = server.submit(endless, "drift", stream=False)
+        assert wait_for(lambda: server.stats().ranks[0].counters["loop_stepper/lane_steps"] > lane)
+        handle.cancel()
+        with pytest.raises(RequestFailed, match="cancelled"):
+            handle.result(timeout=60)
+        assert wait_for(lambda: settled(server)), server.stats()
+        assert server.stats().ranks[0].runs == 0
+        assert_outputs_match(server.run(short, "drift", timeout=120), captured.run(short, "drift"))
+
+
 def test_a_killed_rank_fails_its_region_runs_and_the_other_rank_serves_on() -> None:
     captured = capture_model(MODEL)
     # ``looped`` wholly on rank 1 (one region), ``direct`` wholly on rank 0.
