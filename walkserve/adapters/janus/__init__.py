@@ -9,10 +9,14 @@ What crosses its boundary (the walks):
     generate(input_ids [B, T] int64, seed [B] int64) -> image_tokens [B, N],
                                                         image [B, 3, H, W] (about [-1, 1])
     understand(text_ids [B, T], pixel_values [B, 3, H, W], max_new_tokens) -> tokens [B, n]
+    chat(text_ids [B, T], max_new_tokens) -> tokens (streamed), released
+    chat_image(text_ids [B, T], pixel_values [B, 3, H, W], max_new_tokens) -> as chat
     pool_usage(probe [B]) -> usage [B, 3]   pages in use, sequences, requests of the pool
 
 ``understand`` is upstream's text-mode generation with an image, greedy: one ``"text"`` label
-per request in the same pool, a DynamicLoop that stops at EOS.
+per request in the same pool, a DynamicLoop that stops at EOS. ``chat`` and ``chat_image``
+serve it through ``/v1/chat/completions`` (``chat.py``: the image processor and
+``<image_placeholder>`` expansion of upstream's ``JanusProcessor``).
 
 Upstream ``generate(generation_mode="image")`` runs a batch of 2B (conditioned rows, then the
 unconditioned rows whose prompt tokens other than BOS and BOI are pad) through a static cache.
@@ -45,6 +49,8 @@ from walkserve.adapters.janus.build import (
     SMALL,
     TINY,
     TINY_IDS,
+    TINY_EOI,
+    TINY_EOS,
     TINY_IMAGE_TOKEN,
     TINY_VOCAB,
     JanusSize,
@@ -101,6 +107,8 @@ __all__ = [
     "TEXT_LABELS",
     "TINY",
     "TINY_IDS",
+    "TINY_EOI",
+    "TINY_EOS",
     "TINY_IMAGE_TOKEN",
     "TINY_VOCAB",
     "TextEmbedder",

@@ -15,6 +15,8 @@ from walkserve.adapters.janus.walks import JanusImageWalks
 TINY_VOCAB = 320  # byte ids 3..258 (ByteTokenizer), image placeholder 300, BOI 301, EOI 302
 TINY_IDS = PromptIds(bos=1, boi=301, pad=0)
 TINY_IMAGE_TOKEN = 300
+TINY_EOI = 302
+TINY_EOS = 2
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ def random_janus(size: JanusSize = TINY, seed: int = 0) -> nn.Module:
             "num_key_value_heads": size.kv_heads,
             "max_position_embeddings": 1024,
             "bos_token_id": TINY_IDS.bos,
-            "eos_token_id": 2,
+            "eos_token_id": TINY_EOS,
             "pad_token_id": TINY_IDS.pad,
             "initializer_range": 0.15,  # varied greedy text from random tied embeddings
         },
@@ -122,9 +124,10 @@ def tiny(seed: int = 0) -> tuple[JanusImageWalks, dict[str, Any]]:
 
 
 def api_profile(name: str) -> Any:
-    """What ``/v1/images/generations`` needs for the random-weight models (``api.profile``
-    calls this for ``walkserve.adapters.janus:tiny`` and ``:small``): the toy byte tokenizer,
-    wrapped in BOS ... BOI."""
+    """What ``/v1/images/generations`` and ``/v1/chat/completions`` (text, one image) need for
+    the random-weight models (``api.profile`` calls this for ``walkserve.adapters.janus:tiny``
+    and ``:small``): the toy byte tokenizer, wrapped in BOS ... BOI for images."""
+    from walkserve.adapters.janus.chat import ImageIds, chat_tasks, tiny_image_processor
     from walkserve.adapters.tokenizer import ByteTokenizer
     from walkserve.api.profile import ImageTask, ModelProfile
 
@@ -133,19 +136,24 @@ def api_profile(name: str) -> Any:
     def encode(text: str) -> list[int]:
         return [TINY_IDS.bos, *tok.encode(text), TINY_IDS.boi]
 
+    size = SMALL if name.endswith(":small") else TINY
     task = ImageTask(
         walk="generate",
         prompt_input="input_ids",
         noise_input=None,
         noise_shape=(),
-        size=(SMALL if name.endswith(":small") else TINY).image_size,
+        size=size.image_size,
         vocab_size=TINY_VOCAB,
         max_prompt_tokens=256,
         image_output="image",
         encode=encode,
         seed_input="seed",
     )
-    return ModelProfile(name, image=task)
+    ids = ImageIds(TINY_IDS.boi, TINY_IMAGE_TOKEN, TINY_EOI, (size.image_size // 16) ** 2)
+    text, media = chat_tasks(
+        tok.encode, tok.decode, TINY_EOS, TINY_VOCAB, tiny_image_processor(size.image_size), ids
+    )
+    return ModelProfile(name, text=text, image=task, chat_media=media)
 
 
 def small() -> tuple[JanusImageWalks, dict[str, Any]]:

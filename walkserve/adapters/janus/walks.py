@@ -91,6 +91,34 @@ class JanusImageWalks(nn.Module):
                 break
         return {"tokens": self.kv_release(kv, torch.cat(tokens, dim=1))}  # [B, n]
 
+    @walk(inputs={"text_ids": Input(dims={1: "dynamic"})})
+    def chat(self, text_ids: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
+        """Greedy text for a text-only prompt ``text_ids`` [B, T] (``/v1/chat/completions``):
+        ``tokens`` streams the reply, ``released`` [B, n] follows once the pages are freed."""
+        kv = self.text_open(text_ids)  # [B]
+        return self._reply(kv, self.text_embedder(text_ids), max_new_tokens)  # [B, 1, T, D]
+
+    @walk(inputs={"text_ids": Input(dims={1: "dynamic"})})
+    def chat_image(
+        self, text_ids: Tensor, pixel_values: Tensor, max_new_tokens: int
+    ) -> dict[str, Tensor]:
+        """``chat`` with an image: ``text_ids`` [B, T] holding BOI, ``num_image_tokens``
+        placeholders and EOI as upstream's ``JanusProcessor`` expands ``<image_placeholder>``;
+        ``pixel_values`` [B, 3, H, W] from upstream's image processor."""
+        kv = self.text_open(text_ids)  # [B]
+        embeds = self.understand_embedder(text_ids, pixel_values)  # [B, 1, T, D]
+        return self._reply(kv, embeds, max_new_tokens)
+
+    def _reply(self, kv: Tensor, embeds: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
+        tokens = []
+        for _ in iterations(max_new_tokens):
+            embeds, token, done = self.text_step(embeds, kv)
+            tokens.append(token)
+            if done:
+                break
+        reply = torch.cat(tokens, dim=1)  # [B, n]: the accumulated channel, streamed
+        return {"tokens": reply, "released": self.kv_release(kv, reply)}
+
     @loop(max_iters="max_new_tokens", speculative=False)
     def text_step(self, embeds: Tensor, kv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         hidden = self.lm(kv, embeds)  # [B, 1, D]
