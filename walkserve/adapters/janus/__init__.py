@@ -48,9 +48,9 @@ followed by ``generate`` token for token (CPU generators; one request per upstre
 from walkserve.adapters.janus.build import (
     SMALL,
     TINY,
-    TINY_IDS,
     TINY_EOI,
     TINY_EOS,
+    TINY_IDS,
     TINY_IMAGE_TOKEN,
     TINY_VOCAB,
     JanusSize,

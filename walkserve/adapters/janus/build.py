@@ -150,8 +150,12 @@ def api_profile(name: str) -> Any:
         seed_input="seed",
     )
     ids = ImageIds(TINY_IDS.boi, TINY_IMAGE_TOKEN, TINY_EOI, (size.image_size // 16) ** 2)
+
+    def decode(ids: list[int]) -> str:  # ids past the bytes are specials: skipped
+        return tok.decode([i for i in ids if i < tok.specials + 256])
+
     text, media = chat_tasks(
-        tok.encode, tok.decode, TINY_EOS, TINY_VOCAB, tiny_image_processor(size.image_size), ids
+        tok.encode, decode, TINY_EOS, TINY_VOCAB, tiny_image_processor(size.image_size), ids
     )
     return ModelProfile(name, text=text, image=task, chat_media=media)
 

@@ -83,13 +83,7 @@ class JanusImageWalks(nn.Module):
         # text_ids: [B, T] with num_image_tokens image placeholders; pixel_values [B, 3, H, W]
         kv = self.text_open(text_ids)  # [B]: one "text" label each
         embeds = self.understand_embedder(text_ids, pixel_values)  # [B, 1, T, D]
-        tokens = []
-        for _ in iterations(max_new_tokens):
-            embeds, token, done = self.text_step(embeds, kv)
-            tokens.append(token)
-            if done:
-                break
-        return {"tokens": self.kv_release(kv, torch.cat(tokens, dim=1))}  # [B, n]
+        return {"tokens": self._reply(kv, embeds, max_new_tokens)["released"]}  # [B, n]
 
     @walk(inputs={"text_ids": Input(dims={1: "dynamic"})})
     def chat(self, text_ids: Tensor, max_new_tokens: int) -> dict[str, Tensor]:
