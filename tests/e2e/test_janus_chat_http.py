@@ -2,7 +2,8 @@
 tiny-janus`` answers a chat message with text and an ``image_url`` data URL with the tokens
 upstream ``JanusForConditionalGeneration.generate()`` (text mode, greedy) gives on the inputs
 upstream's image processor and ``<image_placeholder>`` expansion make of the same image and
-prompt; a text-only chat likewise; a second image is a 400 naming the limit; and
+prompt; two images in one message and a text-only chat likewise; a fifth image is a 400
+naming the limit; and
 ``/v1/images/generations`` still serves the same model."""
 
 from __future__ import annotations
@@ -43,16 +44,16 @@ def png(seed: int) -> tuple[dict[str, Any], Image.Image]:
     return {"type": "image_url", "image_url": {"url": url}}, image
 
 
-def upstream(ids: list[int], image: Image.Image | None) -> list[int]:
+def upstream(ids: list[int], images: list[Image.Image]) -> list[int]:
     """Upstream ``generate()``'s greedy reply, cut at EOS as the server cuts it."""
     from transformers import JanusImageProcessorPil
 
     model = janus.tiny_janus(0)
     prompt = torch.tensor([ids])
     extra = {}
-    if image is not None:
+    if images:
         processor = JanusImageProcessorPil(size={"height": 64, "width": 64})
-        extra["pixel_values"] = processor(images=[image], return_tensors="pt")["pixel_values"]
+        extra["pixel_values"] = processor(images=images, return_tensors="pt")["pixel_values"]
     with torch.no_grad():
         out = model.generate(
             prompt,
@@ -81,18 +82,30 @@ def test_chat_with_an_image_equals_upstream_generate(client: Any) -> None:
     n = (janus.TINY.image_size // 16) ** 2
     image_ids = [janus.TINY_IDS.boi, *[janus.TINY_IMAGE_TOKEN] * n, janus.TINY_EOI]
     ids = [*TOK.encode("user: what is it?"), *image_ids, *TOK.encode("\nassistant:")]
-    assert got == upstream(ids, image)
+    assert got == upstream(ids, [image])
     assert got  # a reply, not an empty answer
 
 
 def test_text_only_chat_equals_upstream_generate(client: Any) -> None:
     got = chat(client, "hello there")
-    assert got == upstream(TOK.encode("user: hello there\nassistant:"), None)
+    assert got == upstream(TOK.encode("user: hello there\nassistant:"), [])
 
 
-def test_two_images_are_refused_naming_the_limit(client: Any) -> None:
-    with pytest.raises(openai.BadRequestError, match="at most 1 media part"):
-        chat(client, [png(1)[0], png(2)[0]])
+def test_two_images_in_one_message_equal_upstream_generate(client: Any) -> None:
+    """Upstream's model takes several images in one prompt (their features scattered into
+    the placeholders in order): the images of two parts, in order."""
+    (first, a), (second, b) = png(1), png(2)
+    got = chat(client, [first, {"type": "text", "text": " and "}, second])
+    n = (janus.TINY.image_size // 16) ** 2
+    image_ids = [janus.TINY_IDS.boi, *[janus.TINY_IMAGE_TOKEN] * n, janus.TINY_EOI]
+    ids = [*TOK.encode("user: "), *image_ids, *TOK.encode(" and "), *image_ids]
+    assert got == upstream([*ids, *TOK.encode("\nassistant:")], [a, b])
+    assert got != chat(client, [second, {"type": "text", "text": " and "}, first])  # order
+
+
+def test_too_many_images_are_refused_naming_the_limit(client: Any) -> None:
+    with pytest.raises(openai.BadRequestError, match="at most 4 media part"):
+        chat(client, [png(i)[0] for i in range(5)])
 
 
 def test_image_generation_still_served(client: Any) -> None:

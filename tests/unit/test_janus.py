@@ -258,3 +258,33 @@ def test_chat_with_an_image_equals_upstream_text_generate(ref, walks) -> None:
         got = walks.chat(plain, 10)["tokens"]
     assert torch.equal(got, want), (got, want)
     assert walks.kv.pool.pages_in_use == 0
+
+
+def test_chat_with_two_images_equals_upstream_text_generate(ref, walks) -> None:
+    """Two images in one prompt: their pixel values in part order and two placeholder runs;
+    upstream scatters both images' features, in order, and so does ``chat_image``."""
+    import numpy as np
+
+    from walkserve.adapters.registry import profile_for
+
+    profile = profile_for("walkserve.adapters.janus:tiny")
+    assert profile.text is not None and profile.chat_media is not None
+    assert profile.chat_media.image is not None and profile.chat_media.max_parts > 1
+    images = [np.random.RandomState(s).randint(0, 256, (40, 30, 3), dtype=np.uint8) for s in (1, 2)]
+    found, ph = profile.chat_media.image.inputs([torch.from_numpy(i) for i in images])
+    assert found["pixel_values"].shape[0] == 2
+    enc = profile.text.encode
+    ids = torch.tensor([[*enc("user: "), *ph[0], *enc(" and "), *ph[1], *enc("?\nassistant:")]])
+    with torch.no_grad():
+        want = ref.generate(
+            ids,
+            pixel_values=found["pixel_values"],
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=10,
+        )[:, ids.shape[1] :]
+        got = walks.chat_image(ids, found["pixel_values"], 10)["tokens"]
+        swapped = walks.chat_image(ids, found["pixel_values"].flip(0), 10)["tokens"]
+    assert torch.equal(got, want), (got, want)
+    assert not torch.equal(swapped, want)  # both images count, in order
+    assert walks.kv.pool.pages_in_use == 0

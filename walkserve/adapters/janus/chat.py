@@ -7,8 +7,9 @@ upstream's ``JanusProcessor`` makes of it:
     placeholders  ``<image_placeholder>`` -> BOI, image_token x num_image_tokens, EOI
                   (``JanusProcessor.replace_image_token``)
 
-One image per request: ``chat_image``'s ``pixel_values`` carry the batch dimension of the
-walk (one image per row), so a second image part is a 400 saying so. What crosses the
+Up to ``MAX_IMAGES`` images per request (upstream's model scatters the features of all the
+request's images into its placeholders in order): ``pixel_values`` [images, 3, H, W] in the
+order of the parts. What crosses the
 boundary: token ids and sizes from the config, the image processor; out come
 ``api.profile`` tasks.
 """
@@ -30,6 +31,8 @@ from walkserve.api.profile import (
     TextTask,
     plain_chat,
 )
+
+MAX_IMAGES = 4  # images per request (each encoded by the vision tower in the prefill)
 
 
 @dataclass(frozen=True)
@@ -93,4 +96,4 @@ def chat_tasks(
         chat_template=plain_chat,
     )
     image = MediaWalk("chat_image", image_inputs(processor, ids))
-    return text, ChatMediaTask(image=image, max_parts=1)
+    return text, ChatMediaTask(image=image, max_parts=MAX_IMAGES)
