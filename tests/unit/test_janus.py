@@ -163,7 +163,13 @@ def test_load_janus_from_a_checkpoint_directory(ref, tmp_path) -> None:
         got = walks.generate(ids, torch.tensor([9]))["image_tokens"]
     assert torch.equal(got, upstream_tokens(ref, ids, 9, janus.ImageSampling()))
     assert sample["input_ids"].tolist() == [[janus.TINY_IDS.bos, janus.TINY_IDS.boi]]
-    assert set(capture.trace(walks, sample).graph.walks) == {"generate", "understand", "pool_usage"}
+    assert set(capture.trace(walks, sample).graph.walks) == {
+        "generate",
+        "understand",
+        "chat",
+        "chat_image",
+        "pool_usage",
+    }
 
 
 def test_bad_sampling_values_are_refused() -> None:
@@ -207,3 +213,78 @@ def test_repeated_prompts_reuse_cached_context_pages(ref) -> None:
         hits.append(walks.kv.pool.stats().prefix_hits)
     assert hits == [0, 2 * 3, 2 * 3 + 3]  # both contexts, then the unconditioned one only
     assert walks.kv.pool.pages_in_use == 0 and walks.kv.pool.stats().sequences == 0
+
+
+def test_chat_with_an_image_equals_upstream_text_generate(ref, walks) -> None:
+    """The profile's chat media inputs for an image (upstream's Janus image processor, BOI,
+    ``num_image_tokens`` placeholders, EOI as ``JanusProcessor`` expands them), spliced into
+    the rendered chat prompt: ``chat_image`` gives upstream ``generate()``'s greedy text; a
+    text-only chat through ``chat`` likewise."""
+    import numpy as np
+    from transformers import JanusImageProcessorPil
+
+    from walkserve.adapters.registry import profile_for
+
+    profile = profile_for("walkserve.adapters.janus:tiny")
+    assert profile.text is not None and profile.chat_media is not None
+    media = profile.chat_media.image
+    assert media is not None and media.walk == "chat_image"
+    text = profile.text
+    image = np.random.RandomState(3).randint(0, 256, (40, 30, 3), dtype=np.uint8)
+    found, placeholders = media.inputs([torch.from_numpy(image)])
+    upstream = JanusImageProcessorPil(size={"height": 64, "width": 64})
+    pixels = upstream(images=[image], input_data_format="channels_last", return_tensors="pt")
+    assert torch.equal(found["pixel_values"], pixels["pixel_values"])
+    n = ref.config.vision_config.num_image_tokens
+    assert placeholders == [[janus.TINY_IDS.boi, *[janus.TINY_IMAGE_TOKEN] * n, janus.TINY_EOI]]
+    ids = torch.tensor(
+        [[*text.encode("user: "), *placeholders[0], *text.encode("what is it?\nassistant:")]]
+    )
+    with torch.no_grad():
+        want = ref.generate(
+            ids,
+            pixel_values=pixels["pixel_values"],
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=10,
+        )[:, ids.shape[1] :]
+        got = walks.chat_image(ids, found["pixel_values"], 10)["tokens"]
+    assert torch.equal(got, want), (got, want)
+    plain = torch.tensor([text.encode(text.chat_template([("user", "hello")]))])
+    with torch.no_grad():
+        want = ref.generate(
+            plain, attention_mask=torch.ones_like(plain), do_sample=False, max_new_tokens=10
+        )[:, plain.shape[1] :]
+        got = walks.chat(plain, 10)["tokens"]
+    assert torch.equal(got, want), (got, want)
+    assert walks.kv.pool.pages_in_use == 0
+
+
+def test_chat_with_two_images_equals_upstream_text_generate(ref, walks) -> None:
+    """Two images in one prompt: their pixel values in part order and two placeholder runs;
+    upstream scatters both images' features, in order, and so does ``chat_image``."""
+    import numpy as np
+
+    from walkserve.adapters.registry import profile_for
+
+    profile = profile_for("walkserve.adapters.janus:tiny")
+    assert profile.text is not None and profile.chat_media is not None
+    assert profile.chat_media.image is not None and profile.chat_media.max_parts > 1
+    images = [np.random.RandomState(s).randint(0, 256, (40, 30, 3), dtype=np.uint8) for s in (1, 2)]
+    found, ph = profile.chat_media.image.inputs([torch.from_numpy(i) for i in images])
+    assert found["pixel_values"].shape[0] == 2
+    enc = profile.text.encode
+    ids = torch.tensor([[*enc("user: "), *ph[0], *enc(" and "), *ph[1], *enc("?\nassistant:")]])
+    with torch.no_grad():
+        want = ref.generate(
+            ids,
+            pixel_values=found["pixel_values"],
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=10,
+        )[:, ids.shape[1] :]
+        got = walks.chat_image(ids, found["pixel_values"], 10)["tokens"]
+        swapped = walks.chat_image(ids, found["pixel_values"].flip(0), 10)["tokens"]
+    assert torch.equal(got, want), (got, want)
+    assert not torch.equal(swapped, want)  # both images count, in order
+    assert walks.kv.pool.pages_in_use == 0
