@@ -274,8 +274,7 @@ class RankScheduler:
                 continue
             key = (self.regions.walk_of[it.walk], it.node, it.kind)
             groups.setdefault(key, []).append(it)
-        if self._loop_reports():
-            self._settled = False
+        self._loop_reports()
         todo: list[tuple[str, str, Sequence[Runnable], bool]] = [
             (walk, node, group, False) for (walk, node, _), group in groups.items()
         ]
@@ -285,8 +284,7 @@ class RankScheduler:
         for walk, node, group, loops in todo:
             for k in range(0, len(group), size or len(group)):
                 part = group[k : k + size] if size else group
-                n = sum(getattr(it, "joined", 0) or 1 for it in part) if loops else len(part)
-                self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
+                self._count_batch(part, loops)
                 steps.append(Step(walk, node, part, None, loops))
         steps += self._external
         self._external = []
@@ -304,9 +302,13 @@ class RankScheduler:
         if found is None:
             return None
         walk, node, items = found
-        n = sum(getattr(it, "joined", 0) or 1 for it in items)
-        self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
+        self._count_batch(items, True)
         return Step(walk, node, items, None, True)
+
+    def _count_batch(self, items: Sequence[Runnable], loops: bool) -> None:
+        """Record a step's size: its requests (a loop stepper's joined item holds several)."""
+        n = sum(getattr(it, "joined", 0) or 1 for it in items) if loops else len(items)
+        self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
 
     def update(self, step: Step, results: Sequence[ItemResult]) -> None:
         """The results of ``step``, one per item, in order."""
@@ -315,8 +317,7 @@ class RankScheduler:
             return
         if step.loops:
             self.loops.update(results)
-            if self._loop_reports():
-                self._settled = False
+            self._loop_reports()
             self._collect()
             return
         self._settled = False
@@ -352,9 +353,12 @@ class RankScheduler:
                 del self._by_request[run.request]
             self._drop(run_id)
 
-    def _loop_reports(self) -> int:
-        """Hand the loop stepper's reports to the inner conductor; how many there were."""
+    def _loop_reports(self) -> None:
+        """Hand the loop stepper's reports to the inner conductor (which may then have items
+        ready: the rank is not settled)."""
         reports = self.loops.reports()
+        if reports:
+            self._settled = False
         for rep in reports:
             if isinstance(rep, LoopStreamed):
                 self.conductor.streamed(rep.item, rep.channel, rep.index, rep.value)
@@ -362,7 +366,6 @@ class RankScheduler:
                 self.conductor.complete(rep.item, rep.channels)
             else:
                 self.conductor.fail(rep.item, rep.error)
-        return len(reports)
 
     def reports(self) -> list[Report]:
         out, self._reports = self._reports, []
