@@ -151,7 +151,14 @@ class Conductor(LoopDriver):
         self.stream_buffer_limit = stream_buffer_limit
         self.eager_outputs = eager_outputs
         self._walks: dict[str, BlockSpec] = {}
+        # per walk, the outputs sent as soon as they exist, with the values each reads
+        self._early: dict[str, list[tuple[str, Any, tuple[str, ...]]]] = {}
         for name, walk in captured.graph.walks.items():
+            self._early[name] = [
+                (k, a, tuple(ir.arg_refs(a)))
+                for k, a in walk.outputs.items()
+                if k not in walk.state
+            ]
             if name not in plan.walks:
                 raise ValueError(f"the plan has no walk {name!r}; was it lowered from this model?")
             pinned = {r for a in walk.outputs.values() for r in ir.arg_refs(a)}
@@ -287,13 +294,22 @@ class Conductor(LoopDriver):
             fwd.pending.append(value)
             self._flush(req, fwd)
         if feeds:
+            # An item that completes no chunk changes nothing a consumer waits for (a chunk
+            # policy's ``ready`` depends only on the count and the end), so the request's
+            # state machine is advanced only when a chunk formed: a window of 16 items every
+            # 8 costs one advance per 8 items, not 8.
+            formed = False
             try:
                 for stream in feeds:
-                    p.frame.streams[stream].append(value)
+                    s = p.frame.streams[stream]
+                    before = s.ready()
+                    s.append(value)
+                    formed = formed or s.ready() != before
             except LoopError as e:
                 self._fail_request(req, str(e))
                 return
-            self._advance(req)
+            if formed:
+                self._advance(req)
 
     def consumed(self, item_id: int, stream: str, base: int, received: int, closed: bool) -> None:
         """Consumer region item ``item_id`` has ``received`` pieces of ``stream`` and has
@@ -471,13 +487,16 @@ class Conductor(LoopDriver):
         """Walk outputs whose values exist already (a prefill's first token, while the decode
         loop streams the next ones) as ``Output`` events, each once per walk, so that a client
         reading a stream has them before the stream's items."""
-        w = self.captured.graph.walks[req.walk]
+        early = self._early[req.walk]
+        if len(req.sent) == len(early):  # each sent once per walk: nothing left
+            return
         env = req.root.env
-        for k, a in w.outputs.items():
-            if k in req.sent or k in w.state or not all(r in env for r in ir.arg_refs(a)):
+        for k, a, refs in early:
+            if k in req.sent or not all(r in env for r in refs):
                 continue
             req.sent.add(k)
-            self._events.append(Output(req.id, w.name, k, self._interp.value(a, env)))
+            name = self.captured.graph.walks[req.walk].name
+            self._events.append(Output(req.id, name, k, self._interp.value(a, env)))
 
     def _advance(self, req: RequestState) -> None:
         """Run the request's state machine until nothing changes; any error fails it."""
