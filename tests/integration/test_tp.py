@@ -5,8 +5,9 @@ equal one unsharded rank's, and packed prefill logits stay within ``LOGIT_TOL`` 
 
 Models: Llama (4 heads, 2 KV heads: KV heads split), Llama MQA (1 KV head: replicated on both
 ranks), Qwen3 (q/k norms, tied embeddings: vocabulary-parallel embedding and head share one
-weight), Qwen3-MoE with every expert split (``experts="tensor"``) and with whole experts split
-(``experts="expert"``). The pool is small (evictions and ``DEFER`` happen), and every step is
+weight), Qwen3-MoE with every expert split (``experts="tensor"``; from transformers 5.25, whose
+EP plan alone names the experts, whole experts: ``shard.expert_sharding``) and with whole
+experts split (``experts="expert"``). The pool is small (evictions and ``DEFER`` happen), and every step is
 verified to give the same results on both ranks (``verify=True``). One process pair runs every
 model; the leader writes what it saw to JSON, the tests read it. A second, model-free pair
 checks that a SIGKILLed follower fails the leader's next step with ``TPGroupError``."""

@@ -126,8 +126,9 @@ def killing_a_follower_fails_only_its_groups_requests(
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_tp2_tokens_and_logprobs_equal_one_rank(arch: str, tmp_path: Path) -> None:
     """16 concurrent greedy requests with logprobs (the ``prefill_ext`` walks) on a TP=2 group:
-    Qwen3 (q/k norms over split heads), Qwen3-MoE (every expert's intermediate split, router
-    replicated: transformers' ``moe_tp_experts`` plan). Tokens equal ``generate`` on the
+    Qwen3 (q/k norms over split heads), Qwen3-MoE (router replicated; every expert's intermediate
+    split by transformers' ``moe_tp_experts`` plan, or from 5.25, whose EP plan alone names the
+    experts, whole experts split). Tokens equal ``generate`` on the
     unsharded model; every reported log-probability is within ``LOGPROB_TOL`` of the
     unsharded model's log-softmax for that id (up to a request's first tie, after which the
     two may follow different tokens)."""

@@ -258,3 +258,49 @@ def test_a_dataclass_result_comes_back_as_its_type_with_objects_as_handles() -> 
     assert isinstance(out.cache, TPObject) and runner.live_objects == 1
     (again,) = step(runner, [((out.logits, out.cache), {})])
     assert again.cache is out.cache and torch.equal(again.logits, torch.tensor([7]))
+
+
+_EXPERTS = "layers.*.mlp.experts"
+_TP_EXPERT_RULES = {f"{_EXPERTS}.gate_up_proj": "packed_colwise", _EXPERTS: "moe_tp_experts"}
+_EP_RULES = {f"{_EXPERTS}.gate_up_proj": "grouped_gemm", _EXPERTS: "ep_dispatch_experts"}
+_DENSE = {"layers.*.self_attn.q_proj": "colwise"}
+
+
+def test_expert_sharding_reads_whichever_plan_names_the_experts() -> None:
+    """transformers up to 5.24 names the experts in both plans; 5.25 in the EP plan only."""
+    from walkserve.runtime.tp.shard import ShardingError, expert_sharding
+
+    both = {**_DENSE, **_TP_EXPERT_RULES}
+    assert expert_sharding("tensor", both, _EP_RULES, "M") == "tensor"
+    assert expert_sharding("expert", both, _EP_RULES, "M") == "expert"
+    assert expert_sharding("expert", _DENSE, _EP_RULES, "M") == "expert"
+    with pytest.warns(UserWarning, match="whole experts are split across the ranks instead"):
+        assert expert_sharding("tensor", _DENSE, _EP_RULES, "M") == "expert"
+    assert expert_sharding("tensor", _DENSE, {}, "M") is None  # dense: nothing to shard
+    with pytest.raises(ShardingError, match="experts='expert' needs an MoE model"):
+        expert_sharding("expert", _DENSE, {}, "M")
+
+
+def test_installed_transformers_names_qwen3_moe_experts_in_a_plan_walkserve_reads() -> None:
+    """The installed release's Qwen3-MoE plans: its experts are sharded in both modes (never
+    left whole on every rank), with a warning only where "tensor" has no TP rule to follow;
+    a dense Llama has no experts."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    from walkserve.runtime.tp.shard import _model_plans, expert_sharding
+
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+    )
+    plan, ep_plan = _model_plans(transformers.Qwen3MoeForCausalLM, config)
+    tensor_rules = "moe_tp_experts" in plan.values()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = expert_sharding("tensor", plan, ep_plan, "Qwen3Moe")
+    assert got == ("tensor" if tensor_rules else "expert")
+    assert len(seen) == (0 if tensor_rules else 1)
+    assert expert_sharding("expert", plan, ep_plan, "Qwen3Moe") == "expert"
+    llama = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    plan, ep_plan = _model_plans(transformers.LlamaForCausalLM, llama)
+    assert ep_plan == {} and expert_sharding("tensor", plan, ep_plan, "Llama") is None

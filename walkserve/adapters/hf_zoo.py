@@ -44,7 +44,9 @@ _COMMON: dict[str, Any] = {
 @dataclass(frozen=True)
 class ZooEntry:
     """``engine``: the engine ``hf_engine.text_engine`` must choose; ``why``: words its reason
-    must contain when that is the fallback; ``note``: the README's word on its state."""
+    must contain when that is the fallback; ``why_since``: transformers release -> the words from
+    that release on, where upstream changed the model so that a different check refuses it
+    (``reason_words``); ``note``: the README's word on its state."""
 
     config_class: str  # a transformers class name
     model_class: str
@@ -53,7 +55,20 @@ class ZooEntry:
     common: bool = True  # start from _COMMON
     engine: str = "paged"
     why: str = ""
+    why_since: dict[str, str] = field(default_factory=dict)
     note: str = ""
+
+    def reason_words(self, transformers_version: str) -> str:
+        """``why`` for that transformers release: the words of the latest ``why_since`` release
+        it is at or past, else ``why``."""
+        from packaging.version import Version
+
+        installed = Version(transformers_version)
+        words = self.why
+        for release, since in sorted(self.why_since.items(), key=lambda kv: Version(kv[0])):
+            if installed >= Version(release):
+                words = since
+        return words
 
 
 ZOO: dict[str, ZooEntry] = {
@@ -298,7 +313,7 @@ ZOO: dict[str, ZooEntry] = {
     "falcon": ZooEntry(
         "FalconConfig",
         "FalconForCausalLM",
-        "attention outside transformers' interface",
+        "attention outside transformers' interface (to 5.24), a mask it materialises (5.25)",
         {
             "vocab_size": VOCAB,
             "hidden_size": 32,
@@ -312,7 +327,11 @@ ZOO: dict[str, ZooEntry] = {
         common=False,
         engine="hf-cache",
         why="computes attention itself",
-        note="its attention is its own code, not transformers' AttentionInterface",
+        # 5.25 moved Falcon onto the interface, but it asks for a materialised mask to add
+        # ALiBi to (allow_is_causal_skip=False): a mask a PagedMask cannot stand in for
+        why_since={"5.25": "mask is not plain causal"},
+        note="its attention is its own code (transformers to 5.24), or it asks for a mask "
+        "tensor to add ALiBi onto (5.25), which the paged pool does not build",
     ),
     "bloom": ZooEntry(
         "BloomConfig",

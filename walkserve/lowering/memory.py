@@ -233,7 +233,9 @@ def _shard_bytes(module: torch.nn.Module, degree: int) -> dict[int, int]:
     ``ceil(bytes / degree)``. Parameters of a Hugging Face model inside ``module`` (one with a
     ``tp_plan``) follow that plan: a style that splits them, / degree; a replicated style, a
     row-parallel bias, no rule at all or a buffer, whole; K/V projections whose heads are
-    replicated (fewer KV heads than ranks), this rank's heads only."""
+    replicated (fewer KV heads than ranks), this rank's heads only. A parameter without a TP
+    rule that the model's ``ep_plan`` shards (MoE experts: transformers 5.25 names them there
+    only, and ``tp.shard`` then splits whole experts across the ranks), / degree."""
     if degree == 1:
         return {id(t): _nbytes(t) for t in _module_tensors(module)}
     out: dict[int, int] = {id(t): math.ceil(_nbytes(t) / degree) for t in _module_tensors(module)}
@@ -243,8 +245,10 @@ def _shard_bytes(module: torch.nn.Module, degree: int) -> dict[int, int]:
         if not isinstance(plan, Mapping) or not plan or id(sub) in done:
             continue
         kv_share = _kv_share(sub, degree)
+        ep_plan = getattr(sub, "ep_plan", None)
+        ep_plan = ep_plan if isinstance(ep_plan, Mapping) else {}
         for name, param in sub.named_parameters():
-            style = _plan_style(name, plan)
+            style = _plan_style(name, plan) or _plan_style(name, ep_plan)
             nbytes = _nbytes(param)
             if (
                 style is None

@@ -248,8 +248,8 @@ def tiny_upstream(seed: int = 0) -> Any:
 def shard_thinker(model: Any) -> Any:
     """``model`` with, in a worker of the thinker's tensor-parallel group (a placement with
     ``tensor_parallel: {thinker_lm: N}``), this rank's shard of the thinker in place of the
-    whole one: its decoder split by transformers' own tp_plan (attention heads, the experts'
-    intermediate, vocabulary-parallel embedding and LM head), its audio and vision encoders
+    whole one: its decoder split by transformers' own tp_plan (attention heads, the experts
+    (``tp.shard.expert_sharding``), vocabulary-parallel embedding and LM head), its audio and vision encoders
     replicated (``runtime.tp.shard.reload_sharded``). The rank held the whole thinker first:
     loaded, then sharded. Elsewhere ``model`` as it is."""
     from walkserve.runtime.tp.member import current_group

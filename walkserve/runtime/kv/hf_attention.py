@@ -259,7 +259,8 @@ def paged_mask(
         raise UnsupportedAttention(
             "the model's attention mask is not plain causal (transformers adds an overlay: "
             "bidirectional spans such as image tokens, a non-causal config, packed sequences or "
-            "a custom mask function), which paged attention cannot express"
+            "a custom mask function; or the model asks for the mask as a tensor, to change it), "
+            "which paged attention cannot express"
         )
     on_host = attention_mask is not None and attention_mask.device.type == "cpu"
     if on_host and not bool(attention_mask.all()):  # type: ignore[union-attr]

@@ -19,6 +19,12 @@ holds, the rows of a sharded matrix that other ranks own) and hooks the collecti
                            across ranks, each rank runs its own on the shared batch, summed
     norms, router          replicated
 
+Which plan holds the experts depends on the transformers release: up to 5.24 the TP plan has the
+``moe_tp_experts`` rules and the EP plan the whole-expert ones; from 5.25 only the EP plan names
+the experts (``moe_tp_experts`` is deprecated). ``experts="tensor"`` on a model whose TP plan has
+no expert rule but whose EP plan does therefore shards whole experts (``expert_sharding``), with
+a warning: left to the TP plan alone, every rank would hold every expert whole.
+
 What walkserve changes in that plan, and why: fewer KV heads than ranks (``heads.py``). A
 ``colwise`` k/v projection would cut a head in pieces, so k_proj and v_proj become
 ``replicate`` and, once loaded, each rank keeps only the rows of the one KV head its query heads
@@ -36,6 +42,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -44,7 +51,13 @@ from torch import nn
 from walkserve.runtime.tp.group import TPGroup
 from walkserve.runtime.tp.heads import HeadSplit, split_heads
 
-__all__ = ["ShardingError", "load_sharded", "reload_sharded", "text_config"]
+__all__ = [
+    "ShardingError",
+    "expert_sharding",
+    "load_sharded",
+    "reload_sharded",
+    "text_config",
+]
 
 Experts = Literal["tensor", "expert"]
 _KV_PROJECTIONS = ("k_proj", "v_proj")
@@ -76,15 +89,12 @@ def load_sharded(
     cls: Any = model_class or AutoModelForCausalLM
     config_class: Any = getattr(model_class, "config_class", None) or AutoConfig
     config = config_class.from_pretrained(path)
-    plan = _model_plan(cls, config)
+    plan, ep_plan = _model_plans(cls, config)
     split = _head_split(config, group)
     override = _kv_override(plan, split)
-    if experts == "expert" and not _has_experts(plan):
-        raise ShardingError(
-            f"experts='expert' needs an MoE model; {type(config).__name__} has none"
-        )
+    sharding = expert_sharding(experts, plan, ep_plan, type(config).__name__)
     tp_plan = override or None
-    if experts == "expert":  # whole experts per rank, each rank's on the shared batch, summed
+    if sharding == "expert":  # whole experts per rank, each rank's on the shared batch, summed
         distributed = DistributedConfig(
             tp_size=group.size, tp_plan=tp_plan, ep_size=group.size, ep_implementation="all_reduce"
         )
@@ -133,19 +143,49 @@ def _bind_device(group: TPGroup) -> None:
         os.environ["LOCAL_RANK"] = str(group.device.index or 0)
 
 
-def _model_plan(cls: Any, config: Any) -> dict[str, str]:
-    """The model's resolved TP plan (names with ``*`` for layer numbers), read from a meta
-    instance: transformers merges the config's and the classes' plans when it builds one."""
+def _model_plans(cls: Any, config: Any) -> tuple[dict[str, str], dict[str, str]]:
+    """The model's resolved TP and EP plans (names with ``*`` for layer numbers), read from a
+    meta instance: transformers merges the config's and the classes' plans when it builds one."""
     with torch.device("meta"):
         model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
     plan = dict(model.tp_plan or {})
+    ep_plan = dict(getattr(model, "ep_plan", None) or {})
     if not plan:
         raise ShardingError(
             f"{type(model).__name__} has no tensor-parallel plan in transformers "
             f"(config.base_model_tp_plan is empty), so no split of its layers is known to be "
             f"correct; serve it on one rank per replica"
         )
-    return plan
+    return plan, ep_plan
+
+
+def expert_sharding(
+    experts: Experts, plan: dict[str, str], ep_plan: dict[str, str], model: str
+) -> Experts | None:
+    """How the experts of a model with these TP and EP plans are sharded when ``experts`` is
+    asked: "tensor" (the TP plan's ``moe_tp_experts`` rules), "expert" (the EP plan), or None
+    (no experts: a dense model asked for "tensor"). "tensor" on a model whose experts only the
+    EP plan names (transformers 5.25 on) is "expert", with a warning; "expert" on a model with
+    no EP plan is refused."""
+    tensor_rules = any(style == "moe_tp_experts" for style in plan.values())
+    if experts == "expert":
+        if not ep_plan:
+            raise ShardingError(
+                f"experts='expert' needs an MoE model with an expert-parallel plan in "
+                f"transformers; {model} has none"
+            )
+        return "expert"
+    if tensor_rules:
+        return "tensor"
+    if ep_plan:
+        warnings.warn(
+            f"experts='tensor': transformers' tensor-parallel plan for {model} has no rule for "
+            "its experts (its expert-parallel plan has them), so whole experts are split "
+            "across the ranks instead (experts='expert')",
+            stacklevel=3,
+        )
+        return "expert"
+    return None
 
 
 def _head_split(config: Any, group: TPGroup) -> HeadSplit | None:
@@ -194,10 +234,6 @@ def _trim_replicated_kv(
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)  # a replicated DTensor holds the whole tensor
     return to_local() if callable(to_local) else t.detach()
-
-
-def _has_experts(plan: dict[str, str]) -> bool:
-    return any(style == "moe_tp_experts" for style in plan.values())
 
 
 def _head_dim(config: Any) -> int:
