@@ -39,7 +39,8 @@ Modules, by role:
 
     server        serve(), Server: the Python API and the conductor thread; handle:
                   RequestHandle, what a caller holds of a request
-    conductor     the walk state machine (pure); loopdriver (its loops), workitem, walkspec,
+    conductor     the walk state machine (pure); loopdriver (its loops), regionitems (its
+                  region items: streams, feeds, credit), workitem, walkspec,
                   frames: its parts
     batcher       the batching rule of the conductor's node items (pure)
     pool          the worker processes and sockets; poolbatches (node batches), poolregions,

@@ -56,7 +56,7 @@ cancelled. Results of items of released frames are ignored.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from walkserve.capture import ir
@@ -78,16 +78,14 @@ from walkserve.runtime.frames import (
     frame_streams,
     piece_items,
 )
-from walkserve.runtime.loopdriver import LoopDriver
+from walkserve.runtime.regionitems import RegionItems
 from walkserve.runtime.walkspec import (
     BlockSpec,
     NodeSpec,
-    RegionSpec,
     SpecBuilder,
     min_buffer,
 )
 from walkserve.runtime.workitem import (
-    UNLIMITED,
     ConductorStats,
     Credit,
     Event,
@@ -119,7 +117,7 @@ __all__ = [
 # ------------------------------------------------------------------------------ conductor
 
 
-class Conductor(LoopDriver):
+class Conductor(RegionItems):
     """Per-request walk state machines over ``plan``; see the module docstring.
 
     ``speculate=False`` never starts an iteration of a DynamicLoop before the previous stop is
@@ -253,15 +251,6 @@ class Conductor(LoopDriver):
                     self._flush(p.request, fwd)
         self._advance(p.request)
 
-    def partial(self, item_id: int, values: Mapping[str, Any]) -> None:
-        """Some outputs of a region item, before its exit: bound at once (``complete`` then
-        brings the others). Items no longer wanted: ignored."""
-        p = self._items.get(item_id)
-        if p is None or p.region is None:
-            return
-        self._bind_results(p, {k: v for k, v in values.items() if k in p.ops})
-        self._advance(p.request)
-
     def _bind_results(self, p: Pending, value: Mapping[str, Any]) -> None:
         frame = p.frame
         for op in p.ops:
@@ -272,115 +261,6 @@ class Conductor(LoopDriver):
             frame.uses[op] = left
             if left > 0 or op in frame.spec.pinned:
                 frame.env[op] = value[op]
-
-    def streamed(self, item_id: int, channel: str, index: int, value: Any) -> None:
-        """Iteration ``index`` of a region item's streamed channel ``channel`` committed (its
-        walk-level client outputs stream it). Items no longer wanted: ignored."""
-        p = self._items.get(item_id)
-        if p is None or p.region is None:
-            return
-        outs = p.region.emit.get(channel)
-        streams = p.region.forwards.get(channel)
-        feeds = [stream for stream, ch in p.region.feeds if ch == channel]
-        if outs is None and streams is None and not feeds:
-            self._node_failed(p, f"region {p.node} streamed {channel!r}, which it does not stream")
-            return
-        req = p.request
-        for out in [o for o in outs or () if req.streams(o)]:
-            self._send_ready_outputs(req)
-            self._events.append(StreamItem(req.id, out, index, value))
-        for stream in streams or ():
-            fwd = p.frame.forwards[stream]
-            fwd.pending.append(value)
-            self._flush(req, fwd)
-        if feeds:
-            # An item that completes no chunk changes nothing a consumer waits for (a chunk
-            # policy's ``ready`` depends only on the count and the end), so the request's
-            # state machine is advanced only when a chunk formed: a window of 16 items every
-            # 8 costs one advance per 8 items, not 8.
-            formed = False
-            try:
-                for stream in feeds:
-                    s = p.frame.streams[stream]
-                    before = s.ready()
-                    s.append(value)
-                    formed = formed or s.ready() != before
-            except LoopError as e:
-                self._fail_request(req, str(e))
-                return
-            if formed:
-                self._advance(req)
-
-    def consumed(self, item_id: int, stream: str, base: int, received: int, closed: bool) -> None:
-        """Consumer region item ``item_id`` has ``received`` pieces of ``stream`` and has
-        released its items before ``base`` (``closed``: it takes no more): its producer may
-        commit up to ``base + stream_buffer_limit`` items (``Credit``)."""
-        p = self._items.get(item_id)
-        if p is None or p.region is None or stream not in p.region.fed:
-            return
-        fwd = p.frame.forwards[stream]
-        while fwd.received < received and fwd.sent:
-            fwd.sent.popleft()
-            fwd.received += 1
-        credit = UNLIMITED if closed else base + self.stream_buffer_limit
-        if fwd.producer is not None and credit != fwd.credit:
-            fwd.credit = credit
-            others = [
-                g.credit if g.credit is not None else self.stream_buffer_limit
-                for g in p.frame.forwards.values()
-                if g.channel == fwd.channel
-            ]
-            self._credits.append(Credit(fwd.producer, p.request.id, fwd.channel, min(others)))
-
-    def feed(self, request_id: str, stream: str, pieces: Sequence[Any], finished: bool) -> None:
-        """Items of fed stream ``stream`` of a request's walk (its root frame), in order."""
-        req = self._requests.get(request_id)
-        if req is None:
-            return
-        s = req.root.streams.get(stream)
-        if s is None or stream not in self._fed.get(req.walk, frozenset()):
-            self._fail_request(req, f"walk {req.walk!r} is fed no stream {stream!r}")
-            return
-        try:
-            for piece in pieces:
-                s.append(piece)
-        except LoopError as e:
-            self._fail_request(req, str(e))
-            return
-        s.finished = s.finished or finished
-        self._advance(req)
-
-    def fed_progress(self, request_id: str) -> dict[str, tuple[int, bool]]:
-        """(items released, consumer done) of every fed stream of the request."""
-        req = self._requests.get(request_id)
-        if req is None:
-            return {}
-        fed = self._fed.get(req.walk, frozenset())
-        return {n: (s.base, s.closed) for n, s in req.root.streams.items() if n in fed}
-
-    def credit(self, request_id: str, channel: str, items: int) -> None:
-        """The request's walk-level loops may commit items of client channel ``channel`` up to
-        ``items`` (counting iterations in flight as one item each), then wait for more."""
-        if request_id not in self._requests:
-            return
-        self._credit.setdefault(request_id, {})[channel] = items
-        self._advance(self._requests[request_id])
-
-    def feeds(self) -> list[Feed]:
-        """Stream items for consumer regions (drained)."""
-        out, self._feeds = self._feeds, []
-        return out
-
-    def credits(self) -> list[Credit]:
-        """Credit for producer regions (drained)."""
-        out, self._credits = self._credits, []
-        return out
-
-    def dropped(self) -> list[int]:
-        """Region items released (cancel, failure, a discarded speculative iteration) before
-        their rank reported their exit: the runner may stop them. Drained."""
-        out, self._dropped = self._dropped, []
-        return out
 
     def wanted(self, item_id: int) -> bool:
         """Whether a dispatched item's result is still awaited (not cancelled, failed or
@@ -646,45 +526,6 @@ class Conductor(LoopDriver):
         )
         self._issue(item, Pending(req, f, node.name, item.ops, internal, item))
         return True
-
-    def _dispatch_region(self, req: RequestState, f: Frame, rs: RegionSpec) -> None:
-        """Hand region ``rs`` to its rank: one item, its inputs in ``env``."""
-        f.regions.remove(rs)
-        env = {r: f.env[r] for r in rs.reads}
-        for t in rs.trip_inputs:
-            env[t] = req.walk_inputs[t]
-        for r in rs.reads:
-            self._consume(f, r)
-        item = WorkItem(
-            id=next(self._ids),
-            request=req.id,
-            walk=req.walk,
-            node=rs.name,
-            kind="region",
-            ops=(),
-            frame=f.path,
-            speculative=f.in_speculation(),
-            env=env,
-            outputs=rs.outputs,
-            stream=bool(req.stream),
-        )
-        self._issue(item, Pending(req, f, rs.name, rs.outputs, {}, item, rs))
-        for stream in rs.fed:
-            fwd = f.forwards[stream]
-            fwd.consumer = item.id
-            self._flush(req, fwd)
-        for streams in rs.forwards.values():
-            for stream in streams:
-                f.forwards[stream].producer = item.id
-
-    def _flush(self, req: RequestState, fwd: Forward) -> None:
-        if fwd.consumer is None or not (fwd.pending or (fwd.finished and not fwd.finish_sent)):
-            return
-        pieces = tuple(fwd.pending)
-        fwd.sent.extend(pieces)
-        fwd.pending = []
-        fwd.finish_sent = fwd.finished
-        self._feeds.append(Feed(fwd.consumer, req.id, fwd.stream, pieces, fwd.finished))
 
     def _kill(self, f: Frame) -> int:
         """Release a frame and everything under it; returns how many items it dispatched."""
