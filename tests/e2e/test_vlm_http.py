@@ -1,5 +1,5 @@
 """Vision-language models over HTTP with the official ``openai`` client: ``walkserve serve DIR``
-of tiny Qwen2-VL and LLaVA checkpoints (``adapters.vlm.tiny``, written with
+of tiny Qwen2-VL, Qwen2.5-VL and LLaVA checkpoints (``adapters.vlm.tiny``, written with
 ``save_pretrained``). A chat message with an ``image_url`` data URL is answered with the tokens
 upstream ``generate(do_sample=False)`` gives on the processor's inputs for the same image and
 prompt; the same request again gives the same tokens and hits the vision tower's encoder cache

@@ -1,6 +1,7 @@
-"""Vision-language models (``adapters.vlm``): tiny Qwen2-VL and LLaVA checkpoints written with
-``save_pretrained`` and loaded as the server loads them (``load_vlm``), their LM on the paged
-pool and their vision tower as its own component, driven in-process as the walks drive them.
+"""Vision-language models (``adapters.vlm``): tiny Qwen2-VL, Qwen2.5-VL (its tower's window
+attention included) and LLaVA checkpoints written with ``save_pretrained`` and loaded as the
+server loads them (``load_vlm``), their LM on the paged pool and their vision tower as its own
+component, driven in-process as the walks drive them.
 Requests with one image, two images and none share packed forwards and each equals upstream
 ``generate(do_sample=False)`` on the processor's inputs; the same image again hits the encoder
 cache and the prefix pages through the image (counted), a different image at the same place
@@ -147,3 +148,23 @@ def test_profile_image_inputs_are_the_processors(kind: str, tmp_path: Path) -> N
     ids = ref["input_ids"][0].tolist()
     start = ids.index(placeholders[0])
     assert ids[start : start + len(placeholders)] == placeholders
+
+
+def test_qwen2_5_vl_answers_depend_on_the_towers_windows(tmp_path: Path) -> None:
+    """The equality above can fail on Qwen2.5-VL's window attention: with every tower block
+    attending over the whole image instead, upstream answers differently."""
+    upstream = tiny.save_tiny("qwen2.5-vl", tmp_path)
+    refs = [
+        tiny.reference_inputs(
+            "qwen2.5-vl", tmp_path, user(1, "What is it?"), [picture(s, (30, 20))]
+        )
+        for s in range(10, 14)
+    ]
+    want = [generate(upstream, r) for r in refs]
+    tower = upstream.model.visual
+    assert tower.fullatt_block_indexes == [1]  # block 0 windowed
+    grid = refs[0]["image_grid_thw"]
+    windows = tower.window_size // tower.patch_size // tower.spatial_merge_size
+    assert int(grid.prod()) // tower.spatial_merge_size**2 > windows**2  # several windows
+    tower.fullatt_block_indexes = [0, 1]
+    assert [generate(upstream, r) for r in refs] != want

@@ -131,6 +131,10 @@ def _checkpoint_profile(path: str, name: str) -> ModelProfile:
         from walkserve.adapters import qwen25_omni
 
         return qwen25_omni.checkpoint_profile(path, name)
+    if kind == "janus":
+        from walkserve.adapters.janus.checkpoint import checkpoint_profile as janus_profile
+
+        return janus_profile(path, name)
     if kind == "vlm":
         from walkserve.adapters.vlm.profile import checkpoint_profile as vlm_profile
 

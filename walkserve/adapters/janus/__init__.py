@@ -16,7 +16,9 @@ What crosses its boundary (the walks):
 ``understand`` is upstream's text-mode generation with an image, greedy: one ``"text"`` label
 per request in the same pool, a DynamicLoop that stops at EOS. ``chat`` and ``chat_image``
 serve it through ``/v1/chat/completions`` (``chat.py``: the image processor and
-``<image_placeholder>`` expansion of upstream's ``JanusProcessor``).
+``<image_placeholder>`` expansion of upstream's ``JanusProcessor``); a checkpoint directory's
+chat profile (its own ``JanusProcessor``: tokenizer, chat template, image processor) is
+``checkpoint.py``.
 
 Upstream ``generate(generation_mode="image")`` runs a batch of 2B (conditioned rows, then the
 unconditioned rows whose prompt tokens other than BOS and BOI are pad) through a static cache.

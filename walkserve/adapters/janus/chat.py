@@ -24,6 +24,7 @@ import torch
 from walkserve.api.chatmedia import per_part
 from walkserve.api.profile import (
     ChatMediaTask,
+    ChatTemplate,
     Decode,
     Encode,
     MediaInputs,
@@ -78,6 +79,7 @@ def chat_tasks(
     ids: ImageIds,
     max_prompt_tokens: int = 512,
     max_tokens: int = 256,
+    chat_template: ChatTemplate = plain_chat,
 ) -> tuple[TextTask, ChatMediaTask]:
     """The text task (``chat``, greedy) and the image chat task (``chat_image``)."""
     text = TextTask(
@@ -93,7 +95,7 @@ def chat_tasks(
         default_max_tokens=min(16, max_tokens),
         encode=encode,
         decode=decode,
-        chat_template=plain_chat,
+        chat_template=chat_template,
     )
     image = MediaWalk("chat_image", image_inputs(processor, ids))
     return text, ChatMediaTask(image=image, max_parts=MAX_IMAGES)

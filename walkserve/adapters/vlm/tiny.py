@@ -7,11 +7,17 @@ tokenizer with the chat and image tokens, a chat template, and the image process
                 tower, patch 4, merge 2) + Qwen2VLImageProcessorPil (images to <= 32 x 32)
                 in preprocessor_config.json. Upstream's Qwen2VLProcessor is not constructible
                 here: it needs a video processor, which needs torchvision.
+    qwen2.5-vl  Qwen2_5_VLForConditionalGeneration (the same LM and image processor; a 2-block
+                vision tower with window attention in block 0, windows of 2 x 2 image tokens,
+                full attention in block 1, RMSNorm and a gated MLP)
     llava       LlavaForConditionalGeneration (a 2-layer CLIP vision tower on 28 x 28 images,
                 patch 7: 16 image tokens; a 2-layer Llama) + LlavaProcessor (CLIPImageProcessorPil)
                 in processor_config.json
 
-Output embeddings are sharpened (``hf_zoo.SHARPEN``) so that greedy picks are no float ties.
+Output embeddings are sharpened (``hf_zoo.SHARPEN``) so that greedy picks are no float ties;
+Qwen2.5-VL's vision attention and merger are scaled up (``WINDOW_SHARPEN``) so that its image
+features, and so the answers, change when the tower's windows are wrong (at random init its
+attention is near uniform and the residual stream drowns it).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 
 __all__ = ["KINDS", "TEMPLATES", "save_tiny", "tiny_model", "tiny_tokenizer"]
 
-KINDS = ("qwen2-vl", "llava")
+KINDS = ("qwen2-vl", "qwen2.5-vl", "llava")
 VOCAB = 300
 SPECIALS = {
     "<|im_start|>": 280,
@@ -35,6 +41,8 @@ SPECIALS = {
     "<|video_pad|>": 286,
 }
 EOS = SPECIALS["<|im_end|>"]
+#: Qwen2.5-VL tower scales: attention qkv, attention output, merger output (module docstring)
+WINDOW_SHARPEN = (4.0, 10.0, 4.0)
 _HEAD = "{% for m in messages %}<|im_start|>{{ m.role }}\n"
 _PARTS = (
     "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
@@ -45,6 +53,7 @@ _PARTS = (
 #: chat templates as the families' own write an image part (ChatML around them)
 TEMPLATES = {
     "qwen2-vl": _HEAD + _PARTS.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>"),
+    "qwen2.5-vl": _HEAD + _PARTS.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>"),
     "llava": _HEAD + _PARTS.replace("IMAGE", "<image>"),
 }
 _TEXT: dict[str, Any] = dict(
@@ -62,28 +71,44 @@ _TEXT: dict[str, Any] = dict(
 )
 
 
+def _qwen_text() -> dict[str, Any]:
+    """A fresh Qwen text config (upstream's config may rewrite the rope dict it is given)."""
+    return {**_TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+
+
+_QWEN_VISION: dict[str, Any] = dict(
+    depth=2, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3
+)
+_QWEN_TOKENS: dict[str, Any] = dict(
+    image_token_id=SPECIALS["<|image_pad|>"],
+    video_token_id=SPECIALS["<|video_pad|>"],
+    vision_start_token_id=SPECIALS["<|vision_start|>"],
+    vision_end_token_id=SPECIALS["<|vision_end|>"],
+    tie_word_embeddings=False,
+)
+
+
 def tiny_config(kind: str) -> Any:
     import transformers
 
     if kind == "qwen2-vl":
         return transformers.Qwen2VLConfig(
-            text_config={**_TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+            text_config=_qwen_text(),
+            vision_config=dict(embed_dim=32, hidden_size=64, mlp_ratio=2, **_QWEN_VISION),
+            **_QWEN_TOKENS,
+        )
+    if kind == "qwen2.5-vl":
+        return transformers.Qwen2_5_VLConfig(
+            text_config=_qwen_text(),
             vision_config=dict(
-                depth=2,
-                embed_dim=32,
-                hidden_size=64,
-                num_heads=2,
-                mlp_ratio=2,
-                patch_size=4,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                in_channels=3,
+                hidden_size=32,
+                intermediate_size=48,
+                out_hidden_size=_TEXT["hidden_size"],
+                window_size=16,  # pixels: 2 x 2 image tokens of 2 x 2 patches of 4 x 4
+                fullatt_block_indexes=[1],
+                **_QWEN_VISION,
             ),
-            image_token_id=SPECIALS["<|image_pad|>"],
-            video_token_id=SPECIALS["<|video_pad|>"],
-            vision_start_token_id=SPECIALS["<|vision_start|>"],
-            vision_end_token_id=SPECIALS["<|vision_end|>"],
-            tie_word_embeddings=False,
+            **_QWEN_TOKENS,
         )
     if kind == "llava":
         return transformers.LlavaConfig(
@@ -114,12 +139,18 @@ def tiny_model(kind: str, seed: int = 0) -> Any:
     config = tiny_config(kind)
     cls = {
         "qwen2-vl": transformers.Qwen2VLForConditionalGeneration,
+        "qwen2.5-vl": transformers.Qwen2_5_VLForConditionalGeneration,
         "llava": transformers.LlavaForConditionalGeneration,
     }[kind]
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(SHARPEN)
+        if kind == "qwen2.5-vl":  # attention that matters: windowed and full blocks differ
+            for block in model.model.visual.blocks:
+                block.attn.qkv.weight.mul_(WINDOW_SHARPEN[0])
+                block.attn.proj.weight.mul_(WINDOW_SHARPEN[1])
+            model.model.visual.merger.mlp[-1].weight.mul_(WINDOW_SHARPEN[2])
     return model
 
 
@@ -139,7 +170,7 @@ def tiny_tokenizer() -> Any:
 def tiny_image_processor(kind: str) -> Any:
     from transformers import CLIPImageProcessorPil, Qwen2VLImageProcessorPil
 
-    if kind == "qwen2-vl":
+    if kind in ("qwen2-vl", "qwen2.5-vl"):
         return Qwen2VLImageProcessorPil(
             patch_size=4,
             merge_size=2,
@@ -150,7 +181,7 @@ def tiny_image_processor(kind: str) -> Any:
 
 
 def tiny_processor(kind: str) -> Any:
-    """LLaVA's upstream processor (image processor, tokenizer, template); None for Qwen2-VL
+    """LLaVA's upstream processor (image processor, tokenizer, template); None for the Qwens
     (see the module docstring)."""
     if kind != "llava":
         return None
@@ -186,7 +217,7 @@ def save_tiny(kind: str, path: str | Path, seed: int = 0) -> Any:
 def reference_inputs(kind: str, path: str | Path, messages: list[Any], images: list[Any]) -> Any:
     """Upstream's processor inputs of ``messages`` (HF chat messages, image parts as
     ``{"type": "image"}``) and ``images`` (PIL images) for the checkpoint at ``path``: for
-    LLaVA its ``LlavaProcessor``; for Qwen2-VL its image processor and tokenizer with each
+    LLaVA its ``LlavaProcessor``; for the Qwens its image processor and tokenizer with each
     ``<|image_pad|>`` expanded to the image's t*h*w/merge^2 tokens, as ``Qwen2VLProcessor``
     does (which needs torchvision for its video processor, so it is not built here). The
     ``generate()`` keyword arguments: ``input_ids``, ``attention_mask``, ``pixel_values`` and
