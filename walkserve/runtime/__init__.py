@@ -46,7 +46,8 @@ Modules, by role:
     pool          the worker processes and sockets; poolbatches (node batches), poolregions,
                   poolremote (remote ranks, link probes), poolsupervision, poolstate, config
     supervisor    when a silent rank is hung, restarts of dead ranks, crash loops (pure)
-    worker        a worker process: sockets, setup, io thread; engine: its engine loop
+    worker        a worker process: sockets, setup, io thread; workerinbox: what the io
+                  thread does with commands carrying values; engine: its engine loop
     rankscheduler what a rank runs next (pure); regionwalk: regions as walks; loopstep: the
                   fast path for simple loops (pure); runner: runs a batch of one node
     messages      every message on a socket (msgspec structs, never pickle)

@@ -84,8 +84,6 @@ if TYPE_CHECKING:
     from walkserve.runtime.messages import (
         KVStats,
         Message,
-        RunBatch,
-        StartRegions,
         WorkerSetup,
     )
     from walkserve.runtime.peers import PeerClient, PeerServer
@@ -95,6 +93,7 @@ if TYPE_CHECKING:
 
 from walkserve.runtime.components import KVEngine, component_counters, configure_kv
 from walkserve.runtime.config import KiB, WorkerConfig, default_threads, routing_id
+from walkserve.runtime.workerinbox import WorkerInbox
 
 __all__ = [
     "Worker",
@@ -134,7 +133,7 @@ def worker_main(rank: int, conductor_addr: str, config: str | WorkerConfig) -> N
     os._exit(code)
 
 
-class Worker:
+class Worker(WorkerInbox):
     """One rank's process side (see the module docstring). ``run()`` returns the exit code."""
 
     def __init__(self, rank: int, address: str, config: WorkerConfig) -> None:
@@ -483,118 +482,6 @@ class Worker:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.stop()
-
-    def _receive(self, inputs: Any, request_id: str, handles: list[Any]) -> dict[str, Any]:
-        """The values of ``inputs`` (payloads by name): held ones of other ranks pulled from
-        them first (``peers``), in one round trip per rank."""
-        from walkserve.runtime.messages import ObjectRef, Seq
-
-        remote: list[ObjectRef] = []
-        todo = list(inputs.values())
-        while todo:
-            p = todo.pop()
-            if isinstance(p, ObjectRef) and p.rank != self.rank:
-                remote.append(p)
-            elif isinstance(p, Seq):
-                todo += p.items
-        if remote:
-            if self.peers is None:
-                raise ValueError(
-                    f"values held by ranks {sorted({r.rank for r in remote})} "
-                    "cannot reach this rank (no peer sockets)"
-                )
-            self.transport.fetched = self.peers.fetch(request_id, remote)
-        try:
-            env = {}
-            for name, payload in inputs.items():
-                env[name], tokens = self.transport.receive(payload, request_id)
-                handles += tokens
-            return env
-        finally:
-            self.transport.fetched = {}
-
-    def _prepare(self, msg: RunBatch) -> None:
-        """Decode a batch's inputs (while the main thread runs), ack the shared-memory inputs
-        at once (they were copied out), hand the batch to the engine loop."""
-        from walkserve.runtime.engine import NodeBatch
-        from walkserve.runtime.messages import Ack, BatchFailed, ItemError
-
-        items: list[tuple[int, str, dict[str, Any]]] = []
-        handles: list[Any] = []
-        error = None
-        try:
-            for item in msg.items:
-                env = self._receive(item.inputs, item.request_id, handles)
-                items.append((item.item, item.request_id, env))
-        except Exception as e:
-            error = f"inputs of {msg.walk}:{msg.node} could not be read on rank {self.rank}: {e}"
-        if handles:
-            self._send(Ack(handles))
-        if error is not None:
-            errors = [ItemError(item.item, error) for item in msg.items]
-            self._send(BatchFailed(msg.batch, self.rank, errors))
-            return
-        self.engine.put(NodeBatch(msg.batch, msg.walk, msg.node, items, msg.ops, msg.outputs))
-
-    def _start_regions(self, msg: StartRegions) -> None:
-        from walkserve.runtime.engine import StartRun
-        from walkserve.runtime.messages import Ack, RegionEvent, RegionEvents, RegionFailed
-
-        handles: list[Any] = []
-        failed: list[RegionEvent] = []
-        for start in msg.starts:
-            try:
-                env = self._receive(start.inputs, start.request_id, handles)
-            except Exception as e:
-                error = f"inputs of region {start.region} could not be read on rank {self.rank}"
-                failed.append(RegionFailed(start.item, f"{error}: {e}"))
-                continue
-            self.engine.put(
-                StartRun(start.item, start.request_id, start.walk, start.region, env, start.stream)
-            )
-        if handles:
-            self._send(Ack(handles))
-        if failed:
-            self._send(RegionEvents(self.rank, failed))
-
-    def _feed(self, msg: Any) -> None:
-        """Pull a fed stream's pieces from the rank that made them, then hand them on."""
-        from walkserve.runtime.engine import FeedItems
-        from walkserve.runtime.messages import Ack, RegionEvents, RegionFailed
-
-        handles: list[Any] = []
-        try:
-            env = self._receive(
-                {str(k): v for k, v in enumerate(msg.pieces)}, msg.request_id, handles
-            )
-        except Exception as e:
-            error = f"stream {msg.stream} could not be read on rank {self.rank}: {e}"
-            self._send(RegionEvents(self.rank, [RegionFailed(msg.item, error)]))
-            return
-        finally:
-            if handles:
-                self._send(Ack(handles))
-        pieces = [env[str(k)] for k in range(len(msg.pieces))]
-        self.engine.put(FeedItems(msg.item, msg.stream, pieces, msg.finished))
-
-    def _on_probe(self, msg: Any) -> None:
-        """A link measurement (``runtime.net.link``): read the value, then say so."""
-        from walkserve.runtime.messages import ProbeReply
-
-        try:
-            self.transport.receive(msg.value, "probe")
-        except Exception as e:  # the conductor's timing is off, nothing else
-            log.warning("rank %d: unreadable probe: %s", self.rank, e)
-        self._send(ProbeReply(msg.seq, self.rank))
-
-    def _on_ack(self, msg: Any) -> None:
-        from walkserve.runtime.shm import ShmError
-
-        for handle in msg.handles:
-            try:
-                self.transport.release([handle])
-            except ShmError as e:
-                log.warning("rank %d: bad ack: %s", self.rank, e)
 
 
 def _recv(sock: zmq.Socket[bytes]) -> bytes | None:
