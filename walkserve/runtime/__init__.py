@@ -43,8 +43,9 @@ Modules, by role:
                   region items: streams, feeds, credit), workitem, walkspec,
                   frames: its parts
     batcher       the batching rule of the conductor's node items (pure)
-    pool          the worker processes and sockets; poolbatches (node batches), poolregions,
-                  poolremote (remote ranks, link probes), poolsupervision, poolstate, config
+    pool          the worker processes and sockets; poolranks (a rank's start handshake and
+                  its end), poolbatches (node batches), poolregions, poolremote (remote
+                  ranks, link probes), poolsupervision, poolstate, config
     supervisor    when a silent rank is hung, restarts of dead ranks, crash loops (pure)
     worker        a worker process: sockets, setup, io thread; workerinbox: what the io
                   thread does with commands carrying values; engine: its engine loop

@@ -26,7 +26,8 @@ A reply's tensors are copied out of the worker's pool on the io thread and acked
 futures complete on the io thread (callbacks added to them should not block). Input slots are
 released when the worker acks them, and at the latest when its reply (or its death) arrives.
 
-A dead worker: its in-flight futures fail with ``WorkerDied`` naming the rank, the input slots
+A rank's start handshake (``Join`` -> ``WorkerSetup``, ``AttachPools``, ``Hello``) and its end
+are ``poolranks``'s (which ``WorkerPool`` extends). A dead worker: its in-flight futures fail with ``WorkerDied`` naming the rank, the input slots
 it held are released, its pool's segments are unlinked (a killed process cannot); the other
 ranks keep serving. Supervision (``pool.supervision``: ``poolsupervision`` acting on the
 policy of ``supervisor``, set by ``PoolConfig.supervision``): a ready rank silent past
@@ -88,13 +89,12 @@ from walkserve.runtime.messages import (
     RegionEvents,
     Shutdown,
     TPJoin,
-    WorkerSetup,
     decode,
     encode,
 )
 from walkserve.runtime.net.link import LinkModel
 from walkserve.runtime.net.remote import INLINE_ALL
-from walkserve.runtime.poolbatches import NodeBatches
+from walkserve.runtime.poolranks import RankLife
 from walkserve.runtime.poolregions import RegionTraffic
 from walkserve.runtime.poolstate import (
     GONE,
@@ -109,12 +109,10 @@ from walkserve.runtime.poolstate import (
     WorkerError,
     WorkerPoolClosed,
     WorkerStartError,
-    describe_exit,
     fail_future,
     reap,
     recv_multipart,
     sweep_stale_dirs,
-    unlink_segments,
 )
 from walkserve.runtime.poolsupervision import RankSupervision
 from walkserve.runtime.shm import (
@@ -132,7 +130,7 @@ from walkserve.runtime.worker import worker_main
 log = logging.getLogger("walkserve.pool")
 
 
-class WorkerPool(NodeBatches):
+class WorkerPool(RankLife):
     """One spawned worker process per rank (see the module docstring). ``threads``: torch
     threads per worker, default ``worker.default_threads(ranks)`` (cores // ranks, >= 1)."""
 
@@ -199,32 +197,6 @@ class WorkerPool(NodeBatches):
             raise
 
     # ------------------------------------------------------------------ start-up
-
-    def _tp_joins(self, plan: ExecutablePlan) -> dict[int, TPJoin]:
-        """The rendezvous of the plan's TP groups (a TCP store this process binds on a free
-        port of 127.0.0.1, held until ``close``) and each member rank's ``TPJoin``."""
-        from walkserve.runtime.tp.group import Rendezvous, TPGroupSpec
-
-        if self.config.remote_ranks:
-            raise ValueError("tensor-parallel groups run on this host's ranks only")
-        self._rendezvous = Rendezvous.tcp(timeout_s=self.config.start_timeout_s)
-        joins = {}
-        for group in plan.tp_groups:
-            spec = TPGroupSpec(tuple(group.ranks))
-            for rank in group.ranks:
-                device = f"cuda:{rank}" if plan.device.startswith("cuda") else "cpu"
-                setup = self._rendezvous.setup(spec, rank, device, self.config.start_timeout_s)
-                joins[rank] = TPJoin(
-                    list(setup.ranks),
-                    setup.rank,
-                    setup.store,
-                    setup.address,
-                    setup.backend,
-                    setup.device,
-                    setup.timeout_s,
-                    list(group.components),
-                )
-        return joins
 
     def _start(self, ranks: int) -> None:
         # Two ROUTERs: workers report on one (the io thread's alone) and are commanded on the
@@ -346,13 +318,6 @@ class WorkerPool(NodeBatches):
         )
         process.start()
         return process
-
-    def _start_failure(self, state: RankState) -> str:
-        if state.error is not None:
-            return state.error
-        if state.status == "dead":
-            return f"the process exited ({describe_exit(state.exitcode)})"
-        return f"no Hello within {self.config.start_timeout_s:.0f} s"
 
     # ------------------------------------------------------------------ public API
 
@@ -527,18 +492,6 @@ class WorkerPool(NodeBatches):
                 self._dispatch(frames)
             wait_ms = 2
 
-    def _send_setup(self, state: RankState, setup: bytes) -> None:
-        """Send a worker its setup once its command socket is connected (its ``Join`` came
-        over the other one, so it may not be yet)."""
-        try:
-            self._send(state, setup, now=True)
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            self._setups_due[state.rank] = setup
-        else:
-            self._setups_due.pop(state.rank, None)
-
     def _dispatch(self, frames: list[bytes]) -> None:
         state = self._by_identity.get(frames[0])
         if state is None or len(frames) != 2:
@@ -559,41 +512,6 @@ class WorkerPool(NodeBatches):
             return
         handler(state, msg)
 
-    def _on_join(self, state: RankState, msg: Join) -> None:
-        if state.rank in self.config.remote_ranks and self._remote_joined(state, msg):
-            return  # a Join it sent again before its setup reached it (``rejoin``)
-        if msg.pid != state.process.pid:
-            log.warning("rank %d: Join from pid %d, expected %s", state.rank, msg.pid, state.pid)
-            return
-        model, seed, ir, plan = self._model
-        remote = state.rank in self.config.remote_ranks
-        data = self.remote_data(state.rank) if remote else "shm"
-        speculate, limit = self._scheduling
-        setup = WorkerSetup(
-            model,
-            seed,
-            ir,
-            plan,
-            state.rank,
-            self._shm.spec,
-            data,
-            speculate,
-            limit,
-            self._peers(),
-            self.hold,
-            tp=self._tp.get(state.rank),
-        )
-        self._send_setup(state, encode(setup))
-
-    def _peers(self) -> dict[int, str]:
-        """Every rank's peer socket, when all ranks share this host and its private
-        directory (else none: values then travel through this process)."""
-        from walkserve.runtime.peers import peer_address
-
-        if self._tmpdir is None or self.config.remote_ranks:
-            return {}
-        return {r: peer_address(self._tmpdir, r) for r in self._ranks}
-
     def _on_heartbeat(self, state: RankState, msg: Heartbeat) -> None:
         state.kv = list(msg.kv)
 
@@ -601,102 +519,6 @@ class WorkerPool(NodeBatches):
         """Every rank's paged KV pools, as of its last heartbeat (``heartbeat_s`` old at most)."""
         with self._lock:
             return {rank: list(s.kv) for rank, s in sorted(self._ranks.items())}
-
-    def _on_attach(self, state: RankState, msg: AttachPools) -> None:
-        if len(msg.pools) != 1 or state.spec is not None:
-            log.warning("rank %d: unexpected AttachPools", state.rank)
-            return
-        state.spec = msg.pools[0]
-        self._reader.add(state.spec)
-
-    def _on_hello(self, state: RankState, msg: Hello) -> None:
-        if msg.pid != state.process.pid or state.spec is None:
-            log.warning("rank %d: unexpected Hello", state.rank)
-            return
-        with self._send_lock:  # what waited for a restarted rank goes first, in order
-            with self._lock:
-                state.status = "ready"
-                if state.generation > 0:
-                    state.error = None
-            backlog, state.backlog = state.backlog, []
-            for data in backlog:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._commands.send_multipart([state.identity, data], zmq.NOBLOCK)
-        if state.generation > 0:
-            log.warning(
-                "worker rank %d is back (pid %s, restart %d, %d commands waited)",
-                state.rank,
-                state.pid,
-                state.generation,
-                len(backlog),
-            )
-        state.settled.set()
-
-    def _on_fatal(self, state: RankState, msg: Fatal) -> None:
-        state.error = msg.error
-        log.error("worker rank %d: %s", state.rank, msg.error)
-
-    def _on_exit(self, state: RankState, closing: bool) -> None:
-        """A worker process ended (or the pool closed): settle its state, free what it held,
-        then fail its batches (so that whoever sees the failure finds everything released)."""
-        if state.status in GONE:
-            return
-        if state.status == "restarting":  # no process: the pool closed before its restart
-            with self._lock:
-                state.status = "closed"
-            self.supervision.fail_waiting(
-                state, f"the pool closed while rank {state.rank} restarted"
-            )
-            return
-        reap(state.process, 5.0)  # no zombie
-        with self._send_lock, self._lock:
-            if state.status in GONE:
-                return
-            state.exitcode = state.process.exitcode
-            clean = closing and state.exitcode == 0
-            state.status = "closed" if clean else "dead"
-            if not clean:
-                exit_ = describe_exit(state.exitcode)
-                killed = None if state.hung is None else f"killed: it {state.hung}"
-                state.error = killed or state.error or f"the process exited ({exit_})"
-            mine = [b for b, p in self._pending.items() if p.rank == state.rank]
-            state.backlog.clear()  # their batches fail below
-        died = f"died ({describe_exit(state.exitcode)})"
-        if state.hung is not None:
-            died = f"was killed: it {state.hung}"
-        if not clean:
-            log.error("worker rank %d %s", state.rank, died)
-            if state.spec is not None and state.rank not in self.config.remote_ranks:
-                unlink_segments(state.spec)
-        for batch in mine:
-            pending = self._take(batch)
-            if pending is None:
-                continue
-            what = f"batch {batch} ({pending.walk}:{pending.node})"
-            if clean:
-                error: WorkerError = WorkerPoolClosed(
-                    f"the pool closed with {what} in flight on rank {state.rank}", state.rank
-                )
-            else:
-                error = WorkerDied(
-                    f"worker rank {state.rank} (pid {state.pid}) {died} with {what} in flight",
-                    state.rank,
-                )
-            fail_future(pending.future, error)
-        if clean:
-            self.regions.fail_rank(
-                state.rank, f"the pool closed with region runs on rank {state.rank}"
-            )
-        else:
-            self.regions.fail_rank(state.rank, f"worker rank {state.rank} (pid {state.pid}) {died}")
-        state.settled.set()
-        if (
-            not clean
-            and not closing
-            and self._serving
-            and state.rank not in self.config.remote_ranks
-        ):
-            self.supervision.after_death(state)
 
 
 __all__ = [
