@@ -3,7 +3,8 @@ Qwen2.5-Omni served by ``walkserve serve``: images (data URLs) and audio clips (
 alone and together in one message, each reply equal to upstream ``thinker.generate()``
 (greedy) on the inputs upstream's ``Qwen2_5OmniProcessor`` makes of the same media (decoded
 as the server decodes them: Pillow, PyAV); audio out with media, video and clips past the
-processor's 30 s are 400s naming the field."""
+processor's 30 s are 400s naming the field. ``/v1/audio/transcriptions`` of a clip equals
+upstream's greedy reply to the transcription turn with that clip (json, text, streamed)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 openai = pytest.importorskip("openai")
 
 from walkserve.adapters import qwen25_omni as q  # noqa: E402
+from walkserve.adapters.omni_transcribe import instruction  # noqa: E402
 from walkserve.api import audiocodec  # noqa: E402
 
 MODEL = "walkserve.adapters.qwen25_omni:tiny"
@@ -170,3 +172,30 @@ def test_refusals_name_the_field(client: Any) -> None:
             max_tokens=2,
         )
     assert e.value.body["param"] == "messages[0].content[0].input_audio.data"
+
+
+def test_transcription_equals_upstream_generate(client: Any, reference: Any) -> None:
+    """The reply to ``AUDIO`` + the instruction (language, prompt in it) at the route's limit
+    (the tiny profile's 64 tokens)."""
+    clip = audiocodec.encode(CLIP[:24000], "flac", 16000)
+    want, prompt = expected(reference, AUDIO + instruction(None, "hello"), [], [clip], 64)
+    assert want
+    got = client.audio.transcriptions.create(
+        model=MODEL, file=("clip.flac", clip, "audio/flac"), prompt="hello"
+    )
+    assert got.text == want and got.usage.input_tokens == prompt
+    text = client.audio.transcriptions.create(
+        model=MODEL, file=("clip.flac", clip), prompt="hello", response_format="text"
+    )
+    assert text == want
+    german, _ = expected(reference, AUDIO + instruction("de", None), [], [clip], 64)
+    assert german != want  # the instruction is read
+    stream = client.audio.transcriptions.create(
+        model=MODEL, file=("clip.flac", clip), language="de", stream=True
+    )
+    *deltas, done = list(stream)
+    assert {e.type for e in deltas} == {"transcript.text.delta"} and len(deltas) > 1
+    assert "".join(e.delta for e in deltas) == german and done.text == german
+    long = audiocodec.encode(torch.zeros(16000 * 31), "flac", 16000)
+    with pytest.raises(openai.BadRequestError, match=r"longer than the limit of 30 s"):
+        client.audio.transcriptions.create(model=MODEL, file=("long.flac", long))

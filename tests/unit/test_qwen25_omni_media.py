@@ -2,7 +2,8 @@
 ``chat_media`` / ``chat_image`` / ``chat_audio`` walks (reference interpreter) equal upstream
 ``thinker.generate()`` (greedy) token for token on the inputs upstream's own
 ``Qwen2_5OmniProcessor`` makes of the same images and clips (several of each in one prompt);
-the served profile makes those same inputs and placeholders; images move the rotary positions
+the served profile makes those same inputs and placeholders, for chat and for
+``/v1/audio/transcriptions`` (whose reply is upstream's greedy one); images move the rotary positions
 (upstream's ``rope_deltas``), which the walks carry per request, so requests with different
 media run together on the lowered, batched callables; a prompt whose placeholders do not
 match its media is refused."""
@@ -155,6 +156,36 @@ def test_the_profile_makes_the_processors_inputs(processor: Any) -> None:
     ids = profile.text.encode(chat("")) if profile.text else []
     user = [t for i, a in zip(image_ids, audio_ids) for t in (*i, *a)]
     assert [*ids[:3], *user, *ids[3:]] == want["input_ids"][0].tolist()
+
+
+def test_the_transcription_inputs_are_the_processors_and_its_reply_upstreams(
+    tiny: Any, processor: Any
+) -> None:
+    """``with_qwen25_transcription``: an uploaded clip becomes the input ids, features
+    (padded to 30 s) and frame mask upstream's processor makes of the decoded clip in the
+    same turn, and the ``chat_audio`` walk's reply on them is upstream ``generate()``'s."""
+    from walkserve.adapters.omni_transcribe import instruction
+    from walkserve.api import audiocodec
+    from walkserve.api.routes.transcriptions import clip_inputs
+
+    walks, captured = tiny
+    task = q.tiny_profile("m").transcription
+    assert task is not None and task.walk == "chat_audio" and task.max_audio_seconds == 30.0
+    upload = audiocodec.encode(torch.from_numpy(clip(20000, 9.0)), "flac", 16000)
+    inputs, ids, seconds = clip_inputs(task, upload, "de", "abc")
+    assert seconds == pytest.approx(1.25)
+    decoded = audiocodec.decode(upload, 16000, 30.0).numpy()
+    want = processor(
+        text=[chat(AUDIO + instruction("de", "abc"))], audio=[decoded], return_tensors="pt"
+    )
+    assert inputs["input_features"].shape[-1] == 3000  # padding="max_length", as upstream's
+    for key in ("input_ids", "input_features", "feature_attention_mask"):
+        assert torch.equal(inputs[key], want[key]), key
+    assert ids == want["input_ids"][0].tolist()
+    r = {k: v for k, v in want.items() if k != "attention_mask"} | {"max_new_tokens": 12}
+    expected = upstream(walks, r)
+    assert len(expected) > 2
+    assert reply(walks, captured.run(r, walk=task.walk), 12) == expected
 
 
 def test_requests_with_different_media_run_together(tiny: Any, processor: Any) -> None:
