@@ -2,9 +2,10 @@
 Qwen2.5-Omni served by ``walkserve serve``: images (data URLs) and audio clips (input_audio)
 alone and together in one message, each reply equal to upstream ``thinker.generate()``
 (greedy) on the inputs upstream's ``Qwen2_5OmniProcessor`` makes of the same media (decoded
-as the server decodes them: Pillow, PyAV); audio out with media, video and clips past the
-processor's 30 s are 400s naming the field. ``/v1/audio/transcriptions`` of a clip equals
-upstream's greedy reply to the transcription turn with that clip (json, text, streamed)."""
+as the server decodes them: Pillow, PyAV); audio out with media speaks upstream's text; video
+and clips past the processor's 30 s are 400s naming the field. ``/v1/audio/transcriptions``
+of a clip equals upstream's greedy reply to the transcription turn with that clip (json,
+text, streamed)."""
 
 from __future__ import annotations
 
@@ -143,21 +144,30 @@ def test_an_image_alone_and_clips_alone_equal_upstream_generate(
     assert reply.choices[0].message.content == want
 
 
-def test_refusals_name_the_field(client: Any) -> None:
+def test_audio_out_with_media_speaks_upstreams_text(client: Any, reference: Any) -> None:
+    """Audio out with an image or a clip (``speak_image`` / ``speak_audio``; their codes and
+    waveform against upstream's are the unit tests'): the transcript is upstream's greedy
+    text and a WAV comes back."""
     png = picture("PNG", (30, 20))
     clip = audiocodec.encode(CLIP[:8000], "wav", 16000)
-    for part in (image_part(png), audio_part(clip, "wav")):
-        with pytest.raises(
-            openai.BadRequestError, match=r"cannot answer .* with audio output"
-        ) as e:
-            client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, part]}],
-                modalities=["text", "audio"],
-                audio={"voice": "Chelsie", "format": "wav"},
-                max_tokens=4,
-            )
-        assert e.value.body["param"] == "messages[0].content[1]"
+    for part, tag, images, clips in (
+        (image_part(png), IMAGE, [png], []),
+        (audio_part(clip, "wav"), AUDIO, [], [clip]),
+    ):
+        want, _ = expected(reference, f"Hi{tag}", images, clips, 4)
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, part]}],
+            modalities=["text", "audio"],
+            audio={"voice": "Chelsie", "format": "wav"},
+            max_tokens=4,
+        )
+        audio = reply.choices[0].message.audio
+        assert audio.transcript == want, tag
+        assert base64.b64decode(audio.data)[:4] == b"RIFF"
+
+
+def test_refusals_name_the_field(client: Any) -> None:
     video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
     with pytest.raises(openai.BadRequestError, match=r"takes no video") as e:
         client.chat.completions.create(

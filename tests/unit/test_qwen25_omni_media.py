@@ -6,7 +6,9 @@ the served profile makes those same inputs and placeholders, for chat and for
 ``/v1/audio/transcriptions`` (whose reply is upstream's greedy one); images move the rotary positions
 (upstream's ``rope_deltas``), which the walks carry per request, so requests with different
 media run together on the lowered, batched callables; a prompt whose placeholders do not
-match its media is refused."""
+match its media is refused. The ``speak_*`` walks (``tiny_audible``: a waveform that is not
+all but zero) equal upstream ``generate()`` in text, talker codes and waveform
+(``upstream_speech``, its talker spared ``pixel_values``)."""
 
 from __future__ import annotations
 
@@ -138,8 +140,8 @@ def test_the_profile_makes_the_processors_inputs(processor: Any) -> None:
     profile = q.tiny_profile("m")
     task = profile.chat_media
     assert task is not None and task.audio is not None and task.image is not None
-    assert task.mixed_walk == "chat_media" and task.audio.speak_walk is None
-    assert task.image.speak_walk is None and task.mixed_speak_walk is None
+    assert task.mixed_walk == "chat_media" and task.audio.speak_walk == "speak_audio"
+    assert task.image.speak_walk == "speak_image" and task.mixed_speak_walk == "speak_media"
     assert task.max_audio_seconds == 30.0  # the extractor's chunk: upstream cuts longer clips
     _, images, clips, _, _ = CASES[1]
     audio, audio_ids = task.audio.inputs([torch.from_numpy(clip(*c)) for c in clips])
@@ -186,6 +188,25 @@ def test_the_transcription_inputs_are_the_processors_and_its_reply_upstreams(
     expected = upstream(walks, r)
     assert len(expected) > 2
     assert reply(walks, captured.run(r, walk=task.walk), 12) == expected
+
+
+@pytest.mark.parametrize("index", [1, 2, 3], ids=["speak_media", "speak_audio", "speak_image"])
+def test_speak_walks_equal_upstream_generate(processor: Any, index: int) -> None:
+    """Audio out with media: the thinker's text, the talker's codes and token2wav's waveform
+    (under the request's seed) equal upstream ``generate()``'s (greedy) on the processor's
+    inputs."""
+    walks, sample = q.tiny_audible()
+    captured = capture.trace(walks, sample)
+    case = CASES[index]
+    walk = case[3].replace("chat_", "speak_")
+    r = processed(processor, case) | {"max_audio_tokens": 30, "text_bos_id": q.TINY_SPEAKER_BOS}
+    r["seed"] = 3
+    text, codes, waveform = q.upstream_speech(walks, r, seed=3)
+    got = captured.run(r, walk=walk)
+    assert reply(walks, got, r["max_new_tokens"]) == text[0].tolist()
+    assert torch.cat([got["first_code"], got["codes"]], 1).tolist() == codes.tolist()
+    assert codes.shape[1] > 2 and waveform.abs().max() > 0.1
+    assert torch.equal(got["waveform"].reshape(-1), waveform)
 
 
 def test_requests_with_different_media_run_together(tiny: Any, processor: Any) -> None:

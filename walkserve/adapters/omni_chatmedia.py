@@ -174,10 +174,11 @@ def with_chat_media(
     image: MediaWalk | None,
     sample_rate: int,
     max_audio_seconds: float,
+    mixed_speak_walk: str | None = None,
 ) -> ModelProfile:
     """``profile`` whose chat takes the media of ``audio`` / ``image`` (None: that kind is a
     400), up to ``MAX_PARTS`` per request, both kinds in one request through ``chat_media``
-    (text out); ``profile`` unchanged with neither."""
+    (``mixed_speak_walk`` for audio out; None: a 400); ``profile`` unchanged with neither."""
     if audio is None and image is None:
         return profile
     task = ChatMediaTask(
@@ -187,5 +188,6 @@ def with_chat_media(
         max_audio_seconds=max_audio_seconds,
         max_parts=MAX_PARTS,
         mixed_walk="chat_media" if audio is not None and image is not None else None,
+        mixed_speak_walk=mixed_speak_walk if audio is not None and image is not None else None,
     )
     return dataclasses.replace(profile, chat_media=task)

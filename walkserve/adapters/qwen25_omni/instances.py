@@ -161,14 +161,23 @@ def tiny(seed: int = 0) -> tuple[Qwen25OmniWalks, dict[str, Any]]:
 def upstream_speech(
     walks: Qwen25OmniWalks, request: Mapping[str, Any], seed: int, speaker: str = "Chelsie"
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The reference for a ``speak`` request: greedy upstream ``generate()`` after
-    ``torch.manual_seed(seed)`` -> (new text tokens [1, n], talker tokens [1, m], waveform
-    [samples])."""
+    """The reference for a ``speak`` request, or a ``speak_audio`` / ``speak_image`` /
+    ``speak_media`` one (its media inputs, ``media_walks.MEDIA_INPUTS``, go to ``generate()``
+    too): greedy upstream ``generate()`` after ``torch.manual_seed(seed)`` -> (new text tokens
+    [1, n], talker tokens [1, m], waveform [samples]). ``generate()`` hands the talker every
+    input it does not route to the thinker, ``pixel_values`` among them, which the talker's
+    forward cannot take (transformers 5.24): the spy on ``talker.generate`` drops it (the
+    talker reads none of the media: ``generate()`` drops its all-ones attention mask, so it
+    computes no rotary positions from the grids)."""
+    from walkserve.adapters.qwen25_omni.media_walks import MEDIA_INPUTS
+
     model: Any = walks.upstream
     seen: dict[str, Tensor] = {}
     talker_generate = model.talker.generate
+    media = {k: request[k] for k in MEDIA_INPUTS if k in request}
 
     def spy(*args: Any, **kwargs: Any) -> Tensor:
+        kwargs.pop("pixel_values", None)
         seen["codes"] = out = talker_generate(*args, **kwargs)
         return out
 
@@ -185,6 +194,7 @@ def upstream_speech(
             talker_do_sample=False,
             talker_repetition_penalty=1.0,
             talker_eos_token_id=list(walks.codec_eos),
+            **media,
         )
     finally:
         del model.talker.generate

@@ -1,6 +1,6 @@
 """Qwen2.5-Omni's HTTP profiles: ``/v1/chat/completions`` text and audio, ``/v1/audio/speech``
 (see ``adapters.omni_http``; text chat runs ``speak`` with a one-code talker), chat with
-audio clips and images (``with_qwen25_chat_media``: the media walks, text out) and
+audio clips and images (``with_qwen25_chat_media``: the media walks, text or audio out) and
 ``/v1/audio/transcriptions`` (``with_qwen25_transcription``: the ``chat_audio`` walk), the
 tiny model's and a local checkpoint's."""
 
@@ -170,7 +170,7 @@ def with_qwen25_chat_media(
     processor), made into walk inputs as upstream's ``Qwen2_5OmniProcessor`` makes them: the
     clips through the extractor at once, padded to its 30 s (``padding="max_length"``; longer
     clips are refused, as the processor would cut them), each image through the image
-    processor. Text out only (the media walks have no ``speak_*``: audio out is a 400);
+    processor; audio out through ``speak_audio`` / ``speak_image`` / ``speak_media``.
     ``thinker`` the model's ``thinker_config``."""
     from walkserve.adapters.omni_chatmedia import audio_inputs, image_inputs, with_chat_media
     from walkserve.api.profile import MediaWalk
@@ -183,17 +183,19 @@ def with_qwen25_chat_media(
             int(thinker.audio_end_token_id),
         )
         clips = audio_inputs(extractor, *placeholders, audio_token_count, padding="max_length")
-        audio = MediaWalk("chat_audio", clips)
+        audio = MediaWalk("chat_audio", clips, speak_walk="speak_audio")
     if image_processor is not None:
         placeholders = (
             int(thinker.vision_start_token_id),
             int(thinker.image_token_index),
             int(thinker.vision_end_token_id),
         )
-        image = MediaWalk("chat_image", image_inputs(image_processor, *placeholders))
+        image = MediaWalk(
+            "chat_image", image_inputs(image_processor, *placeholders), speak_walk="speak_image"
+        )
     rate = int(extractor.sampling_rate) if extractor is not None else 16000
     seconds = float(extractor.chunk_length) if extractor is not None else 30.0
-    return with_chat_media(profile, audio, image, rate, seconds)
+    return with_chat_media(profile, audio, image, rate, seconds, mixed_speak_walk="speak_media")
 
 
 AUDIBLE_GAIN = 4e6  # the random token2wav's waveform peaks near 1.2e-7: under one pcm16 step
