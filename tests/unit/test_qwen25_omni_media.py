@@ -201,7 +201,22 @@ def test_speak_walks_equal_upstream_generate(processor: Any, index: int) -> None
     walk = case[3].replace("chat_", "speak_")
     r = processed(processor, case) | {"max_audio_tokens": 30, "text_bos_id": q.TINY_SPEAKER_BOS}
     r["seed"] = 3
+    talker, given = walks.upstream.talker, {}
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        given.update(kwargs)
+        return type(talker).generate(talker, *args, **kwargs)
+
+    talker.generate = record  # upstream_speech spies on it, then deletes it
     text, codes, waveform = q.upstream_speech(walks, r, seed=3)
+    # The talker's prompt term (the greedy codes of the tiny talker do not show it): last
+    # hidden state + input embedding, zero on the media's placeholder rows, as upstream's.
+    media = {k: r[k] for k in q.MEDIA_INPUTS if k in r}
+    with torch.no_grad():
+        _, parts = walks._think(r["input_ids"], r["max_new_tokens"], media, (0.0, 1.0, 0, 0), True)
+    assert parts is not None
+    prompt = r["input_ids"].shape[1]
+    torch.testing.assert_close(parts[0], given["inputs_embeds"][:, :prompt], rtol=0, atol=1e-5)
     got = captured.run(r, walk=walk)
     assert reply(walks, got, r["max_new_tokens"]) == text[0].tolist()
     assert torch.cat([got["first_code"], got["codes"]], 1).tolist() == codes.tolist()
