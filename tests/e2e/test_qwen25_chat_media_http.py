@@ -2,7 +2,7 @@
 Qwen2.5-Omni served by ``walkserve serve``: images (data URLs) and audio clips (input_audio)
 alone and together in one message, each reply equal to upstream ``thinker.generate()``
 (greedy) on the inputs upstream's ``Qwen2_5OmniProcessor`` makes of the same media (decoded
-as the server decodes them: Pillow, PyAV); audio out with media speaks upstream's text; video
+as the server decodes them: Pillow, PyAV); audio out with media equals upstream ``generate()``'s (pcm16); video
 and clips past the processor's 30 s are 400s naming the field. ``/v1/audio/transcriptions``
 of a clip equals upstream's greedy reply to the transcription turn with that clip (json,
 text, streamed)."""
@@ -25,7 +25,7 @@ from walkserve.adapters import qwen25_omni as q  # noqa: E402
 from walkserve.adapters.omni_transcribe import instruction  # noqa: E402
 from walkserve.api import audiocodec  # noqa: E402
 
-MODEL = "walkserve.adapters.qwen25_omni:tiny"
+MODEL = "walkserve.adapters.qwen25_omni:tiny_audible"  # its waveform survives pcm16
 IMAGE = "<|vision_bos|><|IMAGE|><|vision_eos|>"
 AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 CLIP = torch.sin(torch.arange(32000) / 11.0) * 0.3  # 2 s at 16 kHz
@@ -46,7 +46,7 @@ def client(server: Any) -> Any:
 def reference() -> tuple[Any, Any]:
     """The tiny model's upstream thinker (the server's weights: the same seed) and
     upstream's processor for the tiny config."""
-    return q.tiny()[0], q.tiny_processor()
+    return q.tiny_audible()[0], q.tiny_processor()
 
 
 def picture(fmt: str, size: tuple[int, int], seed: int = 5) -> bytes:
@@ -144,10 +144,15 @@ def test_an_image_alone_and_clips_alone_equal_upstream_generate(
     assert reply.choices[0].message.content == want
 
 
-def test_audio_out_with_media_speaks_upstreams_text(client: Any, reference: Any) -> None:
-    """Audio out with an image or a clip (``speak_image`` / ``speak_audio``; their codes and
-    waveform against upstream's are the unit tests'): the transcript is upstream's greedy
-    text and a WAV comes back."""
+def test_audio_out_with_media_equals_upstream_generate(client: Any, reference: Any) -> None:
+    """Audio out with an image or a clip (``speak_image`` / ``speak_audio``): the transcript
+    and the pcm16 samples are upstream ``generate()``'s (greedy, seed 0; its talker spared
+    ``pixel_values``: ``upstream_speech``) on the processor's inputs, within one LSB."""
+    from PIL import Image
+
+    from walkserve.adapters import omni_http
+
+    walks, processor = reference
     png = picture("PNG", (30, 20))
     clip = audiocodec.encode(CLIP[:8000], "wav", 16000)
     for part, tag, images, clips in (
@@ -155,16 +160,31 @@ def test_audio_out_with_media_speaks_upstreams_text(client: Any, reference: Any)
         (audio_part(clip, "wav"), AUDIO, [], [clip]),
     ):
         want, _ = expected(reference, f"Hi{tag}", images, clips, 4)
+        text = f"<|im_start|>user\nHi{tag}<|im_end|>\n<|im_start|>assistant\n"
+        r = dict(
+            processor(
+                text=[text],
+                images=[np.asarray(Image.open(io.BytesIO(d)).convert("RGB")) for d in images]
+                or None,
+                audio=[audiocodec.decode(c, 16000, 30.0).numpy() for c in clips] or None,
+                return_tensors="pt",
+            )
+        )
+        r |= {"max_new_tokens": 4, "max_audio_tokens": omni_http.TINY_LIMITS.chat_audio_tokens}
+        _, _, waveform = q.upstream_speech(walks, r, seed=0)
         reply = client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, part]}],
             modalities=["text", "audio"],
-            audio={"voice": "Chelsie", "format": "wav"},
+            audio={"voice": "Chelsie", "format": "pcm16"},
             max_tokens=4,
         )
         audio = reply.choices[0].message.audio
         assert audio.transcript == want, tag
-        assert base64.b64decode(audio.data)[:4] == b"RIFF"
+        got = torch.frombuffer(bytearray(base64.b64decode(audio.data)), dtype=torch.int16)
+        pcm = (waveform.clamp(-1.0, 1.0) * 32767.0).round().to(torch.int32)
+        assert got.shape == pcm.shape and pcm.abs().max() > 1000, tag  # audible
+        assert (got.to(torch.int32) - pcm).abs().max() <= 1, tag  # rounding may flip one LSB
 
 
 def test_refusals_name_the_field(client: Any) -> None:
