@@ -155,9 +155,9 @@ def test_audio_out_with_media_equals_upstream_generate(client: Any, reference: A
     walks, processor = reference
     png = picture("PNG", (30, 20))
     clip = audiocodec.encode(CLIP[:8000], "wav", 16000)
-    for part, tag, images, clips in (
-        (image_part(png), IMAGE, [png], []),
-        (audio_part(clip, "wav"), AUDIO, [], [clip]),
+    for part, tag, images, clips, walk in (
+        (image_part(png), IMAGE, [png], [], "speak_image"),
+        (audio_part(clip, "wav"), AUDIO, [], [clip], "speak_audio"),
     ):
         want, _ = expected(reference, f"Hi{tag}", images, clips, 4)
         text = f"<|im_start|>user\nHi{tag}<|im_end|>\n<|im_start|>assistant\n"
@@ -171,7 +171,7 @@ def test_audio_out_with_media_equals_upstream_generate(client: Any, reference: A
             )
         )
         r |= {"max_new_tokens": 4, "max_audio_tokens": omni_http.TINY_LIMITS.chat_audio_tokens}
-        _, _, waveform = q.upstream_speech(walks, r, seed=0)
+        _, _, waveform = q.upstream_speech(walks, r, seed=0, walk=walk)
         reply = client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, part]}],

@@ -208,7 +208,7 @@ def test_speak_walks_equal_upstream_generate(processor: Any, index: int) -> None
         return type(talker).generate(talker, *args, **kwargs)
 
     talker.generate = record  # upstream_speech spies on it, then deletes it
-    text, codes, waveform = q.upstream_speech(walks, r, seed=3)
+    text, codes, waveform = q.upstream_speech(walks, r, seed=3, walk=walk)
     # The talker's prompt term (the greedy codes of the tiny talker do not show it): last
     # hidden state + input embedding, zero on the media's placeholder rows, as upstream's.
     media = {k: r[k] for k in q.MEDIA_INPUTS if k in r}
