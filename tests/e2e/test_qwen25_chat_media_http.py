@@ -2,8 +2,10 @@
 Qwen2.5-Omni served by ``walkserve serve``: images (data URLs) and audio clips (input_audio)
 alone and together in one message, each reply equal to upstream ``thinker.generate()``
 (greedy) on the inputs upstream's ``Qwen2_5OmniProcessor`` makes of the same media (decoded
-as the server decodes them: Pillow, PyAV); audio out with media, video and clips past the
-processor's 30 s are 400s naming the field."""
+as the server decodes them: Pillow, PyAV); audio out with media equals upstream ``generate()``'s (pcm16); video
+and clips past the processor's 30 s are 400s naming the field. ``/v1/audio/transcriptions``
+of a clip equals upstream's greedy reply to the transcription turn with that clip (json,
+text, streamed)."""
 
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ import torch
 openai = pytest.importorskip("openai")
 
 from walkserve.adapters import qwen25_omni as q  # noqa: E402
+from walkserve.adapters.omni_transcribe import instruction  # noqa: E402
 from walkserve.api import audiocodec  # noqa: E402
 
-MODEL = "walkserve.adapters.qwen25_omni:tiny"
+MODEL = "walkserve.adapters.qwen25_omni:tiny_audible"  # its waveform survives pcm16
 IMAGE = "<|vision_bos|><|IMAGE|><|vision_eos|>"
 AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 CLIP = torch.sin(torch.arange(32000) / 11.0) * 0.3  # 2 s at 16 kHz
@@ -43,7 +46,7 @@ def client(server: Any) -> Any:
 def reference() -> tuple[Any, Any]:
     """The tiny model's upstream thinker (the server's weights: the same seed) and
     upstream's processor for the tiny config."""
-    return q.tiny()[0], q.tiny_processor()
+    return q.tiny_audible()[0], q.tiny_processor()
 
 
 def picture(fmt: str, size: tuple[int, int], seed: int = 5) -> bytes:
@@ -141,21 +144,50 @@ def test_an_image_alone_and_clips_alone_equal_upstream_generate(
     assert reply.choices[0].message.content == want
 
 
-def test_refusals_name_the_field(client: Any) -> None:
+def test_audio_out_with_media_equals_upstream_generate(client: Any, reference: Any) -> None:
+    """Audio out with an image or a clip (``speak_image`` / ``speak_audio``): the transcript
+    and the pcm16 samples are upstream ``generate()``'s (greedy, seed 0; its talker spared
+    ``pixel_values``: ``upstream_speech``) on the processor's inputs, within one LSB."""
+    from PIL import Image
+
+    from walkserve.adapters import omni_http
+
+    walks, processor = reference
     png = picture("PNG", (30, 20))
     clip = audiocodec.encode(CLIP[:8000], "wav", 16000)
-    for part in (image_part(png), audio_part(clip, "wav")):
-        with pytest.raises(
-            openai.BadRequestError, match=r"cannot answer .* with audio output"
-        ) as e:
-            client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, part]}],
-                modalities=["text", "audio"],
-                audio={"voice": "Chelsie", "format": "wav"},
-                max_tokens=4,
+    for part, tag, images, clips, walk in (
+        (image_part(png), IMAGE, [png], [], "speak_image"),
+        (audio_part(clip, "wav"), AUDIO, [], [clip], "speak_audio"),
+    ):
+        want, _ = expected(reference, f"Hi{tag}", images, clips, 4)
+        text = f"<|im_start|>user\nHi{tag}<|im_end|>\n<|im_start|>assistant\n"
+        r = dict(
+            processor(
+                text=[text],
+                images=[np.asarray(Image.open(io.BytesIO(d)).convert("RGB")) for d in images]
+                or None,
+                audio=[audiocodec.decode(c, 16000, 30.0).numpy() for c in clips] or None,
+                return_tensors="pt",
             )
-        assert e.value.body["param"] == "messages[0].content[1]"
+        )
+        r |= {"max_new_tokens": 4, "max_audio_tokens": omni_http.TINY_LIMITS.chat_audio_tokens}
+        _, _, waveform = q.upstream_speech(walks, r, seed=0, walk=walk)
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, part]}],
+            modalities=["text", "audio"],
+            audio={"voice": "Chelsie", "format": "pcm16"},
+            max_tokens=4,
+        )
+        audio = reply.choices[0].message.audio
+        assert audio.transcript == want, tag
+        got = torch.frombuffer(bytearray(base64.b64decode(audio.data)), dtype=torch.int16)
+        pcm = (waveform.clamp(-1.0, 1.0) * 32767.0).round().to(torch.int32)
+        assert got.shape == pcm.shape and pcm.abs().max() > 1000, tag  # audible
+        assert (got.to(torch.int32) - pcm).abs().max() <= 1, tag  # rounding may flip one LSB
+
+
+def test_refusals_name_the_field(client: Any) -> None:
     video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
     with pytest.raises(openai.BadRequestError, match=r"takes no video") as e:
         client.chat.completions.create(
@@ -170,3 +202,30 @@ def test_refusals_name_the_field(client: Any) -> None:
             max_tokens=2,
         )
     assert e.value.body["param"] == "messages[0].content[0].input_audio.data"
+
+
+def test_transcription_equals_upstream_generate(client: Any, reference: Any) -> None:
+    """The reply to ``AUDIO`` + the instruction (language, prompt in it) at the route's limit
+    (the tiny profile's 64 tokens)."""
+    clip = audiocodec.encode(CLIP[:24000], "flac", 16000)
+    want, prompt = expected(reference, AUDIO + instruction(None, "hello"), [], [clip], 64)
+    assert want
+    got = client.audio.transcriptions.create(
+        model=MODEL, file=("clip.flac", clip, "audio/flac"), prompt="hello"
+    )
+    assert got.text == want and got.usage.input_tokens == prompt
+    text = client.audio.transcriptions.create(
+        model=MODEL, file=("clip.flac", clip), prompt="hello", response_format="text"
+    )
+    assert text == want
+    german, _ = expected(reference, AUDIO + instruction("de", None), [], [clip], 64)
+    assert german != want  # the instruction is read
+    stream = client.audio.transcriptions.create(
+        model=MODEL, file=("clip.flac", clip), language="de", stream=True
+    )
+    *deltas, done = list(stream)
+    assert {e.type for e in deltas} == {"transcript.text.delta"} and len(deltas) > 1
+    assert "".join(e.delta for e in deltas) == german and done.text == german
+    long = audiocodec.encode(torch.zeros(16000 * 31), "flac", 16000)
+    with pytest.raises(openai.BadRequestError, match=r"longer than the limit of 30 s"):
+        client.audio.transcriptions.create(model=MODEL, file=("long.flac", long))

@@ -2,10 +2,13 @@
 ``chat_media`` / ``chat_image`` / ``chat_audio`` walks (reference interpreter) equal upstream
 ``thinker.generate()`` (greedy) token for token on the inputs upstream's own
 ``Qwen2_5OmniProcessor`` makes of the same images and clips (several of each in one prompt);
-the served profile makes those same inputs and placeholders; images move the rotary positions
+the served profile makes those same inputs and placeholders, for chat and for
+``/v1/audio/transcriptions`` (whose reply is upstream's greedy one); images move the rotary positions
 (upstream's ``rope_deltas``), which the walks carry per request, so requests with different
 media run together on the lowered, batched callables; a prompt whose placeholders do not
-match its media is refused."""
+match its media is refused. The ``speak_*`` walks (``tiny_audible``: a waveform that is not
+all but zero) equal upstream ``generate()`` in text, talker codes and waveform
+(``upstream_speech``, its talker spared ``pixel_values``)."""
 
 from __future__ import annotations
 
@@ -137,8 +140,8 @@ def test_the_profile_makes_the_processors_inputs(processor: Any) -> None:
     profile = q.tiny_profile("m")
     task = profile.chat_media
     assert task is not None and task.audio is not None and task.image is not None
-    assert task.mixed_walk == "chat_media" and task.audio.speak_walk is None
-    assert task.image.speak_walk is None and task.mixed_speak_walk is None
+    assert task.mixed_walk == "chat_media" and task.audio.speak_walk == "speak_audio"
+    assert task.image.speak_walk == "speak_image" and task.mixed_speak_walk == "speak_media"
     assert task.max_audio_seconds == 30.0  # the extractor's chunk: upstream cuts longer clips
     _, images, clips, _, _ = CASES[1]
     audio, audio_ids = task.audio.inputs([torch.from_numpy(clip(*c)) for c in clips])
@@ -155,6 +158,70 @@ def test_the_profile_makes_the_processors_inputs(processor: Any) -> None:
     ids = profile.text.encode(chat("")) if profile.text else []
     user = [t for i, a in zip(image_ids, audio_ids) for t in (*i, *a)]
     assert [*ids[:3], *user, *ids[3:]] == want["input_ids"][0].tolist()
+
+
+def test_the_transcription_inputs_are_the_processors_and_its_reply_upstreams(
+    tiny: Any, processor: Any
+) -> None:
+    """``with_qwen25_transcription``: an uploaded clip becomes the input ids, features
+    (padded to 30 s) and frame mask upstream's processor makes of the decoded clip in the
+    same turn, and the ``chat_audio`` walk's reply on them is upstream ``generate()``'s."""
+    from walkserve.adapters.omni_transcribe import instruction
+    from walkserve.api import audiocodec
+    from walkserve.api.routes.transcriptions import clip_inputs
+
+    walks, captured = tiny
+    task = q.tiny_profile("m").transcription
+    assert task is not None and task.walk == "chat_audio" and task.max_audio_seconds == 30.0
+    upload = audiocodec.encode(torch.from_numpy(clip(20000, 9.0)), "flac", 16000)
+    inputs, ids, seconds = clip_inputs(task, upload, "de", "abc")
+    assert seconds == pytest.approx(1.25)
+    decoded = audiocodec.decode(upload, 16000, 30.0).numpy()
+    want = processor(
+        text=[chat(AUDIO + instruction("de", "abc"))], audio=[decoded], return_tensors="pt"
+    )
+    assert inputs["input_features"].shape[-1] == 3000  # padding="max_length", as upstream's
+    for key in ("input_ids", "input_features", "feature_attention_mask"):
+        assert torch.equal(inputs[key], want[key]), key
+    assert ids == want["input_ids"][0].tolist()
+    r = {k: v for k, v in want.items() if k != "attention_mask"} | {"max_new_tokens": 12}
+    expected = upstream(walks, r)
+    assert len(expected) > 2
+    assert reply(walks, captured.run(r, walk=task.walk), 12) == expected
+
+
+@pytest.mark.parametrize("index", [1, 2, 3], ids=["speak_media", "speak_audio", "speak_image"])
+def test_speak_walks_equal_upstream_generate(processor: Any, index: int) -> None:
+    """Audio out with media: the thinker's text, the talker's codes and token2wav's waveform
+    (under the request's seed) equal upstream ``generate()``'s (greedy) on the processor's
+    inputs."""
+    walks, sample = q.tiny_audible()
+    captured = capture.trace(walks, sample)
+    case = CASES[index]
+    walk = case[3].replace("chat_", "speak_")
+    r = processed(processor, case) | {"max_audio_tokens": 30, "text_bos_id": q.TINY_SPEAKER_BOS}
+    r["seed"] = 3
+    talker, given = walks.upstream.talker, {}
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        given.update(kwargs)
+        return type(talker).generate(talker, *args, **kwargs)
+
+    talker.generate = record  # upstream_speech spies on it, then deletes it
+    text, codes, waveform = q.upstream_speech(walks, r, seed=3, walk=walk)
+    # The talker's prompt term (the greedy codes of the tiny talker do not show it): last
+    # hidden state + input embedding, zero on the media's placeholder rows, as upstream's.
+    media = {k: r[k] for k in q.MEDIA_INPUTS if k in r}
+    with torch.no_grad():
+        _, parts = walks._think(r["input_ids"], r["max_new_tokens"], media, (0.0, 1.0, 0, 0), True)
+    assert parts is not None
+    prompt = r["input_ids"].shape[1]
+    torch.testing.assert_close(parts[0], given["inputs_embeds"][:, :prompt], rtol=0, atol=1e-5)
+    got = captured.run(r, walk=walk)
+    assert reply(walks, got, r["max_new_tokens"]) == text[0].tolist()
+    assert torch.cat([got["first_code"], got["codes"]], 1).tolist() == codes.tolist()
+    assert codes.shape[1] > 2 and waveform.abs().max() > 0.1
+    assert torch.equal(got["waveform"].reshape(-1), waveform)
 
 
 def test_requests_with_different_media_run_together(tiny: Any, processor: Any) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from walkserve.adapters.omni_transcribe import Padding, padding_settings
 from walkserve.api.chatmedia import per_part
 from walkserve.api.profile import ChatMediaTask, MediaInputs, MediaWalk, ModelProfile
 
@@ -99,18 +100,14 @@ def audio_inputs(
     pad: int,
     end: int,
     count: Callable[[torch.Tensor], torch.Tensor],
-    padding: bool | str = True,
+    padding: Padding = True,
 ) -> MediaInputs:
     """Clips [samples] at the extractor's rate -> ``input_features`` [clips, mel, T],
     ``feature_attention_mask`` [clips, T] (the extractor called on all of them at once, as
     upstream's processor calls it: ``padding`` True pads to the longest, as Qwen3-Omni's
     does; "max_length" to the extractor's 30 s, as Qwen2.5-Omni's does) and each clip's
     placeholders, ``count(frames)`` [clips] of them."""
-    settings = {"padding": padding}
-    if padding is True:
-        settings["truncation"] = False
-    # Qwen2.5-Omni's processor pads to max_length and leaves truncation on: the task's
-    # max_audio_seconds keeps clips within the extractor's chunk, so nothing is cut.
+    settings = padding_settings(padding)  # max_audio_seconds keeps clips within the chunk
 
     def inputs(clips: list[torch.Tensor]) -> tuple[dict[str, Any], list[list[int]]]:
         out = extractor(
@@ -177,10 +174,11 @@ def with_chat_media(
     image: MediaWalk | None,
     sample_rate: int,
     max_audio_seconds: float,
+    mixed_speak_walk: str | None = None,
 ) -> ModelProfile:
     """``profile`` whose chat takes the media of ``audio`` / ``image`` (None: that kind is a
     400), up to ``MAX_PARTS`` per request, both kinds in one request through ``chat_media``
-    (text out); ``profile`` unchanged with neither."""
+    (``mixed_speak_walk`` for audio out; None: a 400); ``profile`` unchanged with neither."""
     if audio is None and image is None:
         return profile
     task = ChatMediaTask(
@@ -190,5 +188,6 @@ def with_chat_media(
         max_audio_seconds=max_audio_seconds,
         max_parts=MAX_PARTS,
         mixed_walk="chat_media" if audio is not None and image is not None else None,
+        mixed_speak_walk=mixed_speak_walk if audio is not None and image is not None else None,
     )
     return dataclasses.replace(profile, chat_media=task)

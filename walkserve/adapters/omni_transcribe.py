@@ -1,18 +1,25 @@
-"""``/v1/audio/transcriptions`` for an Omni thinker that takes audio (Qwen3-Omni's
-``chat_audio`` walk): the ``TranscriptionTask`` of its profile. The clip's features come from
-the upstream feature extractor (``WhisperFeatureExtractor``: the checkpoint's
-``preprocessor_config.json``, or one built for a tiny config's mel bins), called as upstream's
-processor calls it (``padding=True, truncation=False``, with the frame mask). The prompt is one
-user turn of the chat template, the audio first and then the instruction, laid out as
-upstream's processor expands ``<|audio_start|><|audio_pad|><|audio_end|>``::
+"""``/v1/audio/transcriptions`` for an Omni thinker that takes audio (a ``chat_audio`` walk):
+the ``TranscriptionTask`` of its profile (``with_transcription``; Qwen3-Omni's through
+``with_qwen3_transcription``, Qwen2.5-Omni's in ``qwen25_omni.profiles``). The clip's features
+come from the upstream feature extractor (``WhisperFeatureExtractor``: the checkpoint's
+``preprocessor_config.json``, or one built for a tiny config's mel bins), called as the
+model's upstream processor calls it (``padding``: Qwen3-Omni's pads to the clip,
+``padding=True, truncation=False``; Qwen2.5-Omni's to the extractor's 30 s,
+``padding="max_length"``), with the frame mask. The prompt is one user turn of the chat
+template, the audio first and then the instruction, laid out as the processor expands the
+model's audio placeholders (``AudioLayout``)::
 
-    <|im_start|> user \\n <|audio_start|> <|audio_pad|> x N <|audio_end|> Transcribe ... <|im_end|>
+    <|im_start|> user \\n <start> <pad> x N <end> Transcribe ... <|im_end|>
     \\n <|im_start|> assistant \\n              N = the encoder's tokens for the clip's frames
+
+    Qwen3-Omni    <|audio_start|> <|audio_pad|> <|audio_end|>
+    Qwen2.5-Omni  <|audio_bos|>   <|AUDIO|>     <|audio_eos|>
 
 The request's ``language`` and ``prompt`` go into the instruction (``instruction``).
 
 What crosses the boundary: token ids and a count function from the adapter (``AudioLayout``),
-the profile's encode and chat template; out comes an ``api.profile.TranscriptionTask``.
+the names of its walk (``AudioWalk``), the extractor and how it pads, the profile's encode and
+chat template; out comes an ``api.profile.TranscriptionTask``.
 """
 
 from __future__ import annotations
@@ -71,17 +78,30 @@ def audio_prompt(
     return prompt
 
 
-def whisper_features(extractor: Any) -> AudioFeatures:
-    """``extractor`` (a transformers feature extractor) as upstream's processor calls it."""
+Padding = bool | str  # True: to the longest clip; "max_length": to the extractor's chunk
+
+
+def padding_settings(padding: Padding) -> dict[str, Any]:
+    """The extractor's padding keywords as the upstream processors pass them: Qwen3-Omni's
+    ``padding=True, truncation=False``; Qwen2.5-Omni's ``padding="max_length"`` with the
+    extractor's truncation left on (clips are refused past its chunk, so nothing is cut)."""
+    if padding is True:
+        return {"padding": True, "truncation": False}
+    return {"padding": padding}
+
+
+def whisper_features(extractor: Any, padding: Padding = True) -> AudioFeatures:
+    """``extractor`` (a transformers feature extractor) as upstream's processor calls it on one
+    clip, padded as ``padding_settings`` says."""
+    settings = padding_settings(padding)
 
     def features(waveform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [samples]
         out = extractor(
             waveform.numpy(),
             sampling_rate=extractor.sampling_rate,
-            padding=True,
-            truncation=False,
             return_attention_mask=True,
             return_tensors="pt",
+            **settings,
         )
         return out["input_features"], out["attention_mask"].to(torch.int64)  # [1, mel, T], [1, T]
 
@@ -126,6 +146,7 @@ def transcription_task(
     layout: AudioLayout,
     max_tokens: int,
     max_audio_seconds: float,
+    padding: Padding = True,
 ) -> TranscriptionTask:
     return TranscriptionTask(
         walk=walk.walk,
@@ -136,14 +157,16 @@ def transcription_task(
         leads=walk.leads,
         text_channel=walk.text_channel,
         sample_rate=int(extractor.sampling_rate),
-        features=whisper_features(extractor),
+        features=whisper_features(extractor, padding),
         prompt=audio_prompt(encode, chat, layout),
         max_tokens=max_tokens,
         max_audio_seconds=max_audio_seconds,
     )
 
 
-QWEN3_AUDIO_WALK = AudioWalk(
+#: the ``chat_audio`` walk as both Omni adapters name it; Qwen3-Omni's leads with one token,
+#: Qwen2.5-Omni's with two (``first_token``, ``second_token``)
+CHAT_AUDIO_WALK = AudioWalk(
     walk="chat_audio",
     prompt_input="input_ids",
     features_input="input_features",
@@ -154,14 +177,40 @@ QWEN3_AUDIO_WALK = AudioWalk(
 )
 
 
+def with_transcription(
+    profile: ModelProfile,
+    walk: AudioWalk,
+    layout: AudioLayout,
+    extractor: Any | None,
+    max_audio_seconds: float,
+    padding: Padding = True,
+) -> ModelProfile:
+    """``profile`` with transcription over ``walk``: the clip's placeholders as ``layout``
+    lays them out, its features from ``extractor`` padded as ``padding`` says (as the model's
+    upstream processor calls it). Without an extractor, ``profile`` unchanged."""
+    if extractor is None:
+        return profile
+    text = profile.text
+    if text is None:
+        raise ValueError(f"{profile.name}: transcription needs the profile's text task")
+    task = transcription_task(
+        walk,
+        extractor,
+        text.encode,
+        text.chat_template,
+        layout,
+        max_tokens=text.max_tokens_limit,
+        max_audio_seconds=max_audio_seconds,
+        padding=padding,
+    )
+    return dataclasses.replace(profile, transcription=task)
+
+
 def with_qwen3_transcription(
     profile: ModelProfile, config: Any, extractor: Any | None, max_audio_seconds: float
 ) -> ModelProfile:
     """``profile`` (a Qwen3-Omni profile from ``omni_http``) with transcription over the
-    thinker's ``chat_audio`` walk; ``config`` the model's ``Qwen3OmniMoeConfig``. Without an
-    extractor, ``profile`` unchanged."""
-    if extractor is None:
-        return profile
+    thinker's ``chat_audio`` walk; ``config`` the model's ``Qwen3OmniMoeConfig``."""
     from walkserve.adapters.qwen3_omni import audio_token_count
 
     thinker = config.thinker_config
@@ -172,16 +221,4 @@ def with_qwen3_transcription(
         end=int(thinker.audio_end_token_id),
         count=lambda frames: int(audio_token_count(frames, n_window)),
     )
-    text = profile.text
-    if text is None:
-        raise ValueError(f"{profile.name}: transcription needs the profile's text task")
-    task = transcription_task(
-        QWEN3_AUDIO_WALK,
-        extractor,
-        text.encode,
-        text.chat_template,
-        layout,
-        max_tokens=text.max_tokens_limit,
-        max_audio_seconds=max_audio_seconds,
-    )
-    return dataclasses.replace(profile, transcription=task)
+    return with_transcription(profile, CHAT_AUDIO_WALK, layout, extractor, max_audio_seconds)

@@ -31,8 +31,9 @@ so the waveform depends on the request alone, and equals upstream ``generate()``
 ``torch.manual_seed(seed)`` is called just before ``generate()`` with greedy thinker and talker
 (nothing else in ``generate()`` draws from the RNG before token2wav).
 
-Media in (walks ``chat_audio``, ``chat_image``, ``chat_media``: thinker only, text out; several
-clips and images in one prompt): ``media_walks``.
+Media in (walks ``chat_audio``, ``chat_image``, ``chat_media``, text out, and ``speak_audio``,
+``speak_image``, ``speak_media``, audio out; several clips and images in one prompt):
+``media_walks``.
 
 The package, by concept: ``decoders`` (thinker and talker on the paged KV pool), ``walks``
 (``Qwen25OmniWalks``, ``SeededToken2Wav``), ``media_walks`` (its walks with media),

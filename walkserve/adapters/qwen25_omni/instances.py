@@ -159,16 +159,33 @@ def tiny(seed: int = 0) -> tuple[Qwen25OmniWalks, dict[str, Any]]:
 
 
 def upstream_speech(
-    walks: Qwen25OmniWalks, request: Mapping[str, Any], seed: int, speaker: str = "Chelsie"
+    walks: Qwen25OmniWalks,
+    request: Mapping[str, Any],
+    seed: int,
+    speaker: str = "Chelsie",
+    walk: str = "speak",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The reference for a ``speak`` request: greedy upstream ``generate()`` after
-    ``torch.manual_seed(seed)`` -> (new text tokens [1, n], talker tokens [1, m], waveform
-    [samples])."""
+    """The reference for a request of ``walk``: ``speak``, or ``speak_audio`` /
+    ``speak_image`` / ``speak_media`` (the media inputs that walk takes go to ``generate()``
+    too; a ``speak`` request's others are left out, as ``speak`` leaves them): greedy upstream ``generate()`` after ``torch.manual_seed(seed)`` -> (new text tokens
+    [1, n], talker tokens [1, m], waveform [samples]). ``generate()`` hands the talker every
+    input it does not route to the thinker, ``pixel_values`` among them, which the talker's
+    forward cannot take (transformers 5.24): the spy on ``talker.generate`` drops it (the
+    talker reads none of the media: ``generate()`` drops its all-ones attention mask, so it
+    computes no rotary positions from the grids)."""
+    from walkserve.adapters.qwen25_omni.media_walks import MEDIA_INPUTS
+
+    kinds = {"speak": (), "speak_audio": MEDIA_INPUTS[:2], "speak_image": MEDIA_INPUTS[2:]}
+    kinds["speak_media"] = MEDIA_INPUTS
+    if walk not in kinds:
+        raise ValueError(f"walk {walk!r} is none of {sorted(kinds)}")
+    media = {k: request[k] for k in kinds[walk]}
     model: Any = walks.upstream
     seen: dict[str, Tensor] = {}
     talker_generate = model.talker.generate
 
     def spy(*args: Any, **kwargs: Any) -> Tensor:
+        kwargs.pop("pixel_values", None)
         seen["codes"] = out = talker_generate(*args, **kwargs)
         return out
 
@@ -185,6 +202,7 @@ def upstream_speech(
             talker_do_sample=False,
             talker_repetition_penalty=1.0,
             talker_eos_token_id=list(walks.codec_eos),
+            **media,
         )
     finally:
         del model.talker.generate

@@ -1,13 +1,18 @@
 """``MediaWalks``: Qwen2.5-Omni's thinker with media in the prompt, mixed into
 ``Qwen25OmniWalks`` (which owns the modules, the sampler and the EOS):
 
-    chat_audio    audio clips: input_features [clips, mel, T], feature_attention_mask [clips, T]
-    chat_image    images: pixel_values [patches, C * T * p * p], image_grid_thw [images, 3]
-    chat_media    both in one prompt (upstream's processor takes both)
+    chat_audio / speak_audio  audio clips: input_features [clips, mel, T],
+                              feature_attention_mask [clips, T]
+    chat_image / speak_image  images: pixel_values [patches, C * T * p * p],
+                              image_grid_thw [images, 3]
+    chat_media / speak_media  both in one prompt (upstream's processor takes both)
 
-Text out only: no ``speak_*`` with media (upstream ``generate()`` hands the talker the media's
-grids and lengths for rotary positions of its own, which ``speak`` does not reproduce), so chat
-with media and audio out is refused (``ChatMediaTask``: no ``speak_walk``).
+``speak_*`` run the talker and token2wav after the thinker as ``speak`` does (``_speak``), on
+the talker inputs upstream ``generate()`` makes: the prompt term is last hidden state + input
+embedding with the input embedding zeroed on the clips' and images' placeholder rows. The
+talker reads nothing else of the media: ``generate()`` hands it the grids and clip lengths,
+but drops its all-ones attention mask, and without a mask the talker computes no rotary
+positions of its own (default positions, as in ``speak``).
 
 The prompt holds one run of placeholders per clip and per image, in the order of their rows
 (``Qwen25AudioPlaceholders``, ``ImagePlaceholders`` check it), laid out as upstream's
@@ -19,9 +24,10 @@ The prompt holds one run of placeholders per clip and per image, in the order of
 The thinker's prefill takes the encoder inputs (its audio and vision towers run inside it).
 Images move the rotary positions (``RopePositions``: upstream ``get_rope_index``, the clips'
 lengths counted too); upstream keeps that offset on the module (``rope_deltas``), the walks
-carry it per request into every decode step (``step_positions``). Outputs as ``speak``'s thinker
-part, so the profile's text task reads them: ``first_token`` [1, 1], ``second_token`` [1, 1],
-``text_tokens`` [1, n - 2] (streamed).
+carry it per request into every decode step (``step_positions``). Outputs as ``speak``'s, so
+the profile's text and chat-audio tasks read them: ``first_token`` [1, 1], ``second_token``
+[1, 1], ``text_tokens`` [1, n - 2] (streamed); with ``speak_*`` also ``first_code``, ``codes``
+and ``waveform``.
 """
 
 from __future__ import annotations
@@ -106,6 +112,17 @@ class MediaWalks:
         thinker_lm: Any
         eos: int
 
+        def _speak(
+            self,
+            thought: dict[str, Tensor],
+            prompt_part: Tensor,
+            reply0: Tensor,
+            reply_items: Tensor,
+            text_bos_id: int,
+            max_audio_tokens: int,
+            talker_sampling: tuple[Any, ...],
+        ) -> dict[str, Tensor]: ...
+
     @walk(inputs=AUDIO_INPUTS)
     def chat_audio(
         self,
@@ -170,6 +187,110 @@ class MediaWalks:
         }
         return self._chat(input_ids, max_new_tokens, media, (temperature, top_p, top_k, seed))
 
+    @walk(inputs=AUDIO_INPUTS)
+    def speak_audio(
+        self,
+        input_ids: Tensor,
+        input_features: Tensor,
+        feature_attention_mask: Tensor,
+        max_new_tokens: int,
+        max_audio_tokens: int,
+        text_bos_id: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        talker_temperature: float = 0.0,
+        talker_top_p: float = 1.0,
+        talker_top_k: int = 0,
+        talker_repetition_penalty: float = 1.0,
+    ) -> dict[str, Tensor]:
+        """``chat_audio`` spoken: the talker and token2wav after it, as ``speak``'s (the
+        speaker by ``text_bos_id``, the talker sampling inputs as ``speak``'s)."""
+        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
+        media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
+        talker = (talker_temperature, talker_top_p, talker_top_k, seed, talker_repetition_penalty)
+        sampling = (temperature, top_p, top_k, seed)
+        return self._speak_media(
+            input_ids, media, max_new_tokens, max_audio_tokens, text_bos_id, sampling, talker
+        )
+
+    @walk(inputs={"input_ids": SEQUENCE})
+    def speak_image(
+        self,
+        input_ids: Tensor,
+        pixel_values: Tensor,
+        image_grid_thw: Tensor,
+        max_new_tokens: int,
+        max_audio_tokens: int,
+        text_bos_id: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        talker_temperature: float = 0.0,
+        talker_top_p: float = 1.0,
+        talker_top_k: int = 0,
+        talker_repetition_penalty: float = 1.0,
+    ) -> dict[str, Tensor]:
+        """``chat_image`` spoken (as ``speak_audio``)."""
+        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
+        media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+        talker = (talker_temperature, talker_top_p, talker_top_k, seed, talker_repetition_penalty)
+        sampling = (temperature, top_p, top_k, seed)
+        return self._speak_media(
+            input_ids, media, max_new_tokens, max_audio_tokens, text_bos_id, sampling, talker
+        )
+
+    @walk(inputs=AUDIO_INPUTS)
+    def speak_media(
+        self,
+        input_ids: Tensor,
+        input_features: Tensor,
+        feature_attention_mask: Tensor,
+        pixel_values: Tensor,
+        image_grid_thw: Tensor,
+        max_new_tokens: int,
+        max_audio_tokens: int,
+        text_bos_id: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        talker_temperature: float = 0.0,
+        talker_top_p: float = 1.0,
+        talker_top_k: int = 0,
+        talker_repetition_penalty: float = 1.0,
+    ) -> dict[str, Tensor]:
+        """``chat_media`` spoken (as ``speak_audio``)."""
+        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
+        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
+        media = {
+            "input_features": input_features,
+            "feature_attention_mask": feature_attention_mask,
+            "pixel_values": pixel_values,
+            "image_grid_thw": image_grid_thw,
+        }
+        talker = (talker_temperature, talker_top_p, talker_top_k, seed, talker_repetition_penalty)
+        sampling = (temperature, top_p, top_k, seed)
+        return self._speak_media(
+            input_ids, media, max_new_tokens, max_audio_tokens, text_bos_id, sampling, talker
+        )
+
+    def _speak_media(
+        self,
+        input_ids: Tensor,
+        media: Mapping[str, Tensor],
+        max_new_tokens: int,
+        max_audio_tokens: int,
+        text_bos_id: int,
+        sampling: tuple[Any, ...],
+        talker_sampling: tuple[Any, ...],
+    ) -> dict[str, Tensor]:
+        thought, parts = self._think(input_ids, max_new_tokens, media, sampling, hidden=True)
+        assert parts is not None
+        return self._speak(thought, *parts, text_bos_id, max_audio_tokens, talker_sampling)
+
     def _chat(
         self,
         input_ids: Tensor,
@@ -177,36 +298,75 @@ class MediaWalks:
         media: Mapping[str, Tensor],
         sampling: tuple[Any, ...],
     ) -> dict[str, Tensor]:
+        thought, _ = self._think(input_ids, max_new_tokens, media, sampling, hidden=False)
+        return thought
+
+    def _think(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        media: Mapping[str, Tensor],
+        sampling: tuple[Any, ...],
+        hidden: bool,
+    ) -> tuple[dict[str, Tensor], tuple[Tensor, Tensor, Tensor] | None]:
         """Prefill with the media -> t0; the step feeding t0 -> t1; the loop -> t2 ..
         (EOS / max_new_tokens). ``sampling``: ``(temperature, top_p, top_k, seed)``. Every step
-        gets explicit positions from ``rope`` [B, 1], a per-request loop input."""
+        gets explicit positions from ``rope`` [B, 1], a per-request loop input. With ``hidden``
+        also the talker's inputs, as ``speak``'s thinker part makes them: the prompt term
+        [B, P, D] (last hidden state + input embedding, the input embedding zeroed on the
+        media's placeholder rows as upstream ``generate()`` zeroes them), reply0 [B, 1, D] and
+        the reply items [B, n - 2, D + 1]."""
         extra: dict[str, Any] = dict(media)
+        if hidden:
+            extra["output_hidden_states"] = True
         if "image_grid_thw" in media:
             mask = media.get("feature_attention_mask")
             positions, rope = self.thinker_positions(input_ids, media["image_grid_thw"], mask)
             extra["position_ids"] = positions  # [3, B, P]
         out = self.thinker_lm(input_ids=input_ids, use_cache=True, **extra)
         cache = _read_now(out.cache)
+        prompt_part = None
+        if hidden:
+            tokens = self.audio_placeholders.audio_token, self.image_placeholders.image_token
+            keep = ~torch.isin(input_ids, torch.tensor(tokens, device=input_ids.device))  # [B, P]
+            embeds = out.hidden_states[0] * keep.unsqueeze(-1).to(out.hidden_states[0].dtype)
+            prompt_part = out.hidden_states[-1] + embeds  # [B, P, D]
         first = self.thinker_sampler(out.logits[:, -1:], 0, *sampling)  # [B, 1]: t0
         count = first * 0 + 1  # [B, 1]
         if "image_grid_thw" not in media:  # plain positions (text, audio), as upstream's
             rope = first * 0 + (input_ids.shape[1] - 1)  # [B, 1]
+        step = {"output_hidden_states": True} if hidden else {}
         out = self.thinker_lm(
-            input_ids=first, cache=cache, use_cache=True, position_ids=step_positions(rope, count)
+            input_ids=first,
+            cache=cache,
+            use_cache=True,
+            position_ids=step_positions(rope, count),
+            **step,
         )
         cache = _read_now(out.cache)
         token = second = self.thinker_sampler(out.logits[:, -1:], 1, *sampling)  # [B, 1]: t1
         count = count + 1
         positions = step_positions(rope, count)  # [3, B, 1]: the next step's
-        tokens = []
+        tokens_out, items = [], []
         for _ in iterations(max_new_tokens):
-            cache, token, count, positions, done = self.chat_step(
-                cache, token, count, positions, rope, max_new_tokens, *sampling
-            )
-            tokens.append(token)
+            if hidden:
+                cache, token, count, positions, item, done = self.think_aloud_step(
+                    cache, token, count, positions, rope, max_new_tokens, *sampling
+                )
+                items.append(item)
+            else:
+                cache, token, count, positions, done = self.chat_step(
+                    cache, token, count, positions, rope, max_new_tokens, *sampling
+                )
+            tokens_out.append(token)
             if done:
                 break
-        return {"first_token": first, "second_token": second, "text_tokens": torch.cat(tokens, 1)}
+        thought = {"first_token": first, "second_token": second}
+        thought["text_tokens"] = torch.cat(tokens_out, 1)
+        if prompt_part is None:
+            return thought, None
+        reply0 = out.hidden_states[-1] + out.hidden_states[0]  # [B, 1, D]: of t0
+        return thought, (prompt_part, reply0, torch.cat(items, 1))
 
     @loop(max_iters="max_new_tokens")
     def chat_step(
@@ -230,3 +390,36 @@ class MediaWalks:
         positions = step_positions(rope, count)  # [3, B, 1]: the next step's
         last = (token == self.eos) | (count >= max_new_tokens)  # [B, 1]
         return cache, token, count, positions, last.all()
+
+    @loop(max_iters="max_new_tokens")
+    def think_aloud_step(
+        self,
+        cache: Any,
+        token: Tensor,
+        count: Tensor,
+        positions: Tensor,
+        rope: Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``chat_step`` that also emits the reply item of the token fed (``speak``'s
+        ``think_step``: last hidden state + input embedding, flagged when the token it outputs
+        is the last)."""
+        out = self.thinker_lm(
+            input_ids=token,
+            cache=cache,
+            use_cache=True,
+            position_ids=positions,
+            output_hidden_states=True,
+        )
+        cache = _read_now(out.cache)
+        reply = out.hidden_states[-1] + out.hidden_states[0]  # [B, 1, D]
+        token = self.thinker_sampler(out.logits[:, -1:], count, temperature, top_p, top_k, seed)
+        count = count + 1
+        positions = step_positions(rope, count)  # [3, B, 1]: the next step's
+        last = (token == self.eos) | (count >= max_new_tokens)  # [B, 1]
+        item = torch.cat([reply, last.unsqueeze(-1).to(reply.dtype)], dim=-1)  # [B, 1, D + 1]
+        return cache, token, count, positions, item, last.all()

@@ -1,10 +1,12 @@
 """Qwen2.5-Omni's HTTP profiles: ``/v1/chat/completions`` text and audio, ``/v1/audio/speech``
-(see ``adapters.omni_http``; text chat runs ``speak`` with a one-code talker) and chat with
-audio clips and images (``with_qwen25_chat_media``: the media walks, text out), the tiny
-model's and a local checkpoint's."""
+(see ``adapters.omni_http``; text chat runs ``speak`` with a one-code talker), chat with
+audio clips and images (``with_qwen25_chat_media``: the media walks, text or audio out) and
+``/v1/audio/transcriptions`` (``with_qwen25_transcription``: the ``chat_audio`` walk), the
+tiny model's and a local checkpoint's."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -89,6 +91,7 @@ def tiny_profile(name: str) -> ModelProfile:
     thinker = tiny_config().thinker_config
     extractor = tiny_extractor(int(thinker.audio_config.num_mel_bins))
     images = tiny_image_processor(thinker.vision_config)
+    profile = with_qwen25_transcription(profile, thinker, extractor)
     return with_qwen25_chat_media(profile, thinker, extractor, images)
 
 
@@ -129,7 +132,35 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
     thinker = config.thinker_config
     extractor = checkpoint_extractor(path)
     images = checkpoint_image_processor(path, thinker.vision_config)
+    profile = with_qwen25_transcription(profile, thinker, extractor)
     return with_qwen25_chat_media(profile, thinker, extractor, images)
+
+
+def with_qwen25_transcription(
+    profile: ModelProfile, thinker: Any, extractor: Any | None
+) -> ModelProfile:
+    """``profile`` with ``/v1/audio/transcriptions`` over the ``chat_audio`` walk (without an
+    extractor, unchanged): the clip as upstream's ``Qwen2_5OmniProcessor`` makes it, features
+    padded to the extractor's 30 s (``padding="max_length"``; longer clips are refused, as the
+    processor would cut them) and ``<|audio_bos|> <|AUDIO|> x audio_token_count(frames)
+    <|audio_eos|>``; ``thinker`` the model's ``thinker_config``."""
+    from walkserve.adapters.omni_transcribe import (
+        CHAT_AUDIO_WALK,
+        AudioLayout,
+        with_transcription,
+    )
+
+    if extractor is None:
+        return profile
+    walk = dataclasses.replace(CHAT_AUDIO_WALK, leads=("first_token", "second_token"))
+    layout = AudioLayout(
+        start=int(thinker.audio_start_token_id),
+        pad=int(thinker.audio_token_index),
+        end=int(thinker.audio_end_token_id),
+        count=lambda frames: int(audio_token_count(frames)),
+    )
+    seconds = float(extractor.chunk_length)
+    return with_transcription(profile, walk, layout, extractor, seconds, padding="max_length")
 
 
 def with_qwen25_chat_media(
@@ -139,7 +170,7 @@ def with_qwen25_chat_media(
     processor), made into walk inputs as upstream's ``Qwen2_5OmniProcessor`` makes them: the
     clips through the extractor at once, padded to its 30 s (``padding="max_length"``; longer
     clips are refused, as the processor would cut them), each image through the image
-    processor. Text out only (the media walks have no ``speak_*``: audio out is a 400);
+    processor; audio out through ``speak_audio`` / ``speak_image`` / ``speak_media``.
     ``thinker`` the model's ``thinker_config``."""
     from walkserve.adapters.omni_chatmedia import audio_inputs, image_inputs, with_chat_media
     from walkserve.api.profile import MediaWalk
@@ -152,17 +183,19 @@ def with_qwen25_chat_media(
             int(thinker.audio_end_token_id),
         )
         clips = audio_inputs(extractor, *placeholders, audio_token_count, padding="max_length")
-        audio = MediaWalk("chat_audio", clips)
+        audio = MediaWalk("chat_audio", clips, speak_walk="speak_audio")
     if image_processor is not None:
         placeholders = (
             int(thinker.vision_start_token_id),
             int(thinker.image_token_index),
             int(thinker.vision_end_token_id),
         )
-        image = MediaWalk("chat_image", image_inputs(image_processor, *placeholders))
+        image = MediaWalk(
+            "chat_image", image_inputs(image_processor, *placeholders), speak_walk="speak_image"
+        )
     rate = int(extractor.sampling_rate) if extractor is not None else 16000
     seconds = float(extractor.chunk_length) if extractor is not None else 30.0
-    return with_chat_media(profile, audio, image, rate, seconds)
+    return with_chat_media(profile, audio, image, rate, seconds, mixed_speak_walk="speak_media")
 
 
 AUDIBLE_GAIN = 4e6  # the random token2wav's waveform peaks near 1.2e-7: under one pcm16 step

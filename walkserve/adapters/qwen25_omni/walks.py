@@ -192,15 +192,45 @@ class Qwen25OmniWalks(MediaWalks, nn.Module):
                 break
         text_tokens = torch.cat(tokens, dim=1)  # [B, n - 2]
         reply_items = torch.cat(replies, dim=1)  # [B, n - 2, D + 1]: reply, last flag
+        thought = {"first_token": first, "second_token": second, "text_tokens": text_tokens}
+        return self._speak(
+            thought,
+            prompt_part,
+            reply0,
+            reply_items,
+            text_bos_id,
+            max_audio_tokens,
+            talker_sampling,
+        )
 
+    def _speak(
+        self,
+        thought: dict[str, Tensor],
+        prompt_part: Tensor,
+        reply0: Tensor,
+        reply_items: Tensor,
+        text_bos_id: int,
+        max_audio_tokens: int,
+        talker_sampling: tuple[Any, ...],
+    ) -> dict[str, Tensor]:
+        """The talker and token2wav after the thinker (``speak`` and the media walks):
+        ``thought`` the thinker's outputs (``first_token`` [B, 1], ...), ``prompt_part``
+        [B, P, D] the talker's prompt term of the prompt's rows (last hidden state + input
+        embedding), ``reply0`` [B, 1, D] that of t0, ``reply_items`` [B, n - 2, D + 1] those of
+        the later reply tokens with the last flag. ``talker_sampling``: ``(temperature, top_p,
+        top_k, seed, repetition_penalty)``. Out: ``thought`` with ``first_code``, ``codes`` and
+        ``waveform``."""
+        first = thought["first_token"]
+        seed = talker_sampling[3]
         # 2. talker prefill on the prompt, the speaker's text bos and reply0.
         embed = self.thinker.get_input_embeddings()
         zero = first * 0  # [B, 1]
         specials = torch.cat([zero + text_bos_id, zero + self.text_eos, zero + self.text_pad], 1)
         bos_embed, eos_embed, pad_embed = embed(specials).chunk(3, dim=1)  # 3 x [1, 1, D]
         prompt = torch.cat([prompt_part, bos_embed, reply0], dim=1)  # [B, P + 2, D]
-        # generate() gives the talker no attention mask: default positions, and no codec
-        # bos / pad embeddings added by the forward (it adds them only with a mask).
+        # generate() drops the talker's all-ones attention mask, so the talker forward never
+        # computes rotary positions of its own (default positions) nor adds the codec bos /
+        # pad embeddings (it does both only with a mask).
         talk = self.talker_lm(inputs_embeds=prompt, use_cache=True)
         talk_cache = _read_now(talk.cache)
         # The codec ids generate() penalizes (talker repetition_penalty): its talker prompt's
@@ -226,12 +256,10 @@ class Qwen25OmniWalks(MediaWalks, nn.Module):
                 break
         later_codes = torch.cat(codes, dim=1)  # [B, m - 1]
 
-        # 3. token2wav on the whole code sequence (not streamed: see the module docstring).
+        # 3. token2wav on the whole code sequence (not streamed: see the package docstring).
         waveform = self.token2wav(torch.cat([first_code, later_codes], 1), text_bos_id, seed)
         return {
-            "first_token": first,
-            "second_token": second,
-            "text_tokens": text_tokens,
+            **thought,
             "first_code": first_code,
             "codes": later_codes,
             "waveform": waveform,  # [B, 1, samples]
