@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from walkserve.lowering.plan import NodePlan
+from walkserve.runtime.frames import piece_items
 from walkserve.runtime.loopcohort import Cohort, Member, form
 from walkserve.runtime.looprun import LoopReport, LoopRun, LoopStreamed, SimpleLoop
 from walkserve.runtime.runner import ItemResult, RunItem
@@ -47,6 +48,7 @@ class SharedSteps:
     _bands: list[Band]
     _banded: dict[int, Band]
     _credit: dict[tuple[str, str], int]
+    _produced: dict[tuple[str, str], int]
     _ids: itertools.count[int]
     _reports: list[LoopReport]
 
@@ -60,6 +62,9 @@ class SharedSteps:
         raise NotImplementedError
 
     def _begin(self, run: LoopRun) -> bool | None:
+        raise NotImplementedError
+
+    def _blocked(self, run: LoopRun) -> bool:
         raise NotImplementedError
 
     def _commit(self, run: LoopRun) -> None:
@@ -94,7 +99,7 @@ class SharedSteps:
             and not run.alone
             and not run.solo
             and run.pos == 0
-            and not any((run.request, ch) in self._credit for ch in run.start.streams)
+            and not self._blocked(run)  # its consumers' credit allows one more item
         )
 
     def _regroup(self) -> None:
@@ -161,6 +166,10 @@ class SharedSteps:
                     self._reports.append(
                         LoopStreamed(run.item, ch, run.i + cohort.steps - 1, piece)
                     )
+                    key = (run.request, ch)
+                    if key in self._credit:  # counted as the stepper's own runs count it
+                        acc = band.loop.node.accumulated[ch]
+                        self._produced[key] = self._produced.get(key, 0) + piece_items(piece, acc)
         if cohort.done():
             self._dissolve(band)
 

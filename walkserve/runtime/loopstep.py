@@ -217,14 +217,14 @@ class LoopStepper(SharedSteps):
 
     def again(self) -> tuple[str, str, list[RunItem]] | None:
         """(walk, node, items) of the next step when all this stepper runs is one cohort
-        without a client stream and its last step was updated: what ``schedule`` would make
+        (streaming or not; none of its streams limited by credit) and its last step was updated: what ``schedule`` would make
         now (nothing waits, nothing joins or dissolves it), for the engine's fast lane; None
         otherwise."""
         if len(self._bands) != 1 or self._waiting or self._joined or self._banded:
             return None
         band = self._bands[0]
-        if band.streaming or len(band.runs) != len(self._runs):
-            return None
+        if len(band.runs) != len(self._runs) or not all(map(self._cohort_ready, band.runs)):
+            return None  # a run outside it, or one its consumers' credit now limits
         groups: dict[tuple[str, str], list[RunItem]] = {}
         self._band_item(groups, band)
         self.steps += 1

@@ -355,16 +355,19 @@ class RankScheduler:
 
     def _loop_reports(self) -> None:
         """Hand the loop stepper's reports to the inner conductor (which may then have items
-        ready: the rank is not settled)."""
-        reports = self.loops.reports()
-        if reports:
-            self._settled = False
-        for rep in reports:
+        ready: the rank is not settled, unless all it was told is stream items that formed no
+        chunk and reach no client)."""
+        for rep in self.loops.reports():
             if isinstance(rep, LoopStreamed):
-                self.conductor.streamed(rep.item, rep.channel, rep.index, rep.value)
+                # an item that only joined a stream buffer leaves the rank settled: the fast
+                # lane steps a producer feeding a windowed consumer until a window forms
+                if self.conductor.streamed(rep.item, rep.channel, rep.index, rep.value):
+                    self._settled = False
             elif isinstance(rep, LoopDone):
+                self._settled = False
                 self.conductor.complete(rep.item, rep.channels)
             else:
+                self._settled = False
                 self.conductor.fail(rep.item, rep.error)
 
     def reports(self) -> list[Report]:

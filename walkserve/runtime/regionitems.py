@@ -54,26 +54,32 @@ class RegionItems(LoopDriver):
         self._bind_results(p, {k: v for k, v in values.items() if k in p.ops})
         self._advance(p.request)
 
-    def streamed(self, item_id: int, channel: str, index: int, value: Any) -> None:
+    def streamed(self, item_id: int, channel: str, index: int, value: Any) -> bool:
         """Iteration ``index`` of a region item's streamed channel ``channel`` committed (its
-        walk-level client outputs stream it). Items no longer wanted: ignored."""
+        walk-level client outputs stream it). Items no longer wanted: ignored. Returns whether
+        anything changed that the caller must look at (an event, a feed, items ready, a
+        failure): False for an item that only joined a stream buffer without forming a chunk,
+        after which ``ready()``, ``events()`` and ``feeds()`` have nothing new."""
         p = self._items.get(item_id)
         if p is None or p.region is None:
-            return
+            return False
         outs = p.region.emit.get(channel)
         streams = p.region.forwards.get(channel)
         feeds = [stream for stream, ch in p.region.feeds if ch == channel]
         if outs is None and streams is None and not feeds:
             self._node_failed(p, f"region {p.node} streamed {channel!r}, which it does not stream")
-            return
+            return True
         req = p.request
+        changed = False
         for out in [o for o in outs or () if req.streams(o)]:
             self._send_ready_outputs(req)
             self._events.append(StreamItem(req.id, out, index, value))
+            changed = True
         for stream in streams or ():
             fwd = p.frame.forwards[stream]
             fwd.pending.append(value)
             self._flush(req, fwd)
+            changed = True
         if feeds:
             # An item that completes no chunk changes nothing a consumer waits for (a chunk
             # policy's ``ready`` depends only on the count and the end), so the request's
@@ -88,9 +94,11 @@ class RegionItems(LoopDriver):
                     formed = formed or s.ready() != before
             except LoopError as e:
                 self._fail_request(req, str(e))
-                return
+                return True
             if formed:
                 self._advance(req)
+                changed = True
+        return changed
 
     def consumed(self, item_id: int, stream: str, base: int, received: int, closed: bool) -> None:
         """Consumer region item ``item_id`` has ``received`` pieces of ``stream`` and has

@@ -1,0 +1,188 @@
+"""The engine's fast lane (``RankScheduler.again``) for a loop that feeds a stream of its own
+region: a recurrent producer's items go into a sliding-window buffer whose consumer loop runs
+when a window forms. Items that form no window leave the rank settled, so the lane steps the
+producer on; a window (or a client's stream item) stops the lane for a scheduling pass.
+
+Real runs in this process (the rank scheduler and the runner, as the engine drives them), with
+hypothesis over lengths, arrivals and lane depths: every request gets the reference
+interpreter's outputs, streamed items arrive in order, nothing is held at the end, and the lane
+ran steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from walkserve import capture, testing
+from walkserve.capture import component, iterations, loop, stream, walk
+from walkserve.capture.chunk import EndOfStream, SlidingWindow
+from walkserve.lowering.lower import lower
+from walkserve.runtime.rankscheduler import (
+    RankScheduler,
+    RegionDone,
+    RegionFailed,
+    RegionOutput,
+    RegionStreamed,
+)
+from walkserve.runtime.regionwalk import region_walks
+from walkserve.runtime.runner import NodeRunner
+
+DIM, WINDOW, HOP = 8, 4, 2
+
+
+@component
+class Cell(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.net(torch.cat([x, h], -1)))
+        return h[:, None, :1], h  # an item [B, 1, 1] of the stream, the next state
+
+
+@component
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(WINDOW, 3)
+
+    def forward(self, window: torch.Tensor) -> torch.Tensor:
+        return self.net(window[..., 0])  # [B, WINDOW, 1] -> [B, 3]
+
+
+class Speech(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = Cell()
+        self.decoder = Decoder()
+
+    @walk
+    def speak(self, x: torch.Tensor, h: torch.Tensor, steps: int) -> dict[str, Any]:
+        items = []
+        for _ in iterations(steps):
+            h, item = self.think(h, x)
+            items.append(item)
+        seq = torch.cat(items, dim=1)  # [B, steps, 1]
+        windows = stream(seq, SlidingWindow(WINDOW, HOP, EndOfStream.PAD), dim=1)
+        return {"seq": seq, "audio": torch.cat([self.decode(w) for w in windows], dim=1)}
+
+    @loop
+    def think(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        item, h = self.cell(x, h)
+        return h, item  # the carried value first
+
+    @loop
+    def decode(self, window: torch.Tensor) -> torch.Tensor:
+        return self.decoder(window)  # type: ignore[no-any-return]
+
+
+def inputs(seed: int, steps: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "x": torch.randn(1, DIM, generator=g),
+        "h": torch.randn(1, DIM, generator=g),
+        "steps": steps,
+    }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+CACHE: dict[str, Any] = {}
+
+
+def setup() -> tuple[capture.CapturedModel, Any]:
+    if not CACHE:
+        torch.manual_seed(0)
+        model = Speech().eval().requires_grad_(False)
+        sample = inputs(0, 6)
+        captured = capture.trace(model, sample)
+        CACHE["m"] = (captured, lower(captured, sample, check_capture=False))
+    return CACHE["m"]  # type: ignore[no-any-return]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 13), min_size=1, max_size=4),
+    arrive=st.lists(st.integers(0, 6), min_size=4, max_size=4),
+    lane=st.integers(1, 8),
+    client=st.booleans(),
+    limit=st.sampled_from([WINDOW, WINDOW + 1, 64]),
+)
+def test_a_producer_feeding_a_window_consumer_takes_the_lane_and_gives_the_interpreters_outputs(
+    lengths: list[int], arrive: list[int], lane: int, client: bool, limit: int
+) -> None:
+    """``limit``: the stream buffer's, so small that the producer waits for the consumer's
+    credit (a cohort holding a run its credit stops is dissolved; the lane does not step it)."""
+    captured, plan = setup()
+    (region,) = [r.name for r in plan.regions["speak"]]
+    runner = NodeRunner(captured, plan, 0)
+    sched = RankScheduler(
+        region_walks(captured, plan, 0), joins=runner.joinable(), stream_buffer_limit=limit
+    )
+    reqs = {k: inputs(k, n) for k, n in enumerate(lengths)}
+    outputs: dict[int, dict[str, Any]] = {}
+    pieces: dict[tuple[int, str], list[int]] = {}
+    early: dict[int, dict[str, Any]] = {}
+    step = 0
+    while len(outputs) < len(reqs) and step < 200:
+        for k in reqs:
+            if arrive[k] == step:
+                sched.start(k, f"q{k}", "speak", region, reqs[k], client)
+        steps = sched.schedule()
+        for s in steps:
+            sched.update(s, runner.run(s.walk, s.node, s.items))
+        for _ in range(lane if steps else 0):  # as the engine, while no command waits
+            again = sched.again()
+            if again is None:
+                break
+            sched.update(again, runner.run(again.walk, again.node, again.items))
+        for rep in sched.reports():
+            assert not isinstance(rep, RegionFailed), rep
+            if isinstance(rep, RegionOutput):  # known before the exit: the producer's
+                early.setdefault(rep.item, {}).update(rep.outputs)
+            if isinstance(rep, RegionDone):
+                outputs[rep.item] = early.pop(rep.item, {}) | rep.outputs
+            if isinstance(rep, RegionStreamed):
+                pieces.setdefault((rep.item, rep.channel), []).append(rep.index)
+        step += 1
+    assert set(outputs) == set(reqs)
+    for k, r in reqs.items():
+        want = captured.run(r, "speak")
+        got = sched_outputs(outputs[k], want)
+        testing.assert_outputs_match(got, want)
+        if client:  # each client stream's items in order, each once
+            for (item, _), got_items in pieces.items():
+                if item == k:
+                    assert got_items == list(range(len(got_items)))
+    assert sched.stats().live_values == 0 and sched.idle()
+    if not client and max(lengths) > HOP + 1 and len(set(arrive[: len(lengths)])) == 1:
+        # items only a window consumer reads: the lane stepped between windows (a client's
+        # stream item stops it at every step, so that the engine reports it at once)
+        assert sched.loops.counters()["loop_stepper/lane_steps"] > 0
+
+
+def sched_outputs(region_out: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+    """The region's outputs (its loops' channels) by the walk outputs they are."""
+    by_loop = {"seq": "think.", "audio": "decode."}
+    got = {}
+    for name, prefix in by_loop.items():
+        (value,) = [
+            v for ch, v in region_out.items() if ch.startswith(prefix) and ch.endswith(".all")
+        ]
+        got[name] = value
+    assert set(got) == set(want)
+    return got
