@@ -217,9 +217,9 @@ class LoopStepper(SharedSteps):
 
     def again(self) -> tuple[str, str, list[RunItem]] | None:
         """(walk, node, items) of the next step when all this stepper runs is one cohort
-        (streaming or not; none of its streams limited by credit) and its last step was updated: what ``schedule`` would make
-        now (nothing waits, nothing joins or dissolves it), for the engine's fast lane; None
-        otherwise."""
+        (streaming or not; none of its runs stopped by its consumers' credit) and its last
+        step was updated: what ``schedule`` would make now (nothing waits, nothing joins or
+        dissolves it), for the engine's fast lane; None otherwise."""
         if len(self._bands) != 1 or self._waiting or self._joined or self._banded:
             return None
         band = self._bands[0]
