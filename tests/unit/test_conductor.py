@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -52,14 +52,7 @@ CACHE: dict[
 ] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """The example models are tiny: intra-op threads only contend with each other (on a busy
-    two-core machine, 30x slower), so this module runs torch with one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: conftest
 
 
 def predicate_apart(op: Any) -> bool:

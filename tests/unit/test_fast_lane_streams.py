@@ -11,7 +11,6 @@ ran steps.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -93,12 +92,7 @@ def inputs(seed: int, steps: int) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: conftest
 
 
 CACHE: dict[str, Any] = {}

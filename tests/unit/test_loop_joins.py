@@ -10,7 +10,6 @@ raises is retried run by run, so the request that made it raise fails alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -103,12 +102,7 @@ def recur_inputs(seed: int, steps: int) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: conftest
 
 
 CACHE: dict[str, Any] = {}

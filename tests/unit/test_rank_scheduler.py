@@ -13,7 +13,6 @@ Three kinds of tests:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,12 +39,7 @@ from walkserve.runtime.runner import ItemResult
 CACHE: dict[tuple[str, int], tuple[capture.CapturedModel, ExecutablePlan, dict[str, Any]]] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: conftest
 
 
 def setup(
