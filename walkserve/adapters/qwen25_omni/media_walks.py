@@ -138,8 +138,7 @@ class MediaWalks:
         """The thinker's reply to a prompt with audio clips: log-mel ``input_features``
         [clips, mel, T] and ``feature_attention_mask`` [clips, T] (1 = a real frame), as
         upstream's processor makes them."""
-        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
-        media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
+        input_ids, media = self._audio(input_ids, input_features, feature_attention_mask)
         return self._chat(input_ids, max_new_tokens, media, (temperature, top_p, top_k, seed))
 
     @walk(inputs={"input_ids": SEQUENCE})
@@ -157,8 +156,7 @@ class MediaWalks:
         """The thinker's reply to a prompt with images: ``pixel_values`` [patches,
         C * T * p * p] and ``image_grid_thw`` [images, 3] as upstream's image processor makes
         them."""
-        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
-        media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+        input_ids, media = self._image(input_ids, pixel_values, image_grid_thw)
         return self._chat(input_ids, max_new_tokens, media, (temperature, top_p, top_k, seed))
 
     @walk(inputs=AUDIO_INPUTS)
@@ -177,14 +175,9 @@ class MediaWalks:
     ) -> dict[str, Tensor]:
         """The thinker's reply to a prompt with audio clips and images (inputs as in
         ``chat_audio`` and ``chat_image``)."""
-        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
-        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
-        media = {
-            "input_features": input_features,
-            "feature_attention_mask": feature_attention_mask,
-            "pixel_values": pixel_values,
-            "image_grid_thw": image_grid_thw,
-        }
+        input_ids, audio = self._audio(input_ids, input_features, feature_attention_mask)
+        input_ids, image = self._image(input_ids, pixel_values, image_grid_thw)
+        media = audio | image
         return self._chat(input_ids, max_new_tokens, media, (temperature, top_p, top_k, seed))
 
     @walk(inputs=AUDIO_INPUTS)
@@ -207,8 +200,7 @@ class MediaWalks:
     ) -> dict[str, Tensor]:
         """``chat_audio`` spoken: the talker and token2wav after it, as ``speak``'s (the
         speaker by ``text_bos_id``, the talker sampling inputs as ``speak``'s)."""
-        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
-        media = {"input_features": input_features, "feature_attention_mask": feature_attention_mask}
+        input_ids, media = self._audio(input_ids, input_features, feature_attention_mask)
         talker = (talker_temperature, talker_top_p, talker_top_k, seed, talker_repetition_penalty)
         sampling = (temperature, top_p, top_k, seed)
         return self._speak_media(
@@ -234,8 +226,7 @@ class MediaWalks:
         talker_repetition_penalty: float = 1.0,
     ) -> dict[str, Tensor]:
         """``chat_image`` spoken (as ``speak_audio``)."""
-        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
-        media = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+        input_ids, media = self._image(input_ids, pixel_values, image_grid_thw)
         talker = (talker_temperature, talker_top_p, talker_top_k, seed, talker_repetition_penalty)
         sampling = (temperature, top_p, top_k, seed)
         return self._speak_media(
@@ -263,19 +254,33 @@ class MediaWalks:
         talker_repetition_penalty: float = 1.0,
     ) -> dict[str, Tensor]:
         """``chat_media`` spoken (as ``speak_audio``)."""
-        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
-        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
-        media = {
-            "input_features": input_features,
-            "feature_attention_mask": feature_attention_mask,
-            "pixel_values": pixel_values,
-            "image_grid_thw": image_grid_thw,
-        }
+        input_ids, audio = self._audio(input_ids, input_features, feature_attention_mask)
+        input_ids, image = self._image(input_ids, pixel_values, image_grid_thw)
+        media = audio | image
         talker = (talker_temperature, talker_top_p, talker_top_k, seed, talker_repetition_penalty)
         sampling = (temperature, top_p, top_k, seed)
         return self._speak_media(
             input_ids, media, max_new_tokens, max_audio_tokens, text_bos_id, sampling, talker
         )
+
+    def _audio(
+        self, input_ids: Tensor, input_features: Tensor, feature_attention_mask: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The prompt with each clip's placeholders laid out, and the clips as the thinker
+        takes them."""
+        input_ids = self.audio_placeholders(input_ids, feature_attention_mask)
+        return input_ids, {
+            "input_features": input_features,
+            "feature_attention_mask": feature_attention_mask,
+        }
+
+    def _image(
+        self, input_ids: Tensor, pixel_values: Tensor, image_grid_thw: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The prompt with each image's placeholders laid out, and the images as the thinker
+        takes them."""
+        input_ids = self.image_placeholders(input_ids, pixel_values, image_grid_thw)
+        return input_ids, {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
 
     def _speak_media(
         self,
