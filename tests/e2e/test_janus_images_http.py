@@ -87,10 +87,8 @@ def test_a_request_without_seed_gets_a_random_one_it_can_repeat(served: Any) -> 
     jpeg = client.images.generate(
         model=MODEL, prompt="waves", output_format="jpeg", extra_body={"seed": seed}
     )
-    assert jpeg.output_format == "jpeg" and pixels(jpeg.data[0].b64_json, "JPEG").shape[:2] == (
-        64,
-        64,
-    )
+    assert jpeg.output_format == "jpeg"
+    assert pixels(jpeg.data[0].b64_json, "JPEG").shape == (64, 64, 3)
 
 
 def test_models_lists_the_checkpoints_one_size(served: Any) -> None:
