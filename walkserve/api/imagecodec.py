@@ -9,7 +9,8 @@ expanded, as transformers' ``convert_to_rgb`` does; 16-bit samples keep their hi
 orientation is applied. PNG out is ``media.png`` (8-bit RGB, unfiltered rows), so its bytes do
 not depend on the Pillow version.
 
-What crosses the boundary: bytes in, image [3, H, W] float32 in [-1, 1] out (and back). Bad
+What crosses the boundary: bytes in, image [3, H, W] float32 in [-1, 1] out (and back, or
+8-bit RGB [H, W, 3] back for a model that makes its own 8-bit pixels). Bad
 input raises ``ValueError`` naming the limit or the accepted formats.
 """
 
@@ -79,11 +80,16 @@ def _to_rgb(im: Any) -> Any:
 
 def encode(image: torch.Tensor, fmt: ImageFormat, quality: int | None = None) -> bytes:
     """image [3, H, W] in [-1, 1] -> ``fmt`` bytes; ``quality`` 0-100 for JPEG and WebP."""
+    return encode_rgb(media.image_to_uint8(image), fmt, quality)
+
+
+def encode_rgb(rgb: torch.Tensor, fmt: ImageFormat, quality: int | None = None) -> bytes:
+    """rgb [H, W, 3] uint8 -> ``fmt`` bytes; ``quality`` 0-100 for JPEG and WebP."""
     if fmt == "png":
-        return media.png(image)
+        return media.png_rgb(rgb)
     from PIL import Image
 
-    pil = Image.fromarray(media.image_to_uint8(image).numpy(), "RGB")
+    pil = Image.fromarray(rgb.numpy(), "RGB")
     out = io.BytesIO()
     pil.save(out, format=fmt.upper(), quality=DEFAULT_QUALITY if quality is None else quality)
     return out.getvalue()

@@ -57,7 +57,11 @@ def image_to_uint8(image: torch.Tensor) -> torch.Tensor:
 
 def png(image: torch.Tensor) -> bytes:
     """image [3, H, W] in [-1, 1] -> PNG bytes (8-bit RGB, filter 0 on every row)."""
-    rgb = image_to_uint8(image)  # [H, W, 3]
+    return png_rgb(image_to_uint8(image))
+
+
+def png_rgb(rgb: torch.Tensor) -> bytes:
+    """rgb [H, W, 3] uint8 -> PNG bytes (8-bit RGB, filter 0 on every row)."""
     height, width, _ = rgb.shape
     rows = rgb.numpy().reshape(height, width * 3)
     raw = b"".join(b"\x00" + row.tobytes() for row in rows)

@@ -251,6 +251,9 @@ class ImageTask:
     edit_noise_input: str | None = None  # the edit walk's seeded noise, if not noise_input
     edit_noise_shape: tuple[int, ...] | None = None  # its shape, if not noise_shape
     seed_input: str | None = None  # the walk takes the request's seed as [B] int64 here
+    # image_output [3, H, W] -> [H, W, 3] uint8 RGB as the model's own postprocessing makes
+    # it (an upstream processor's); None: image_range mapped to [-1, 1], then rounded
+    pixels: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ per request in the same pool, a DynamicLoop that stops at EOS. ``chat`` and ``ch
 serve it through ``/v1/chat/completions`` (``chat.py``: the image processor and
 ``<image_placeholder>`` expansion of upstream's ``JanusProcessor``); a checkpoint directory's
 chat profile (its own ``JanusProcessor``: tokenizer, chat template, image processor) is
-``checkpoint.py``.
+``checkpoint.py``, its ``/v1/images/generations`` task (the processor's prompts for
+``generation_mode="image"`` and its ``postprocess``) ``image_generation.py``.
 
 Upstream ``generate(generation_mode="image")`` runs a batch of 2B (conditioned rows, then the
 unconditioned rows whose prompt tokens other than BOS and BOI are pad) through a static cache.

@@ -170,7 +170,10 @@ def load_janus(
     path: str, sampling: ImageSampling | None = None, pool: PoolSize | None = None
 ) -> tuple[JanusImageWalks, dict[str, Any]]:
     """A local Janus checkpoint directory (``from_pretrained`` on a path, safetensors). BOS,
-    PAD and BOI come from its generation config, as upstream ``generate`` reads them."""
+    PAD and BOI come from its generation config, as upstream ``generate`` reads them, and so do
+    the guidance scale, temperature, top-k and top-p that it sets (unset: upstream's defaults,
+    ``ImageSampling``'s). Images are always sampled, as upstream's docs call ``generate`` with
+    ``do_sample=True``; ``sampling`` replaces all of these."""
     from transformers import JanusForConditionalGeneration
 
     janus = JanusForConditionalGeneration.from_pretrained(path, local_files_only=True)
@@ -181,8 +184,11 @@ def load_janus(
             f"{path}: generation_config.json needs bos_token_id, pad_token_id and "
             "generation_kwargs.boi_token_id for image generation"
         )
-    if sampling is None and gen.guidance_scale is not None:
-        sampling = ImageSampling(guidance_scale=float(gen.guidance_scale))
+    if sampling is None:
+        knobs = ("guidance_scale", "temperature", "top_k", "top_p")
+        sampling = ImageSampling(
+            **{k: getattr(gen, k) for k in knobs if getattr(gen, k, None) is not None}
+        )
     ids = PromptIds(bos=int(gen.bos_token_id), boi=int(boi), pad=int(gen.pad_token_id))
     walks = JanusImageWalks(janus, ids, sampling, pool)
     vision: Any = janus.config.vision_config

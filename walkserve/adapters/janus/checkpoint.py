@@ -8,9 +8,10 @@
     image         its image processor -> pixel_values [1, 3, H, W]; placeholders BOI, image
                   token x ``num_image_tokens``, EOI (``JanusProcessor.replace_image_token``)
 
-The chat walks (``chat``, ``chat_image``) are greedy (``chat.chat_tasks``). A directory without
-a loadable processor (tokenizer and ``processor_config.json``) is served through its walks
-only. Image generation over ``/v1/images/generations`` is not part of this profile.
+The chat walks (``chat``, ``chat_image``) are greedy (``chat.chat_tasks``). Image generation
+over ``/v1/images/generations`` (the ``generate`` walk) takes its prompt and pixels from the
+same processor (``image_generation``). A directory without a loadable processor (tokenizer and
+``processor_config.json``) is served through its walks only.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from walkserve.adapters.janus.chat import ImageIds, chat_tasks
+from walkserve.adapters.janus.image_generation import image_task
 from walkserve.api.errors import bad
 from walkserve.api.profile import ModelProfile
 
@@ -31,7 +33,8 @@ _MARK = re.compile("(\x00media\\d+\x00)")  # api.chatmedia's marks of media part
 
 
 def checkpoint_profile(path: str, name: str) -> ModelProfile:
-    """The chat profile of the Janus checkpoint at ``path`` (module docstring)."""
+    """The chat and image generation profile of the Janus checkpoint at ``path`` (module
+    docstring)."""
     from transformers import AutoConfig, AutoProcessor
     from transformers.models.janus.processing_janus import DEFAULT_SYSTEM_PROMPT
 
@@ -85,7 +88,8 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
     text, media = chat_tasks(
         encode, decode, eos, vocab, processor.image_processor, ids, chat_template=render
     )
-    return ModelProfile(name, text=text, chat_media=media)
+    image = image_task(processor, config, path)
+    return ModelProfile(name, text=text, image=image, chat_media=media)
 
 
 def _parts(content: str) -> list[dict[str, str]]:
@@ -112,11 +116,12 @@ TINY_TEMPLATE = (
 _SPECIALS = {"<image_placeholder>": 300, "<begin_of_image>": 301, "<end_of_image>": 302}
 
 
-def save_tiny(path: str, seed: int = 0) -> Any:
+def save_tiny(path: str, seed: int = 0, **generation: Any) -> Any:
     """Write the tiny Janus (``build.tiny_janus``) as a checkpoint directory: weights, the
-    generation config upstream ``generate`` reads, a character tokenizer (BOS 1, EOS 2, PAD 0,
-    the image specials at ``build``'s ids) and a ``JanusProcessor`` with ``TINY_TEMPLATE``.
-    Returns the upstream model."""
+    generation config upstream ``generate`` reads (``generation``: further fields of it, such
+    as ``guidance_scale``), a character tokenizer (BOS 1, EOS 2, PAD 0, the image specials at
+    ``build``'s ids) and a ``JanusProcessor`` with ``TINY_TEMPLATE``. Returns the upstream
+    model."""
     import transformers
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -128,6 +133,7 @@ def save_tiny(path: str, seed: int = 0) -> Any:
         pad_token_id=TINY_IDS.pad,
         eos_token_id=TINY_EOS,
         generation_kwargs={"boi_token_id": TINY_IDS.boi},
+        **generation,
     )
     model.save_pretrained(path)
     specials = {"<pad>": TINY_IDS.pad, "<bos>": TINY_IDS.bos, "<eos>": TINY_EOS, **_SPECIALS}

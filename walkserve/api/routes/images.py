@@ -88,13 +88,10 @@ async def run_image(
         outputs = await unless_gone(request, ctx.finish(handle))
     finally:
         ctx.cancel_all([] if handle is None else [handle], ticket)
-    image = outputs[task.image_output][0]  # [3, H, W]
-    low, high = task.image_range
-    if (low, high) != (-1.0, 1.0):  # media.png takes [-1, 1]
-        image = (image - low) * (2.0 / (high - low)) - 1.0
     ctx.metrics.observe_latency(walk, time.perf_counter() - t0)
     fmt = imagecodec.image_format(body.output_format)
-    data = await run_in_threadpool(imagecodec.encode, image, fmt, body.output_compression)
+    image = outputs[task.image_output][0]  # [3, H, W]
+    data = await run_in_threadpool(encode_image, task, image, fmt, body.output_compression)
     return JSONResponse(
         {
             "created": int(time.time()),
@@ -104,6 +101,19 @@ async def run_image(
             "size": image_sizes(task)[0],
         }
     )
+
+
+def encode_image(
+    task: ImageTask, image: torch.Tensor, fmt: imagecodec.ImageFormat, quality: int | None
+) -> bytes:
+    """The walk's image [3, H, W] -> ``fmt`` bytes, through the task's own 8-bit pixels if it
+    has them, else from its value range."""
+    if task.pixels is not None:
+        return imagecodec.encode_rgb(task.pixels(image), fmt, quality)
+    low, high = task.image_range
+    if (low, high) != (-1.0, 1.0):  # imagecodec.encode takes [-1, 1]
+        image = (image - low) * (2.0 / (high - low)) - 1.0
+    return imagecodec.encode(image, fmt, quality)
 
 
 @router.post("/v1/images/generations")
