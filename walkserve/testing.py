@@ -128,3 +128,19 @@ def serve_text_greedy(
                 still.append(i)
         live = still
     return outs, sizes
+
+
+def lane_steps(scheduler: Any, runner: Any, limit: int) -> int:
+    """Up to ``limit`` steps of the engine's fast lane (``RankScheduler.lane``) of
+    ``scheduler`` with ``runner``, as the engine takes them while no command waits; how many
+    it took."""
+    lane = scheduler.lane()
+    taken = 0
+    if lane is None or limit < 1:
+        return taken
+    with runner.lane(lane.walk, lane.node, lane.item) as run:
+        while taken < limit:
+            taken += 1
+            if not lane.commit(run(lane.call())):
+                break
+    return taken

@@ -1,4 +1,4 @@
-"""The engine's fast lane (``RankScheduler.again``) for a loop that feeds a stream of its own
+"""The engine's fast lane (``RankScheduler.lane``) for a loop that feeds a stream of its own
 region: a recurrent producer's items go into a sliding-window buffer whose consumer loop runs
 when a window forms. Items that form no window leave the rank settled, so the lane steps the
 producer on; a window (or a client's stream item) stops the lane for a scheduling pass.
@@ -139,11 +139,7 @@ def test_a_producer_feeding_a_window_consumer_takes_the_lane_and_gives_the_inter
         steps = sched.schedule()
         for s in steps:
             sched.update(s, runner.run(s.walk, s.node, s.items))
-        for _ in range(lane if steps else 0):  # as the engine, while no command waits
-            again = sched.again()
-            if again is None:
-                break
-            sched.update(again, runner.run(again.walk, again.node, again.items))
+        testing.lane_steps(sched, runner, lane if steps else 0)  # while no command waits
         for rep in sched.reports():
             assert not isinstance(rep, RegionFailed), rep
             if isinstance(rep, RegionOutput):  # known before the exit: the producer's

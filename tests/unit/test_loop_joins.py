@@ -202,7 +202,7 @@ def test_cohorts_with_arrivals_and_cancels_give_the_interpreters_outputs(
     (a cohort dissolves and forms again with them) and some are cancelled mid-cohort; every
     other run gets the interpreter's outputs (streamed pieces too, in order), the steps ran as
     cohorts, and nothing is held at the end. ``lane``: after each round, up to that many steps
-    of the engine's fast lane (``again()``), as the engine takes them while no command waits."""
+    of the engine's fast lane (``lane()``), as the engine takes them while no command waits."""
     from walkserve.runtime.rankscheduler import (
         RankScheduler,
         RegionDone,
@@ -230,12 +230,7 @@ def test_cohorts_with_arrivals_and_cancels_give_the_interpreters_outputs(
         steps = sched.schedule()
         for s in steps:
             sched.update(s, runner.run(s.walk, s.node, s.items))
-        for _ in range(lane if steps else 0):
-            again = sched.again()
-            if again is None:
-                break
-            lanes += 1
-            sched.update(again, runner.run(again.walk, again.node, again.items))
+        lanes += testing.lane_steps(sched, runner, lane if steps else 0)
         for rep in sched.reports():
             assert not isinstance(rep, RegionFailed), rep
             if isinstance(rep, RegionDone) and rep.item not in outputs:
@@ -261,7 +256,7 @@ def test_cohorts_with_arrivals_and_cancels_give_the_interpreters_outputs(
 
 
 def test_the_fast_lane_steps_a_lone_cohort_until_the_rank_is_told_something() -> None:
-    """``again()`` repeats a lone cohort's step only while nothing reached the rank: a new
+    """``lane()`` steps a lone cohort only while nothing reached the rank: a new
     run (a command) stops it until ``schedule`` has seen it; the outputs are the
     interpreter's either way."""
     from walkserve.runtime.rankscheduler import RankScheduler, RegionDone
@@ -273,20 +268,18 @@ def test_the_fast_lane_steps_a_lone_cohort_until_the_rank_is_told_something() ->
     region = plan.regions["rollout"][0].name
     reqs = {0: rollout_inputs(0, 12), 1: rollout_inputs(1, 6)}
     sched.start(0, "q0", "rollout", region, reqs[0], False)
-    assert sched.again() is None  # the start: schedule() first
+    assert sched.lane() is None  # the start: schedule() first
 
     def round_() -> int:
         for s in sched.schedule():
             sched.update(s, runner.run(s.walk, s.node, s.items))
-        n = 0
-        while (again := sched.again()) is not None:
-            sched.update(again, runner.run(again.walk, again.node, again.items))
-            n += 1
-            if n == 3 and 1 not in started:
-                started.add(1)
-                sched.start(1, "q1", "rollout", region, reqs[1], False)
-                assert sched.again() is None  # a newcomer joins at the next schedule()
-                break
+        if 1 in started:
+            return testing.lane_steps(sched, runner, 100)
+        n = testing.lane_steps(sched, runner, 3)
+        if n == 3:
+            started.add(1)
+            sched.start(1, "q1", "rollout", region, reqs[1], False)
+            assert sched.lane() is None  # a newcomer joins at the next schedule()
         return n
 
     started: set[int] = set()
@@ -297,4 +290,43 @@ def test_the_fast_lane_steps_a_lone_cohort_until_the_rank_is_told_something() ->
     for k, r in reqs.items():
         want = captured.run(r, "rollout")
         testing.assert_outputs_match({"states": done[k]["step.state.all"]}, want)
+    assert sched.idle() and sched.stats().live_values == 0
+
+
+def test_a_lane_step_that_raises_fails_only_the_request_that_made_it() -> None:
+    """A cohort in the engine's fast lane whose call raises (one request's action at step 5 is
+    past the embedding): its runs go on one by one, that request fails alone, the others get
+    the interpreter's outputs, and nothing is held."""
+    from walkserve.runtime.rankscheduler import RankScheduler, RegionDone, RegionFailed
+    from walkserve.runtime.regionwalk import region_walks
+
+    captured, plan = setup()
+    runner = NodeRunner(captured, plan, 0)
+    sched = RankScheduler(region_walks(captured, plan, 0), joins=runner.joinable())
+    region = plan.regions["rollout"][0].name
+    reqs = {k: rollout_inputs(k, 9) for k in range(3)}
+    reqs[1]["actions"][0, 5] = 7
+    with pytest.raises(Exception, match="index"):
+        captured.run(reqs[1], "rollout")
+    for k, r in reqs.items():
+        sched.start(k, f"q{k}", "rollout", region, r, False)
+    done: dict[int, Any] = {}
+    failed: dict[int, str] = {}
+    lane = 0
+    for _ in range(40):
+        for s in sched.schedule():
+            sched.update(s, runner.run(s.walk, s.node, s.items))
+        lane += testing.lane_steps(sched, runner, 100)
+        for rep in sched.reports():
+            if isinstance(rep, RegionDone):
+                done[rep.item] = rep.outputs
+            if isinstance(rep, RegionFailed):
+                failed[rep.item] = rep.error
+        if len(done) + len(failed) == len(reqs):
+            break
+    assert set(failed) == {1} and "index" in failed[1]
+    for k in (0, 2):
+        want = captured.run(reqs[k], "rollout")
+        testing.assert_outputs_match({"states": done[k]["step.state.all"]}, want)
+    assert lane > 0 and sched.loops.counters()["loop_stepper/lane_steps"] == lane
     assert sched.idle() and sched.stats().live_values == 0

@@ -7,12 +7,13 @@ objects (``rankscheduler.RankScheduler`` decides, ``runner.NodeRunner`` runs)::
         apply(commands())                        # region starts, node batches, cancels, ...
         for step in scheduler.schedule():        # every ready item of every run, by node
             scheduler.update(step, runner.run(step.walk, step.node, step.items))
-        while no command waits and (step := scheduler.again()):   # the fast lane
-            scheduler.update(step, runner.run(step.walk, step.node, step.items))
+        if lane := scheduler.lane():             # the fast lane, while no command waits
+            with runner.lane(lane.walk, lane.node, lane.item) as run:
+                while lane.commit(run(lane.call())) and no command waits: ...
         send(reports)                            # RegionEvents, BatchDone: what others need
 
 The fast lane: when all the rank runs is one cohort of a simple loop (``loopcohort``) and no
-command waits, its next step is made by ``scheduler.again()`` instead of a whole ``schedule()``
+command waits, its steps are made by ``scheduler.lane()`` instead of a whole ``schedule()`` each
 (a rollout or a decode of one request, or of requests that joined it, steps with no scheduling
 pass per iteration); any command ends the lane until ``schedule()`` has seen it.
 
@@ -259,18 +260,35 @@ class EngineLoop:
             )
 
     def _steps(self, steps: list[Step], stopping: threading.Event) -> None:
-        """Run ``steps``, then the fast lane: a lone cohort steps back to back while no
-        command waits. (A method, so that no step outlives it: a finished step must not keep
-        its values, such as a KV cache whose pages its release frees.)"""
+        """Run ``steps``, then the fast lane. (A method, so that no step outlives it: a
+        finished step must not keep its values, such as a KV cache whose pages its release
+        frees.)"""
         for step in steps:
             self._step(step)
-        while steps and self._commands.empty() and not stopping.is_set():
-            again = self.scheduler.again()
-            if again is None:
-                break
-            self._step(again)
-            if self._due():
-                self._flush()
+        if steps:
+            self._lane(stopping)
+
+    def _lane(self, stopping: threading.Event) -> None:
+        """The fast lane: a lone cohort steps back to back while no command waits, each step
+        one runner call and one commit (``RankScheduler.lane``)."""
+        commands = self._commands
+        lane = self.scheduler.lane()
+        if lane is None or not commands.empty() or stopping.is_set():
+            return
+        commit, call = lane.commit, lane.call
+        with self.runner.lane(lane.walk, lane.node, lane.item) as run:
+            while True:
+                try:
+                    more = commit(run(call()))
+                except Exception as e:  # a bug of ours: its requests fail, the rank goes on
+                    log.exception("rank %d: lane step of %s:%s", self.rank, lane.walk, lane.node)
+                    error = f"rank {self.rank}: {type(e).__name__}: {e}"
+                    self.scheduler.fail_step(lane.step(), error)
+                    return
+                if self._unsent and self._due():
+                    self._flush()
+                if not more or not commands.empty() or stopping.is_set():
+                    return
 
     def _step(self, step: Step) -> None:
         results = self._run(step.walk, step.node, step.items)

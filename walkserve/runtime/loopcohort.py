@@ -170,10 +170,11 @@ class Cohort:
         out_dims = [spec.out_dims[o] for o in spec.outputs]
         acc_dims = {ch: out_dims[k] for ch, k in spec.accumulated.items()}
         left: list[Left] = []
+        whole = len(self.rows) == 1  # one run holds every row: its values are the joint ones
         for at, n in zip(self.offsets, self.rows):
 
             def rows(v: Any, dim: int | None, a: int = at, n: int = n) -> Any:
-                return v if dim is None else v.narrow(dim, a, n)
+                return v if dim is None or whole else v.narrow(dim, a, n)
 
             last = None if self.last is None else [rows(v, d) for v, d in zip(self.last, out_dims)]
             left.append(

@@ -84,7 +84,7 @@ class LoopStepper(SharedSteps):
         self.steps = 0
         self.cohort_steps = 0  # runner items of cohorts (one per cohort per step)
         self.joined_steps = 0  # runner items of runs joined call by call
-        self.lane_steps = 0  # cohort steps made by again() (the engine's fast lane)
+        self.lane_steps = 0  # cohort steps of the engine's fast lane (lane_step)
 
     def start(self, item: WorkItem) -> None:
         assert item.loop is not None
@@ -215,23 +215,38 @@ class LoopStepper(SharedSteps):
         self.joined_steps += len(self._joined)
         return [(walk, node, items) for (walk, node), items in groups.items()]
 
-    def again(self) -> tuple[str, str, list[RunItem]] | None:
-        """(walk, node, items) of the next step when all this stepper runs is one cohort
-        (streaming or not; none of its runs stopped by its consumers' credit) and its last
-        step was updated: what ``schedule`` would make now (nothing waits, nothing joins or
-        dissolves it), for the engine's fast lane; None otherwise."""
+    def lane(self) -> Band | None:
+        """The cohort the engine's fast lane may step back to back (``lane_step``): when all
+        this stepper runs is that one cohort (streaming or not; none of its runs stopped by its
+        consumers' credit) and its last step was updated, so that its next step is what
+        ``schedule`` would make now (nothing waits, nothing joins or dissolves it); else None."""
         if len(self._bands) != 1 or self._waiting or self._joined or self._banded:
             return None
         band = self._bands[0]
         if len(band.runs) != len(self._runs) or not all(map(self._cohort_ready, band.runs)):
             return None  # a run outside it, or one its consumers' credit now limits
-        groups: dict[tuple[str, str], list[RunItem]] = {}
-        self._band_item(groups, band)
+        return band
+
+    def lane_item(self, band: Band) -> RunItem:
+        """The runner item of ``band``'s steps, less its call (each step's is
+        ``band.cohort.call()``)."""
+        node = band.loop.body[0]
+        return RunItem(-1, tuple(node.ops), {}, tuple(node.outputs), None, len(band.runs))
+
+    def lane_step(self, band: Band, result: ItemResult) -> bool:
+        """Commit the runner's result for ``band``'s step (the lane's); whether the lane may
+        take the next one: ``band`` still the lone cohort, no run of it stopped by credit."""
         self.steps += 1
         self.cohort_steps += 1
         self.lane_steps += 1
-        ((walk, node), items), *_ = groups.items()
-        return walk, node, items
+        self._update_band(band, result)
+        if len(self._bands) != 1 or self._bands[0] is not band:
+            return False  # dissolved: at its length, or a failed or unbatched step
+        return not self._credit or not any(map(self._blocked, band.runs))
+
+    def reporting(self) -> bool:
+        """Whether reports wait (``reports``)."""
+        return bool(self._reports)
 
     def _item(
         self,

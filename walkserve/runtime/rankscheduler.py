@@ -28,16 +28,17 @@ discarded iteration is counted in ``stats().wasted_steps``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from walkserve.runtime.conductor import Conductor, Failed, Finished, Output, StreamItem
 from walkserve.runtime.loopstep import LoopDone, LoopStepper, LoopStreamed
 from walkserve.runtime.regionwalk import RegionWalks, region_walk_name
-from walkserve.runtime.runner import ItemResult, Runnable
+from walkserve.runtime.runner import ItemResult, RunItem, Runnable
 
 __all__ = [
+    "Lane",
     "NodeBatchDone",
     "RankScheduler",
     "RankStats",
@@ -102,6 +103,24 @@ class NodeBatchDone:
 
 
 Report = RegionStreamed | RegionOutput | RegionDone | RegionFailed | RegionConsumed | NodeBatchDone
+
+
+@dataclass(frozen=True)
+class Lane:
+    """The engine's fast lane (``RankScheduler.lane``): one cohort's steps back to back, each
+    ``commit(result)`` of the runner's result for ``item`` with arguments ``call()``; a commit
+    that returns False ends the lane (call ``schedule``). What has to be reported is reported as
+    ``update`` reports it."""
+
+    walk: str
+    node: str
+    item: RunItem  # its ops, outputs and the runs it joins; no call (each step's is call())
+    call: Callable[[], tuple[list[Any], dict[str, Any]]]
+    commit: Callable[[ItemResult], bool]
+
+    def step(self) -> Step:
+        """The lane as a ``Step`` (``fail_step`` takes it)."""
+        return Step(self.walk, self.node, [self.item], None, True)
 
 
 @dataclass(frozen=True)
@@ -173,7 +192,7 @@ class RankScheduler:
         self._reports: list[Report] = []
         self.batch_sizes: dict[int, int] = {}
         # Nothing reached the rank since the last schedule(), whose inner conductor had
-        # nothing ready, and no step since reported anything to it: again() may repeat a cohort.
+        # nothing ready, and no step since reported anything to it: lane() may step a cohort.
         self._settled = False
 
     # ------------------------------------------------------------------ commands
@@ -290,20 +309,29 @@ class RankScheduler:
         self._external = []
         return steps
 
-    def again(self) -> Step | None:
+    def lane(self) -> Lane | None:
         """The engine's fast lane: when all this rank runs is one cohort of a simple loop
-        (``LoopStepper.again``), nothing reached the rank since the last ``schedule`` (whose
-        inner conductor had nothing ready) and no step since reported anything to it, the step
-        ``schedule`` would make now, made without scheduling everything again; None otherwise
-        (call ``schedule``)."""
+        (``LoopStepper.lane``), nothing reached the rank since the last ``schedule`` (whose
+        inner conductor had nothing ready) and no step since reported anything to it, the
+        cohort to step back to back without scheduling everything again; None otherwise (call
+        ``schedule``)."""
         if not self._settled or self._external:
             return None
-        found = self.loops.again()
-        if found is None:
+        band = self.loops.lane()
+        if band is None:
             return None
-        walk, node, items = found
-        self._count_batch(items, True)
-        return Step(walk, node, items, None, True)
+        item = self.loops.lane_item(band)
+        sizes, n, loops = self.batch_sizes, item.joined, self.loops
+
+        def commit(result: ItemResult) -> bool:
+            sizes[n] = sizes.get(n, 0) + 1
+            more = loops.lane_step(band, result)
+            if loops.reporting():  # what its step committed may concern the inner conductor
+                self._loop_reports()
+                self._collect()
+            return more and self._settled
+
+        return Lane(band.loop.walk, band.loop.body[0].name, item, band.cohort.call, commit)
 
     def _count_batch(self, items: Sequence[Runnable], loops: bool) -> None:
         """Record a step's size: its requests (a loop stepper's joined item holds several)."""

@@ -23,7 +23,8 @@ for it now) makes the item ``deferred``: the scheduler issues it again later.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -174,6 +175,27 @@ class NodeRunner:
                     results[it.id] = self._finish(entry, it, {})
         return [results[it.id] for it in items]
 
+    @contextlib.contextmanager
+    def lane(
+        self, walk: str, node: str, item: RunItem
+    ) -> Iterator[Callable[[tuple[list[Any], dict[str, Any]]], ItemResult]]:
+        """The fast lane's runner (``RankScheduler.lane``): ``step(call)`` runs the joined
+        ``item`` (its ops, outputs and count) with arguments ``call``, as ``run`` runs a joined
+        item (same result, same failure rule), without ``run``'s checks per step; a block of
+        steps under one ``torch.no_grad``. Raises ``KeyError`` for a node this runner does not
+        run, and ``ValueError`` for an item that is not a joined call of its component."""
+        entry = self._nodes.get((walk, node))
+        if entry is None:
+            where = "this runner" if self.rank is None else f"rank {self.rank}"
+            raise KeyError(f"node {walk}:{node} is not placed on {where}")
+        if not item.joined or entry.call is None or item.ops[:1] != entry.all_ops[:1]:
+            raise ValueError(f"node {walk}:{node}: a lane steps a joined call of its component")
+        if item.ops != entry.all_ops and not _subsequence(item.ops, entry.order):
+            raise ValueError(f"ops {list(item.ops)} are not a subsequence of node {walk}:{node}")
+        joined = self._joined
+        with torch.no_grad():
+            yield lambda call: joined(entry, item, call)
+
     # ------------------------------------------------------------------ internals
 
     def _component(self, entry: _Node, items: Sequence[Runnable]) -> list[ItemResult]:
@@ -204,14 +226,18 @@ class NodeRunner:
         done |= failed
         return [done[it.id] for it in items]
 
-    def _joined(self, entry: _Node, item: Runnable) -> ItemResult:
-        """A joined item: one call of the component over its requests' rows (see ``RunItem``)."""
+    def _joined(
+        self, entry: _Node, item: Runnable, call: tuple[list[Any], dict[str, Any]] | None = None
+    ) -> ItemResult:
+        """A joined item: one call of the component over its requests' rows (see ``RunItem``);
+        ``call``: its arguments, when the item holds none (the fast lane's)."""
         op = entry.ops[entry.plan.ops[0]]
-        if entry.call is None or item.call is None or item.ops[:1] != (op.name,):
+        call = item.call if call is None else call
+        if entry.call is None or call is None or item.ops[:1] != (op.name,):
             return ItemResult(item.id, error=f"node {op.name}: a joined item needs its component")
         count = getattr(item, "joined", 0)
         try:
-            out = entry.call.joined(item.call, count)
+            out = entry.call.joined(call, count)
         except Exception as e:
             where = f" ({op.source})" if op.source else ""
             error = f"node {op.name} ({op.target}){where} failed (a joined call of {count}): {e}"
