@@ -449,7 +449,9 @@ def _loops(data: dict[str, Any], src: str) -> list[Row]:
     for name, r in cases.items():
         parts.append(
             f"{name}: batch 1 served {_secs(r['served_p50_s'])} vs eager {_secs(r['eager_p50_s'])}"
-            f" ({_x(r['served_over_eager'])}, target 1.2x); {r['concurrent']} concurrent"
+            f" ({_x(r['served_over_eager'])}, target 1.2x"
+            + (f"; CPU {_x(r['cpu_served_over_eager'])}" if r.get("cpu_served_over_eager") else "")
+            + f"); {r['concurrent']} concurrent"
             f" {_x(r['throughput_ratio'])} the eager one-by-one throughput (target 4x)"
         )
     if data.get("loadavg_before"):
