@@ -99,7 +99,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     from walkserve.lowering.lower import lower
     from walkserve.lowering.memory import format_memory
-    from walkserve.lowering.placement import Placement, PlacementWarning, resolve
+    from walkserve.lowering.placement import Placement, PlacementWarning
+    from walkserve.lowering.resolved import resolve
 
     captured, _, sample = _capture(args.model)
     placement = _placement(args, captured) or Placement.default(1)

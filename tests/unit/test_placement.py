@@ -21,14 +21,8 @@ from walkserve.adapters.examples import EXAMPLES, build_example, example_placeme
 from walkserve.capture import ir
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.memory import MemoryLimits, estimate_memory, format_memory
-from walkserve.lowering.placement import (
-    Placement,
-    PlacementError,
-    PlacementWarning,
-    ResolvedPlacement,
-    parse_size,
-    resolve,
-)
+from walkserve.lowering.placement import Placement, PlacementError, PlacementWarning, parse_size
+from walkserve.lowering.resolved import ResolvedPlacement, resolve
 
 CFG = "example-cfg-image"
 SPEECH = "example-speech"

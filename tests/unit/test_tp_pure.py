@@ -207,7 +207,7 @@ def test_plan_memory_counts_one_shard_of_a_paged_lm(kv_heads: int) -> None:
     from walkserve import capture
     from walkserve.adapters.hf_causal_lm import CausalLMWalks, sample_request
     from walkserve.lowering.memory import MemoryLimits, estimate_memory
-    from walkserve.lowering.placement import resolve
+    from walkserve.lowering.resolved import resolve
     from walkserve.runtime.kv.hf import register
     from walkserve.runtime.kv.paged_lm import PagedLMConfig
 

@@ -20,7 +20,7 @@ from walkserve.capture.model import CapturedModel
 from walkserve.lowering.batchdims import BatchAnalysis, analyze
 from walkserve.lowering.compile import check_capturable, compile_plan
 from walkserve.lowering.memory import MemoryLimits, estimate_memory
-from walkserve.lowering.placement import Placement, resolve
+from walkserve.lowering.placement import Placement
 from walkserve.lowering.plan import (
     BlockPlan,
     ExecutablePlan,
@@ -30,6 +30,7 @@ from walkserve.lowering.plan import (
     TPGroupPlan,
 )
 from walkserve.lowering.regions import conductor_values, find_regions
+from walkserve.lowering.resolved import resolve
 from walkserve.lowering.split import POLICIES, GluePolicy, split_block
 from walkserve.lowering.valueflow import node_io, value_readers
 

@@ -44,13 +44,8 @@ from typeguard import typechecked
 
 from walkserve.capture import ir
 from walkserve.capture.model import CapturedModel
-from walkserve.lowering.placement import (
-    NodePlacement,
-    PlacementError,
-    ResolvedPlacement,
-    check_field_types,
-    format_size,
-)
+from walkserve.lowering.placement import PlacementError, check_field_types, format_size
+from walkserve.lowering.resolved import NodePlacement, ResolvedPlacement
 from walkserve.lowering.valueflow import ValueFlow
 
 __all__ = ["MemoryEstimate", "MemoryLimits", "estimate_memory", "format_memory"]
