@@ -496,14 +496,14 @@ class Server:
 
     def _route(self, events: list[Event]) -> None:
         for event in events:
-            if isinstance(event, (Finished, Failed)):
-                self.pool.release_request(event.request)
+            over = isinstance(event, (Finished, Failed))
             handle = self._handles.get(event.request)
-            if handle is None:
-                continue
-            handle._event(event)
-            if isinstance(event, (Finished, Failed)):
-                del self._handles[event.request]
+            if handle is not None:  # the caller first: the ranks' cleanup is not its wait
+                handle._event(event)
+                if over:
+                    del self._handles[event.request]
+            if over:
+                self.pool.release_request(event.request)
 
 
 # serve() starts a Server (runtime/startup.py); imported here, below Server, for the callers
