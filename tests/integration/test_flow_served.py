@@ -61,6 +61,8 @@ def test_bad_step_count_is_refused_naming_the_input(server: Server) -> None:
         server.submit(request(-2, 1, 1), "sample")
     with pytest.raises(ValueError, match=r"input 'prompt_ids'.*vocabulary.*rule: vocabulary"):
         server.submit(dict(request(4, 1, 1), prompt_ids=torch.tensor([[1, flow.VOCAB]])), "sample")
+    with pytest.raises(ValueError, match=r"input 'points'.*rule: trip-count"):  # run() too
+        server.run(request(-2, 1, 1), "sample", timeout=120)
     got = server.run(request(4, 6, 1), "sample", timeout=120)  # the server still serves
     with torch.no_grad():
         assert_outputs_match(got, flow.build()[0].sample(**request(4, 6, 1)))

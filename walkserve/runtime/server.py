@@ -181,6 +181,17 @@ class Server:
         or the error that says why the request was refused. ``stream=False``: the handle
         gets the final outputs only (``stream()`` yields nothing), and nothing is reported
         item by item for it: what ``run()`` and non-streamed answers need."""
+        return self._submit(inputs, walk, request_id, stream)[1]
+
+    def _submit(
+        self,
+        inputs: Mapping[str, Any],
+        walk: str | None,
+        request_id: str | None,
+        stream: bool,
+    ) -> tuple[RequestHandle, Future[RequestHandle]]:
+        """``submit_future``, and the handle the future will hold (finished as failed when
+        the request is refused, so that a wait on it ends either way)."""
         if self._closed:
             raise RuntimeError("the server is closed")
         if self.fatal is not None:
@@ -201,18 +212,28 @@ class Server:
                 self._handles[rid] = handle
             except Exception as e:
                 done.set_exception(e)
+                handle._finish(str(e))
                 return
             # the caller is woken once this pass has dispatched the request's first work:
             # its thread must not take the GIL from the dispatch that its request waits for
             self._admitted.append(lambda: done.set_result(handle))
 
         self._inbox.put(admit)
-        return done
+        return handle, done
 
     def run(
         self, inputs: Mapping[str, Any], walk: str | None = None, timeout: float | None = None
     ) -> dict[str, Any]:
-        return self.submit(inputs, walk, stream=False).result(timeout)
+        """The outputs of one request, or the error that refused or failed it; ``timeout``
+        covers its admission too. The caller waits once, for the end (not also for the
+        admission, a second wake of its thread per request)."""
+        handle, admitted = self._submit(inputs, walk, None, False)
+        if not handle._done.wait(timeout):
+            raise TimeoutError(f"request {handle.request_id} did not finish in {timeout} s")
+        refused = admitted.exception() if admitted.done() else None
+        if refused is not None:
+            raise refused
+        return handle.result(0)
 
     def cancel(self, request_id: str) -> None:
         def drop() -> None:
