@@ -28,7 +28,15 @@ import torch
 
 from walkserve.adapters.omni_transcribe import Padding, padding_settings
 from walkserve.api.chatmedia import per_part
-from walkserve.api.profile import ChatMediaTask, MediaInputs, MediaWalk, ModelProfile
+from walkserve.api.profile import (
+    ChatMediaTask,
+    FramePicker,
+    MediaInputs,
+    MediaWalk,
+    ModelProfile,
+    VideoLimits,
+    all_frames,
+)
 
 MAX_PARTS = 4  # media parts per request (each clip and image is encoded in the prefill)
 TINY_IMAGE_PIXELS = 64 * 64  # the tiny vision tower's images at most (resized by the processor)
@@ -175,11 +183,15 @@ def with_chat_media(
     sample_rate: int,
     max_audio_seconds: float,
     mixed_speak_walk: str | None = None,
+    video: MediaWalk | None = None,
+    video_frames: FramePicker = all_frames,
+    video_limits: VideoLimits | None = None,
 ) -> ModelProfile:
-    """``profile`` whose chat takes the media of ``audio`` / ``image`` (None: that kind is a
-    400), up to ``MAX_PARTS`` per request, both kinds in one request through ``chat_media``
-    (``mixed_speak_walk`` for audio out; None: a 400); ``profile`` unchanged with neither."""
-    if audio is None and image is None:
+    """``profile`` whose chat takes the media of ``audio`` / ``image`` / ``video`` (None: that
+    kind is a 400), up to ``MAX_PARTS`` per request, audio and images in one request through
+    ``chat_media`` (``mixed_speak_walk`` for audio out; None: a 400), videos alone (the frames
+    ``video_frames`` picks, under ``video_limits``); ``profile`` unchanged with none."""
+    if audio is None and image is None and video is None:
         return profile
     task = ChatMediaTask(
         audio=audio,
@@ -187,6 +199,9 @@ def with_chat_media(
         sample_rate=sample_rate,
         max_audio_seconds=max_audio_seconds,
         max_parts=MAX_PARTS,
+        video=video,
+        video_frames=video_frames,
+        video_limits=video_limits or VideoLimits(),
         mixed_walk="chat_media" if audio is not None and image is not None else None,
         mixed_speak_walk=mixed_speak_walk if audio is not None and image is not None else None,
     )

@@ -366,8 +366,8 @@ class PagedDecoder(nn.Module):
 class PagedThinker(PagedDecoder):
     """An Omni thinker (``thinker.model.language_model`` under ``thinker.lm_head``) fed the
     embeddings of its input, as upstream's thinker forward merges them: audio features
-    (``get_audio_features``) and image features (``get_image_features``) scattered at their
-    placeholders (``get_placeholder_mask``). Qwen3-Omni's adds DeepStack
+    (``get_audio_features``), video features (``get_video_features``) and image features
+    (``get_image_features``) scattered at their placeholders (``get_placeholder_mask``). Qwen3-Omni's adds DeepStack
     (``qwen3_omni.decoders``)."""
 
     def __init__(self, thinker: Any, config: PagedLMConfig | None = None) -> None:
@@ -385,6 +385,8 @@ class PagedThinker(PagedDecoder):
         pixel_values: Tensor | None = None,
         image_grid_thw: Tensor | None = None,
         output_hidden_states: bool = False,
+        pixel_values_videos: Tensor | None = None,
+        video_grid_thw: Tensor | None = None,
     ) -> StackOutput:
         return self._call(locals())
 
@@ -394,8 +396,9 @@ class PagedThinker(PagedDecoder):
 
     def merge_media(self, args: dict[str, Any]) -> tuple[Tensor, Tensor | None, Any]:
         """-> the call's input embeddings [B, T, D] with its media features at their
-        placeholders, the image placeholders [B, T] bool (None without images) and upstream's
-        ``get_image_features`` output (for DeepStack; None without images)."""
+        placeholders (audio, video, images), the image placeholders [B, T] bool (None
+        without images) and upstream's ``get_image_features`` output (for DeepStack; None
+        without images)."""
         model = self.thinker.model
         ids = args["input_ids"]
         embeds = model.get_input_embeddings()(ids)  # [B, T, D]
@@ -405,6 +408,13 @@ class PagedThinker(PagedDecoder):
             ).last_hidden_state
             _, _, mask = model.get_placeholder_mask(ids, inputs_embeds=embeds)
             embeds = embeds.masked_scatter(mask, audio.to(embeds.device, embeds.dtype))
+        if args.get("pixel_values_videos") is not None:  # as upstream's get_video_features
+            video = model.get_video_features(
+                args["pixel_values_videos"], args.get("video_grid_thw"), return_dict=True
+            )
+            found = torch.cat(video.pooler_output, dim=0).to(embeds.device, embeds.dtype)
+            _, mask, _ = model.get_placeholder_mask(ids, inputs_embeds=embeds, video_features=found)
+            embeds = embeds.masked_scatter(mask, found)
         if args.get("pixel_values") is None:
             return embeds, None, None
         image = model.get_image_features(

@@ -49,23 +49,23 @@ class MediaFetch:
         if not self.timeout_s > 0:
             raise ValueError(f"--media-fetch-timeout must be > 0, got {self.timeout_s}")
 
-    def check(self, url: str, where: str) -> None:
-        """A 400 unless the policy allows ``url`` (not a data URL)."""
+    def check(self, url: str, where: str, kind: str = "image") -> None:
+        """A 400 unless the policy allows ``url`` (not a data URL) of a ``kind`` part."""
         scheme = _scheme(url)
         if scheme in ("http", "https"):
             if not self.domains:
                 raise bad(
-                    f"{where}: remote image URLs are not enabled on this server; send the image"
-                    " as a data URL (data:image/png;base64,...)",
+                    f"{where}: remote {kind} URLs are not enabled on this server; send the"
+                    f" {kind} as a data URL (data:{kind}/...;base64,...)",
                     where,
                 )
             self._host(url, where)
         elif scheme in ("file", ""):
-            self._path(url, where)
+            self._path(url, where, kind)
         else:
             raise bad(
-                f"{where}: image URLs other than data URLs ({scheme} scheme) are not enabled on"
-                " this server; send data:image/png;base64,...",
+                f"{where}: {kind} URLs other than data URLs ({scheme} scheme) are not enabled on"
+                f" this server; send data:{kind}/...;base64,...",
                 where,
             )
 
@@ -80,11 +80,11 @@ class MediaFetch:
         with open(path, "rb") as f:
             return f.read()
 
-    def _path(self, url: str, where: str) -> str:
+    def _path(self, url: str, where: str, kind: str = "image") -> str:
         if self.local_dir is None:
             raise bad(
-                f"{where}: image URLs other than data URLs (file paths) are not enabled on this"
-                " server; send data:image/png;base64,...",
+                f"{where}: {kind} URLs other than data URLs (file paths) are not enabled on this"
+                f" server; send data:{kind}/...;base64,...",
                 where,
             )
         if _scheme(url) == "file":
