@@ -223,6 +223,27 @@ def test_videos_are_decoded_to_the_picked_frames_and_go_alone() -> None:
     assert info.value.param == "messages[0].content[0]"
 
 
+def test_a_video_file_is_read_where_the_deployer_allows(tmp_path: Any) -> None:
+    from walkserve.api import videocodec
+    from walkserve.api.mediafetch import MediaFetch
+
+    def inputs(videos: list[Any]) -> tuple[dict[str, Any], list[list[int]]]:
+        return {"frames": [v.total_frames for v in videos]}, [[700]]
+
+    task = dataclasses.replace(MEDIA, video=MediaWalk("video", inputs))
+    path = tmp_path / "clip.webm"
+    path.write_bytes(
+        videocodec.encode(torch.zeros(3, 8, 8, 3, dtype=torch.uint8), 3, "webm", "libvpx")
+    )
+    parts = chatmedia.MediaParts(task, "m", 1 << 20, fetch=MediaFetch(local_dir=str(tmp_path)))
+    rendered = chatprompt.render(
+        TASK, messages(video_part(f"file://{path}")), None, "m", parts.mark
+    )
+    assert parts.prompt(rendered, encode)[:2] == ("video", {"frames": [3]})
+    with pytest.raises(ApiError, match="video URLs other than data URLs"):
+        build(messages(video_part(f"file://{path}")), task)
+
+
 def test_qwen3_inputs_satisfy_the_walks_placeholder_checks() -> None:
     from walkserve.adapters import omni_chatmedia, qwen3_omni
     from walkserve.adapters.omni_transcribe import tiny_extractor, whisper_features

@@ -1,5 +1,6 @@
-"""Where the server may read an ``image_url`` from besides a data URL: the deployer's
-``MediaFetch`` policy (vLLM's ``--allowed-local-media-path`` and ``--allowed-media-domains``).
+"""Where the server may read an ``image_url`` or ``video_url`` from besides a data URL: the
+deployer's ``MediaFetch`` policy (vLLM's ``--allowed-local-media-path`` and
+``--allowed-media-domains``).
 Both are off by default: data URLs only.
 
     file:///abs/path or /abs/path   read only inside ``local_dir``: the path is resolved with
@@ -155,26 +156,28 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allowed-local-media-path",
         metavar="DIR",
-        help="image_url may name files (file:// or absolute paths) inside DIR; off by default",
+        help="image_url / video_url may name files (file:// or absolute paths) inside DIR; off"
+        " by default",
     )
     parser.add_argument(
         "--allowed-media-domains",
         metavar="HOSTS",
-        help="image_url may be an http(s) URL of these comma-separated hosts; off by default",
+        help="image_url / video_url may be an http(s) URL of these comma-separated hosts; off"
+        " by default",
     )
     parser.add_argument(
         "--max-media-bytes",
         type=int,
         default=DEFAULT_MAX_BYTES,
         metavar="N",
-        help="a fetched or read image at most N bytes",
+        help="a fetched or read image or video at most N bytes",
     )
     parser.add_argument(
         "--media-fetch-timeout",
         type=float,
         default=DEFAULT_TIMEOUT_S,
         metavar="S",
-        help="seconds an image URL fetch may take",
+        help="seconds an image or video URL fetch may take",
     )
 
 
