@@ -39,12 +39,17 @@ import torch
 from torch import Tensor
 
 from walkserve.api.chatmedia import per_part
-from walkserve.api.profile import FramePicker, MediaInputs
+from walkserve.api.profile import FramePicker, MediaInputs, VideoLimits
 
 # Upstream ``Qwen2VLVideoProcessor``'s class defaults (its module imports torchvision, so
 # they are read from it only where it imports: ``upstream_defaults``).
 FPS = 2.0  # Qwen2.5-Omni's processor: "default fps not saved in official ckpt"
 MIN_FRAMES, MAX_FRAMES = 4, 768
+TINY_VIDEO_PIXELS = 32 * 32  # the tiny vision towers' video frames at most (resized)
+# what the tiny profiles take of one upload (small, so tests can pass each limit cheaply)
+TINY_VIDEO_LIMITS = VideoLimits(
+    max_bytes=1 << 20, max_seconds=10.0, max_frames=64, max_pixels=320 * 240
+)
 
 
 @dataclass(frozen=True)

@@ -343,9 +343,8 @@ def tiny_processor() -> Any:
         image_processor=images, video_processor=None, feature_extractor=extractor, tokenizer=fast
     )
     from walkserve.adapters import omni_video
-    from walkserve.adapters.qwen25_omni.profiles import TINY_VIDEO_PIXELS
 
-    settings = omni_video.tiny_video_settings(thinker.vision_config, TINY_VIDEO_PIXELS)
+    settings = omni_video.tiny_video_settings(thinker.vision_config, omni_video.TINY_VIDEO_PIXELS)
     upstream = omni_video.upstream_video_processor(settings)
     processor.video_processor = upstream or omni_video.TorchVideoProcessor(settings)
     return processor

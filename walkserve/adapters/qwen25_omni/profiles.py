@@ -21,18 +21,12 @@ from walkserve.adapters.qwen25_omni.instances import (
     tiny,
 )
 from walkserve.adapters.qwen25_omni.media_walks import audio_token_count
-from walkserve.api.profile import VideoLimits
 
 if TYPE_CHECKING:
     from walkserve.adapters.omni_video import VideoSettings
-    from walkserve.api.profile import ModelProfile
+    from walkserve.api.profile import ModelProfile, VideoLimits
 
 QWEN_IM_END = 151645  # <|im_end|>: the thinker's EOS (as load_qwen25_omni's default)
-TINY_VIDEO_PIXELS = 32 * 32  # the tiny vision tower's video frames at most (resized)
-# what the tiny profile takes of one upload (small, so tests can pass each limit cheaply)
-TINY_VIDEO_LIMITS = VideoLimits(
-    max_bytes=1 << 20, max_seconds=10.0, max_frames=64, max_pixels=320 * 240
-)
 
 
 def qwen25_walk_names(default_bos: int) -> Any:
@@ -93,7 +87,11 @@ def tiny_profile(name: str) -> ModelProfile:
     )
     from walkserve.adapters.omni_chatmedia import tiny_image_processor
     from walkserve.adapters.omni_transcribe import tiny_extractor
-    from walkserve.adapters.omni_video import tiny_video_settings
+    from walkserve.adapters.omni_video import (
+        TINY_VIDEO_LIMITS,
+        TINY_VIDEO_PIXELS,
+        tiny_video_settings,
+    )
     from walkserve.adapters.qwen25_omni.instances import tiny_config
 
     thinker = tiny_config().thinker_config
