@@ -8,8 +8,9 @@ where it imports, ``video_inputs`` calls it instead (``upstream_video_processor`
                 to a multiple of temporal_patch_size; indices arange(0, total, total / n))
     resize      each frame to ``smart_resize`` (h, w multiples of patch * merge, pixels in
                 [min_pixels, max_pixels]): bicubic with antialiasing on the uint8 frames, as
-                torchvision's ``resize`` does it on the CPU (``interpolate`` on uint8; the
-                float path elsewhere: cast, interpolate, clamp, round)
+                torchvision's ``resize`` does it on the CPU (``interpolate`` on uint8; on a
+                GPU torchvision casts to float, clamps and rounds: frames here are PyAV's,
+                on the CPU)
     normalize   (x - 255 * mean) / (255 * std) in float32 (the fused rescale and normalize)
     patchify    frames padded to a multiple of temporal_patch_size with copies of the last;
                 [T, C, H, W] -> [t * h * w, C * tp * p * p], patches in merge-window order:
@@ -94,20 +95,14 @@ def pick_frames(settings: VideoSettings) -> FramePicker:
 
 
 def resized(frames: Tensor, height: int, width: int) -> Tensor:
-    """frames [T, C, H, W] uint8 -> [T, C, height, width] uint8: bicubic, antialiased, as
-    torchvision's ``resize`` computes it (uint8 natively on the CPU; elsewhere in float32,
-    clamped and rounded back)."""
+    """frames [T, C, H, W] uint8 (PyAV's, on the CPU) -> [T, C, height, width] uint8: bicubic,
+    antialiased, as torchvision's ``resize`` computes it on the CPU (torch's native uint8
+    kernel; unchanged when the size is already right)."""
     if frames.shape[-2:] == (height, width):
         return frames
-    size = (height, width)
-    if frames.device.type == "cpu":
-        return torch.nn.functional.interpolate(
-            frames, size=size, mode="bicubic", align_corners=False, antialias=True
-        )
-    out = torch.nn.functional.interpolate(
-        frames.float(), size=size, mode="bicubic", align_corners=False, antialias=True
+    return torch.nn.functional.interpolate(
+        frames.cpu(), size=(height, width), mode="bicubic", align_corners=False, antialias=True
     )
-    return out.clamp_(0, 255).round_().to(torch.uint8)
 
 
 def patchify(video: Tensor, settings: VideoSettings) -> tuple[Tensor, list[int]]:
