@@ -85,3 +85,13 @@ def omni(walkserve_serve: Callable[..., AbstractContextManager[ServeProcess]]) -
     """The tiny Qwen3-Omni served once for the speech and chat-media modules."""
     with walkserve_serve("--model", OMNI) as server:
         yield server
+
+
+QWEN25 = "walkserve.adapters.qwen25_omni:tiny_audible"  # its waveform survives pcm16
+
+
+@pytest.fixture(scope="session")
+def qwen25(walkserve_serve: Callable[..., AbstractContextManager[ServeProcess]]) -> Iterator[Any]:
+    """The tiny Qwen2.5-Omni served once for its chat-media and video modules."""
+    with walkserve_serve("--model", QWEN25) as server:
+        yield server

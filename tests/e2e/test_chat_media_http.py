@@ -1,8 +1,8 @@
 """Media parts in chat messages over HTTP with the official ``openai`` client, to the tiny
 Qwen3-Omni (the session's ``omni`` server, shared with ``test_speech_http``): audio clips and
-images (data URLs) alone and together in one message, checked against the walks run by the
-reference interpreter, or upstream ``thinker.generate()``, on the inputs upstream's processor
-makes of the same media; refusals name the field."""
+images (data URLs) alone and together in one message, and a video, checked against the walks
+run by the reference interpreter, or upstream ``thinker.generate()``, on the inputs upstream's
+processor makes of the same media; refusals name the field."""
 
 from __future__ import annotations
 
@@ -106,6 +106,16 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def upstream_reply(walks: Any, ids: torch.Tensor, media: dict[str, Any], n: int) -> str:
+    """Upstream ``thinker.generate()`` (greedy) on the prompt ``ids`` and ``media``: the reply's
+    text, up to EOS (the tiny tokenizer's bytes; ids >= 238 are specials, dropped)."""
+    out = walks.upstream.thinker.generate(
+        ids, **media, max_new_tokens=n, eos_token_id=walks.eos, do_sample=False
+    )[0, ids.shape[1] :].tolist()
+    out = out[: out.index(walks.eos)] if walks.eos in out else out
+    return bytes(t for t in out if t < 238).decode("utf-8", errors="replace")
+
+
 def image_part(data: bytes, mime: str = "image/png") -> dict[str, Any]:
     url = f"data:{mime};base64,{b64(data)}"
     return {"type": "image_url", "image_url": {"url": url}}
@@ -148,6 +158,35 @@ def test_chat_image_part_equals_the_chat_image_walk(client: Any, ref: Any, eos: 
         assert reply.choices[0].message.content == want, fmt
         answers.add(want)
     assert len(answers) > 1  # the image is read: the lossy formats' pixels change the reply
+
+
+def test_a_video_part_equals_upstream_thinker_generate(
+    client: Any, tiny_walks: Any, eos: int
+) -> None:
+    """A video (mp4, 2 s at 3 fps) over HTTP: the reply equals upstream ``thinker.generate()``
+    (greedy) on the profile's inputs for its frames (read at the processor's 1 fps; checked
+    against upstream's processor in ``tests/unit/test_qwen3_omni_video.py``)."""
+    from walkserve.api import videocodec
+
+    task = qwen3_omni.tiny_profile("m").chat_media
+    assert task is not None and task.video is not None
+    g = torch.Generator().manual_seed(4)
+    frames = torch.randint(0, 256, (6, 24, 32, 3), generator=g, dtype=torch.uint8)
+    data = videocodec.encode(frames, 3)
+    decoded = videocodec.decode(data, task.video_limits, task.video_frames)
+    inputs, [ids] = task.video.inputs([decoded])
+    prompt = qwen3_omni.chat_prompt(CONFIG, [10, *b"Hi", *ids], 10)
+    want = upstream_reply(tiny_walks, prompt, inputs, 8)
+    assert want
+    url = f"data:video/mp4;base64,{b64(data)}"
+    content = [{"type": "text", "text": "Hi"}, {"type": "video_url", "video_url": {"url": url}}]
+    reply = client.chat.completions.create(
+        model=OMNI, messages=[{"role": "user", "content": content}], max_tokens=8
+    )
+    assert (reply.choices[0].message.content, reply.usage.prompt_tokens) == (
+        want,
+        prompt.shape[1],
+    )
 
 
 def test_chat_media_with_audio_out_runs_speak_audio(client: Any, ref: Any, eos: int) -> None:
@@ -203,8 +242,8 @@ def test_chat_media_refusals_name_the_field(client: Any) -> None:
         ),
         (
             {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
-            r"takes no video",
-            "messages[0].content[0]",
+            r"not a video that can be read",
+            "messages[0].content[0].video_url.url",
         ),
         (
             {"type": "input_audio", "input_audio": {"data": "!!", "format": "wav"}},
@@ -252,17 +291,10 @@ def test_images_and_clips_in_one_message_equal_upstream_generate(
     audio, clip_ids = clips_features(clips)
     user = [10, *b"Hi", *pictures[0][1], *clip_ids[0], *b"and", *pictures[1][1], *clip_ids[1]]
     ids = qwen3_omni.chat_prompt(CONFIG, user, 10)
-    want = tiny_walks.upstream.thinker.generate(
-        ids,
-        **audio,
-        pixel_values=torch.cat([p[0]["pixel_values"] for p in pictures]),
-        image_grid_thw=torch.cat([p[0]["image_grid_thw"] for p in pictures]),
-        max_new_tokens=8,
-        eos_token_id=eos,
-        do_sample=False,
-    )[0, ids.shape[1] :].tolist()
-    want = want[: want.index(eos)] if eos in want else want
-    text = bytes(t for t in want if t < 238).decode("utf-8", errors="replace")
+    pixels = torch.cat([p[0]["pixel_values"] for p in pictures])
+    grids = torch.cat([p[0]["image_grid_thw"] for p in pictures])
+    media = {**audio, "pixel_values": pixels, "image_grid_thw": grids}
+    text = upstream_reply(tiny_walks, ids, media, 8)
     assert text
     content = [{"type": "text", "text": "Hi"}, image_part(images[0]), audio_part(clips[0], "wav")]
     content += [{"type": "text", "text": "and"}, image_part(images[1], "image/jpeg")]

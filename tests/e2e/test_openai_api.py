@@ -355,6 +355,12 @@ def test_text_parts_work_and_an_image_part_is_refused(client: Any) -> None:
         client.chat.completions.create(
             model=ALIAS, messages=[{"role": "user", "content": [parts[0], image]}], max_tokens=6
         )
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match=r"takes text only, not video") as e:
+        client.chat.completions.create(
+            model=ALIAS, messages=[{"role": "user", "content": [video]}], max_tokens=6
+        )
+    assert e.value.body["param"] == "messages[0].content[0]"  # a model without video
 
 
 # ---------------------------------------------------------------- refused fields, bad bodies

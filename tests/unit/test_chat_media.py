@@ -177,6 +177,73 @@ def test_limits_kind_and_role() -> None:
         build(messages({"type": "text", "text": "\x00media7\x00"}, image))
 
 
+def video_part(url: str) -> dict[str, Any]:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def test_videos_are_decoded_to_the_picked_frames_and_go_alone() -> None:
+    """A ``video_url`` data URL: PyAV's frames, those the task's picker chose, to the video
+    walk; its ids where the part is. Videos with images or with audio output are 400s."""
+    from walkserve.api import videocodec
+
+    def inputs(videos: list[Any]) -> tuple[dict[str, Any], list[list[int]]]:
+        found = [(v.indices, tuple(v.frames.shape), v.fps) for v in videos]
+        return {"videos": found}, [[700 + i] for i in range(len(videos))]
+
+    task = dataclasses.replace(
+        MEDIA,
+        max_parts=3,
+        video=MediaWalk("video", inputs),
+        video_frames=lambda total, fps: range(0, total, 2),
+    )
+    frames = torch.zeros(5, 16, 24, 3, dtype=torch.uint8)
+    mp4 = data_url(videocodec.encode(frames, 5), "video/mp4")
+    walk, got, ids = build(
+        messages(video_part(mp4), {"type": "text", "text": "b"}, video_part(mp4)), task
+    )
+    assert walk == "video" and got == {"videos": [((0, 2, 4), (3, 16, 24, 3), 5.0)] * 2}
+    assert ids == [*encode("user: "), 700, *encode("b"), 701, *encode("\nassistant:")]
+    with pytest.raises(ApiError, match="reads video parts alone") as info:
+        build(messages(video_part(mp4), image_part(data_url(png()))), task)
+    assert info.value.param == "messages"
+    with pytest.raises(ApiError, match="cannot answer video with audio output"):
+        parts = chatmedia.MediaParts(task, "m", 1 << 20, speaking=True)
+        chatprompt.render(TASK, messages(video_part(mp4)), None, "m", parts.mark)
+    for url, match in [
+        (data_url(b"garbage" * 9, "video/mp4"), "not a video that can be read"),
+        (data_url(png()), "a data URL of 'image/png'"),
+        ("http://x/y.mp4", "remote video URLs are not enabled"),
+    ]:
+        with pytest.raises(ApiError, match=match) as info:
+            build(messages(video_part(url)), task)
+        assert info.value.param == "messages[0].content[0].video_url.url"
+    no_video = ChatMediaTask(image=MEDIA.image)  # a model without video keeps its 400
+    with pytest.raises(ApiError, match="takes no video") as info:
+        build(messages(video_part(mp4)), no_video)
+    assert info.value.param == "messages[0].content[0]"
+
+
+def test_a_video_file_is_read_where_the_deployer_allows(tmp_path: Any) -> None:
+    from walkserve.api import videocodec
+    from walkserve.api.mediafetch import MediaFetch
+
+    def inputs(videos: list[Any]) -> tuple[dict[str, Any], list[list[int]]]:
+        return {"frames": [v.total_frames for v in videos]}, [[700]]
+
+    task = dataclasses.replace(MEDIA, video=MediaWalk("video", inputs))
+    path = tmp_path / "clip.webm"
+    path.write_bytes(
+        videocodec.encode(torch.zeros(3, 8, 8, 3, dtype=torch.uint8), 3, "webm", "libvpx")
+    )
+    parts = chatmedia.MediaParts(task, "m", 1 << 20, fetch=MediaFetch(local_dir=str(tmp_path)))
+    rendered = chatprompt.render(
+        TASK, messages(video_part(f"file://{path}")), None, "m", parts.mark
+    )
+    assert parts.prompt(rendered, encode)[:2] == ("video", {"frames": [3]})
+    with pytest.raises(ApiError, match="video URLs other than data URLs"):
+        build(messages(video_part(f"file://{path}")), task)
+
+
 def test_qwen3_inputs_satisfy_the_walks_placeholder_checks() -> None:
     from walkserve.adapters import omni_chatmedia, qwen3_omni
     from walkserve.adapters.omni_transcribe import tiny_extractor, whisper_features

@@ -83,7 +83,7 @@ def processed(processor: Any, case: Any) -> dict[str, Any]:
 
 def upstream(walks: q.Qwen25OmniWalks, r: dict[str, Any]) -> list[int]:
     """Greedy upstream ``thinker.generate()`` on the request's inputs: its new tokens."""
-    media = {k: r[k] for k in q.MEDIA_INPUTS if k in r}
+    media = {k: r[k] for k in (*q.MEDIA_INPUTS, *q.VIDEO_INPUTS) if k in r}
     ids = r["input_ids"]
     out = walks.upstream.thinker.generate(
         ids,
@@ -264,3 +264,89 @@ def test_placeholders_must_match_the_media(tiny: Any, processor: Any) -> None:
     image = {k: r[k] for k in ("input_ids", "pixel_values", "image_grid_thw", "max_new_tokens")}
     with pytest.raises(ValueError, match="patches"):
         walks.chat_image(**{**image, "pixel_values": image["pixel_values"][:-1]})
+
+
+VIDEO = "<|vision_bos|><|VIDEO|><|vision_eos|>"
+
+
+def frames(seed: int, count: int, width: int, height: int) -> np.ndarray:
+    """A video's frames, already picked (the processor is called with them as the server's
+    ``omni_video.pick_frames`` leaves them)."""
+    shape = (count, height, width, 3)
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def video_request(processor: Any, user: str, videos: list[np.ndarray], n: int) -> dict[str, Any]:
+    out = processor(text=[chat(user)], videos=videos, return_tensors="pt")
+    return {k: v for k, v in out.items() if k != "attention_mask"} | {"max_new_tokens": n}
+
+
+VIDEO_CASES = [
+    (f"Hi{VIDEO}what?", [(1, 4, 32, 24)], 10),
+    (f"{VIDEO}and{VIDEO}", [(2, 6, 40, 40), (3, 3, 24, 16)], 9),  # odd: the last frame again
+]
+
+
+@pytest.mark.parametrize("case", VIDEO_CASES, ids=["one", "two"])
+def test_the_video_walk_equals_upstream_thinker_generate(
+    tiny: Any, processor: Any, case: Any
+) -> None:
+    """``chat_video`` on the processor's inputs (``pixel_values_videos``, ``video_grid_thw``,
+    ``video_second_per_grid``) replies as upstream ``thinker.generate()`` (greedy) does; the
+    pixels are read, and the videos move the positions as upstream's ``rope_deltas``."""
+    walks, captured = tiny
+    user, videos, n = case
+    r = video_request(processor, user, [frames(*v) for v in videos], n)
+    assert r["video_second_per_grid"].tolist() == [1.0] * len(videos)  # 2 frames at 2 fps
+    want = upstream(walks, r)
+    assert len(want) > 2
+    assert reply(walks, captured.run(r, walk="chat_video"), n) == want
+    _, rope = walks.video_positions(r["input_ids"], r["video_grid_thw"], r["video_second_per_grid"])
+    delta = walks.upstream.thinker.model.rope_deltas
+    assert torch.equal(rope, delta + r["input_ids"].shape[1] - 1) and int(delta) != 0
+    other = r | {"pixel_values_videos": -r["pixel_values_videos"]}
+    assert reply(walks, captured.run(other, walk="chat_video"), n) != want
+
+
+def test_the_profile_makes_the_processors_video_inputs(processor: Any) -> None:
+    """The served video inputs (``chat_video``, the frames ``pick_frames`` reads, no audio
+    out): the pixels, grids, seconds and placeholders upstream's processor makes of them."""
+    from walkserve.api.videocodec import Video
+
+    task = q.tiny_profile("m").chat_media
+    assert task is not None and task.video is not None
+    assert task.video.walk == "chat_video" and task.video.speak_walk is None
+    assert list(task.video_frames(6, 3.0)) == [0, 1, 3, 4]  # 2 s read at 2 frames a second
+    videos = [frames(*v) for v in VIDEO_CASES[1][1]]
+    parts = [Video(torch.from_numpy(v), 2.0, len(v), tuple(range(len(v)))) for v in videos]
+    got, ids = task.video.inputs(parts)
+    want = processor(text=[chat(VIDEO * 2)], videos=videos, return_tensors="pt")
+    for key, value in got.items():
+        assert torch.equal(value, want[key]), key
+    text = q.tiny_profile("m").text
+    assert text is not None
+    prompt = text.encode(chat(""))
+    assert [*prompt[:3], *ids[0], *ids[1], *prompt[3:]] == want["input_ids"][0].tolist()
+
+
+def test_requests_with_different_videos_run_together(tiny: Any, processor: Any) -> None:
+    walks, captured = tiny
+    plan = lower(captured, captured.sample_inputs, check_capture=False)
+    runner = BatchedRunner(captured, plan, build_callables(captured, plan))
+    requests = [
+        video_request(processor, u, [frames(*v) for v in vs], n) for u, vs, n in VIDEO_CASES
+    ]
+    for r, got in zip(requests, runner.run(requests, "chat_video")):
+        assert reply(walks, got, r["max_new_tokens"]) == upstream(walks, r)
+
+
+def test_video_placeholders_must_match_the_video(tiny: Any, processor: Any) -> None:
+    walks, _ = tiny
+    r = video_request(processor, VIDEO, [frames(1, 4, 32, 24)], 4)
+    keys = ("pixel_values_videos", "video_grid_thw", "video_second_per_grid", "max_new_tokens")
+    short = r["input_ids"][:, :-6]  # drops placeholders and the turn's end
+    short = torch.cat([short[:, :-1], r["input_ids"][:, -5:]], dim=1)
+    with pytest.raises(ValueError, match="video placeholder tokens"):
+        walks.chat_video(short, **{k: r[k] for k in keys})
+    with pytest.raises(ValueError, match="pixel_values_videos holds"):
+        walks.chat_video(r["input_ids"], r["pixel_values_videos"][:-1], *[r[k] for k in keys[1:]])

@@ -9,16 +9,19 @@ walks carry it per request instead, so requests of different audio lengths or im
 together on the lowered, batched callables (one dispatch per node over all requests,
 interleaved as a worker interleaves them) without disturbing each other, and a text-only
 request is right even while upstream's module attributes hold another request's offset. A
-prompt whose placeholders do not match its media is refused."""
+prompt whose placeholders do not match its media is refused. Videos (``chat_video``) equal
+upstream ``thinker.generate()`` on upstream's processor's inputs (below)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from walkserve import capture
+from walkserve.adapters import omni_video
 from walkserve.adapters import qwen3_omni as q
 from walkserve.lowering.batched import BatchedRunner, build_callables
 from walkserve.lowering.lower import lower
@@ -332,3 +335,107 @@ def test_chat_media_with_images_and_clips_equals_upstream_generate(
     keys = ("input_ids", *q.MEDIA_INPUTS, "max_new_tokens")
     got = captured.run({k: r[k] for k in keys}, walk="chat_media")
     assert torch.equal(text_of(got), want[:, r["input_ids"].shape[1] :])
+
+
+# ---------------------------------------------------------------- videos (``chat_video``)
+# The captured walk (reference interpreter, and the lowered callables with requests of
+# different videos together) replies as upstream ``thinker.generate()`` (greedy) does on the
+# inputs upstream's ``Qwen3OmniMoeProcessor`` makes of the same frames (its video processor
+# torch's twin of upstream's, ``omni_video.TorchVideoProcessor``, where torchvision does not
+# import): the vision tower's and DeepStack features at the video placeholders, the positions
+# of upstream ``get_rope_index`` (``video_second_per_grid`` 2: the processor's 1 fps).
+
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module")
+def processor() -> Any:
+    """Upstream's processor over the tiny ids (``test_chat_media.upstream_processor``) with
+    the tiny profile's video processor."""
+    from test_chat_media import upstream_processor
+
+    from walkserve.adapters import omni_chatmedia
+    from walkserve.adapters.omni_transcribe import tiny_extractor
+
+    thinker = q.tiny_config().thinker_config
+    extractor = tiny_extractor(int(thinker.audio_config.num_mel_bins))
+    images = omni_chatmedia.tiny_image_processor(thinker.vision_config)
+    with pytest.MonkeyPatch.context() as patch:
+        out = upstream_processor(patch, images, extractor)
+    settings = omni_video.tiny_video_settings(thinker.vision_config, omni_video.TINY_VIDEO_PIXELS)
+    out.video_processor = omni_video.upstream_video_processor(
+        settings
+    ) or omni_video.TorchVideoProcessor(settings)
+    return out
+
+
+def frames(seed: int, count: int, width: int, height: int) -> np.ndarray:
+    shape = (count, height, width, 3)
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+CASES = [
+    (f"Hi{VIDEO}what?", [(1, 4, 32, 24)], 10),
+    (f"{VIDEO}and{VIDEO}", [(2, 6, 40, 40), (3, 3, 24, 16)], 9),
+]
+
+
+def request(processor: Any, case: Any) -> dict[str, Any]:
+    user, videos, n = case
+    text = f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    out = processor(text=[text], videos=[frames(*v) for v in videos], return_tensors="pt")
+    return {k: v for k, v in out.items() if k != "attention_mask"} | {"max_new_tokens": n}
+
+
+def upstream(walks: q.Qwen3OmniWalks, r: dict[str, Any]) -> torch.Tensor:
+    """Upstream ``thinker.generate()`` (greedy) on the request's videos: its new tokens [1, n]
+    (as ``test_qwen3_omni_media`` compares the image walks)."""
+    videos = {k: r[k] for k in ("pixel_values_videos", "video_grid_thw", "video_second_per_grid")}
+    n, eos, ids = r["max_new_tokens"], walks.eos, r["input_ids"]
+    want = walks.upstream.thinker.generate(
+        ids, **videos, max_new_tokens=n, eos_token_id=eos, do_sample=False
+    )
+    return want[:, ids.shape[1] :]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["one", "two"])
+def test_the_video_walk_equals_upstream_thinker_generate(
+    tiny: Any, processor: Any, case: Any
+) -> None:
+    walks, captured = tiny
+    r = request(processor, case)
+    assert r["video_second_per_grid"].tolist() == [2.0] * len(case[1])  # 1 fps
+    want = upstream(walks, r)
+    assert want.shape[1] > 2
+    assert torch.equal(text_of(captured.run(r, walk="chat_video")), want)
+    _, rope = walks.video_positions(r["input_ids"], r["video_grid_thw"], r["video_second_per_grid"])
+    delta = walks.upstream.thinker.model.rope_deltas
+    assert torch.equal(rope[:, 1:], delta + r["input_ids"].shape[1] - 1) and int(delta) != 0
+    other = r | {"pixel_values_videos": -r["pixel_values_videos"]}
+    assert not torch.equal(text_of(captured.run(other, walk="chat_video")), want)
+
+
+def test_the_profile_makes_the_processors_video_inputs(processor: Any) -> None:
+    from walkserve.api.videocodec import Video
+
+    task = q.tiny_profile("m").chat_media
+    assert task is not None and task.video is not None and task.video.speak_walk is None
+    assert list(task.video_frames(30, 3.0)) == list(range(0, 30, 3))  # 10 s at 1 frame a second
+    videos = [frames(*v) for v in CASES[1][1]]
+    parts = [Video(torch.from_numpy(v), 2.0, len(v), tuple(range(len(v)))) for v in videos]
+    got, ids = task.video.inputs(parts)
+    r = request(processor, (VIDEO * 2, CASES[1][1], 1))
+    for key, value in got.items():
+        assert torch.equal(value, r[key]), key
+    flat = r["input_ids"][0].tolist()
+    start = flat.index(ids[0][0])
+    assert flat[start : start + len(ids[0]) + len(ids[1])] == [*ids[0], *ids[1]]
+
+
+def test_requests_with_different_videos_run_together(tiny: Any, processor: Any) -> None:
+    walks, captured = tiny
+    plan = lower(captured, captured.sample_inputs, check_capture=False)
+    runner = BatchedRunner(captured, plan, build_callables(captured, plan))
+    requests = [request(processor, case) for case in CASES]
+    for r, got in zip(requests, runner.run(requests, "chat_video")):
+        assert torch.equal(text_of(got), upstream(walks, r))

@@ -327,6 +327,9 @@ def test_checkpoint_chat_media_with_its_preprocessors(tmp_path: Path) -> None:
     assert media is not None and media.audio is not None and media.image is not None
     inputs, ids = media.image.inputs([torch.zeros(16, 24, 3, dtype=torch.uint8)])  # one part
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 6]] and [len(i) for i in ids] == [2 + 6]
+    # Videos: the vision tower's sizes, the processor's frame sizes, read at its 1 fps.
+    assert media.video is not None and media.video.walk == "chat_video"
+    assert list(media.video_frames(30, 3.0)) == list(range(0, 30, 3))
     file.write_text(json.dumps(both | {"patch_size": 14}))
     with pytest.raises(ValueError, match="not the vision tower's"):
         profile_for(str(tmp_path))

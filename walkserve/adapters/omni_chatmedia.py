@@ -1,7 +1,8 @@
-"""Chat messages with audio clips and images for an Omni thinker (Qwen3-Omni's here; Qwen2.5-Omni's
-in ``qwen25_omni.profiles``, from the same pieces): the ``ChatMediaTask``
+"""Chat messages with audio clips, images and videos for an Omni thinker (Qwen3-Omni's here;
+Qwen2.5-Omni's in ``qwen25_omni.profiles``, from the same pieces): the ``ChatMediaTask``
 of its profile, over the ``chat_audio`` / ``chat_image`` walks (``speak_audio`` /
-``speak_image`` for audio out) and ``chat_media`` for both kinds in one request. The parts
+``speak_image`` for audio out), ``chat_media`` for both kinds in one request and
+``chat_video`` for videos (``omni_video``). The parts
 become what upstream's ``Qwen3OmniMoeProcessor`` makes of them:
 
     audio  WhisperFeatureExtractor features and frame masks of all clips at once (padded to
@@ -28,7 +29,15 @@ import torch
 
 from walkserve.adapters.omni_transcribe import Padding, padding_settings
 from walkserve.api.chatmedia import per_part
-from walkserve.api.profile import ChatMediaTask, MediaInputs, MediaWalk, ModelProfile
+from walkserve.api.profile import (
+    ChatMediaTask,
+    FramePicker,
+    MediaInputs,
+    MediaWalk,
+    ModelProfile,
+    VideoLimits,
+    all_frames,
+)
 
 MAX_PARTS = 4  # media parts per request (each clip and image is encoded in the prefill)
 TINY_IMAGE_PIXELS = 64 * 64  # the tiny vision tower's images at most (resized by the processor)
@@ -131,13 +140,27 @@ def with_qwen3_chat_media(
     extractor: Any | None,
     image_processor: Any | None,
     max_audio_seconds: float,
+    video_settings: Any | None = None,
+    video_limits: VideoLimits | None = None,
 ) -> ModelProfile:
-    """``profile`` (a Qwen3-Omni profile) whose chat takes audio clips (with an extractor) and
-    images (with an image processor), up to ``MAX_PARTS`` per request, both kinds in one
-    request through ``chat_media`` (text out only: no ``speak_media``, see its module);
-    ``config`` its ``Qwen3OmniMoeConfig``."""
+    """``profile`` (a Qwen3-Omni profile) whose chat takes audio clips (with an extractor),
+    images (with an image processor) and videos (with ``omni_video.VideoSettings``), up to
+    ``MAX_PARTS`` per request, clips and images in one request through ``chat_media`` (text
+    out only: no ``speak_media``, see its module), videos alone through ``chat_video`` (text
+    out); ``config`` its ``Qwen3OmniMoeConfig``."""
+    from walkserve.adapters import omni_video
+
     thinker = config.thinker_config
-    audio = image = None
+    audio = image = video = None
+    frames: FramePicker = all_frames
+    if video_settings is not None:
+        placeholders = (
+            int(thinker.vision_start_token_id),
+            int(thinker.video_token_id),
+            int(thinker.vision_end_token_id),
+        )
+        video = MediaWalk("chat_video", omni_video.video_inputs(video_settings, *placeholders))
+        frames = omni_video.pick_frames(video_settings)
     if extractor is not None:
         from walkserve.adapters.qwen3_omni import audio_token_count
 
@@ -165,7 +188,16 @@ def with_qwen3_chat_media(
             speak_walk="speak_image",
         )
     rate = int(extractor.sampling_rate) if extractor is not None else 16000
-    return with_chat_media(profile, audio, image, rate, max_audio_seconds)
+    return with_chat_media(
+        profile,
+        audio,
+        image,
+        rate,
+        max_audio_seconds,
+        video=video,
+        video_frames=frames,
+        video_limits=video_limits,
+    )
 
 
 def with_chat_media(
@@ -175,11 +207,15 @@ def with_chat_media(
     sample_rate: int,
     max_audio_seconds: float,
     mixed_speak_walk: str | None = None,
+    video: MediaWalk | None = None,
+    video_frames: FramePicker = all_frames,
+    video_limits: VideoLimits | None = None,
 ) -> ModelProfile:
-    """``profile`` whose chat takes the media of ``audio`` / ``image`` (None: that kind is a
-    400), up to ``MAX_PARTS`` per request, both kinds in one request through ``chat_media``
-    (``mixed_speak_walk`` for audio out; None: a 400); ``profile`` unchanged with neither."""
-    if audio is None and image is None:
+    """``profile`` whose chat takes the media of ``audio`` / ``image`` / ``video`` (None: that
+    kind is a 400), up to ``MAX_PARTS`` per request, audio and images in one request through
+    ``chat_media`` (``mixed_speak_walk`` for audio out; None: a 400), videos alone (the frames
+    ``video_frames`` picks, under ``video_limits``); ``profile`` unchanged with none."""
+    if audio is None and image is None and video is None:
         return profile
     task = ChatMediaTask(
         audio=audio,
@@ -187,6 +223,9 @@ def with_chat_media(
         sample_rate=sample_rate,
         max_audio_seconds=max_audio_seconds,
         max_parts=MAX_PARTS,
+        video=video,
+        video_frames=video_frames,
+        video_limits=video_limits or VideoLimits(),
         mixed_walk="chat_media" if audio is not None and image is not None else None,
         mixed_speak_walk=mixed_speak_walk if audio is not None and image is not None else None,
     )

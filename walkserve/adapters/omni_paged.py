@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -363,11 +363,21 @@ class PagedDecoder(nn.Module):
             state.lock.release()
 
 
+class Merged(NamedTuple):
+    """A thinker call's input embeddings with its media merged (``PagedThinker.merge_media``)."""
+
+    embeds: Tensor  # [B, T, D]
+    image_mask: Tensor | None  # [B, T] bool: the image placeholders; None without images
+    image: Any  # upstream's get_image_features output; None without images
+    video_mask: Tensor | None  # [B, T] bool: the video placeholders; None without videos
+    video: Any  # upstream's get_video_features output; None without videos
+
+
 class PagedThinker(PagedDecoder):
     """An Omni thinker (``thinker.model.language_model`` under ``thinker.lm_head``) fed the
     embeddings of its input, as upstream's thinker forward merges them: audio features
-    (``get_audio_features``) and image features (``get_image_features``) scattered at their
-    placeholders (``get_placeholder_mask``). Qwen3-Omni's adds DeepStack
+    (``get_audio_features``), video features (``get_video_features``) and image features
+    (``get_image_features``) scattered at their placeholders (``get_placeholder_mask``). Qwen3-Omni's adds DeepStack
     (``qwen3_omni.decoders``)."""
 
     def __init__(self, thinker: Any, config: PagedLMConfig | None = None) -> None:
@@ -385,17 +395,18 @@ class PagedThinker(PagedDecoder):
         pixel_values: Tensor | None = None,
         image_grid_thw: Tensor | None = None,
         output_hidden_states: bool = False,
+        pixel_values_videos: Tensor | None = None,
+        video_grid_thw: Tensor | None = None,
     ) -> StackOutput:
         return self._call(locals())
 
     def prepare(self, args: dict[str, Any], context: int) -> Prepared:
-        embeds, visual, _ = self.merge_media(args)
-        return Prepared(embeds, args.get("position_ids"), visual)
+        merged = self.merge_media(args)
+        return Prepared(merged.embeds, args.get("position_ids"), merged.image_mask)
 
-    def merge_media(self, args: dict[str, Any]) -> tuple[Tensor, Tensor | None, Any]:
-        """-> the call's input embeddings [B, T, D] with its media features at their
-        placeholders, the image placeholders [B, T] bool (None without images) and upstream's
-        ``get_image_features`` output (for DeepStack; None without images)."""
+    def merge_media(self, args: dict[str, Any]) -> Merged:
+        """The call's input embeddings with its media features at their placeholders (audio,
+        video, images), and the vision tower's outputs (for DeepStack)."""
         model = self.thinker.model
         ids = args["input_ids"]
         embeds = model.get_input_embeddings()(ids)  # [B, T, D]
@@ -405,14 +416,24 @@ class PagedThinker(PagedDecoder):
             ).last_hidden_state
             _, _, mask = model.get_placeholder_mask(ids, inputs_embeds=embeds)
             embeds = embeds.masked_scatter(mask, audio.to(embeds.device, embeds.dtype))
+        if args.get("pixel_values_videos") is not None:  # as upstream's get_video_features
+            video = model.get_video_features(
+                args["pixel_values_videos"], args.get("video_grid_thw"), return_dict=True
+            )
+            found = torch.cat(video.pooler_output, dim=0).to(embeds.device, embeds.dtype)
+            _, mask, _ = model.get_placeholder_mask(ids, inputs_embeds=embeds, video_features=found)
+            embeds = embeds.masked_scatter(mask, found)
+            videos = (mask[..., 0], video)
+        else:
+            videos = (None, None)
         if args.get("pixel_values") is None:
-            return embeds, None, None
+            return Merged(embeds, None, None, *videos)
         image = model.get_image_features(
             args["pixel_values"], args.get("image_grid_thw"), return_dict=True
         )
         features = torch.cat(image.pooler_output, dim=0).to(embeds.device, embeds.dtype)
         mask, _, _ = model.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=features)
-        return embeds.masked_scatter(mask, features), mask[..., 0], image
+        return Merged(embeds.masked_scatter(mask, features), mask[..., 0], image, *videos)
 
     def head(self, hidden: Tensor, prepared: Prepared) -> Tensor:
         logits: Tensor = self.thinker.lm_head(hidden)

@@ -241,6 +241,26 @@ def encode(waveform: torch.Tensor, fmt: SpeechFormat, sample_rate: int) -> bytes
     return enc.close()
 
 
+def open_upload(data: bytes, containers: frozenset[str], kind: str, accepted: str) -> Any:
+    """PyAV's container of an uploaded file whose demuxer is one of ``containers`` (FFmpeg's
+    names); ``ValueError`` naming ``accepted`` otherwise. ``kind``: "audio" or "video"."""
+    import av
+
+    try:
+        container = av.open(io.BytesIO(data), "r")
+    except av.FFmpegError as e:
+        what = "audio" if kind == "audio" else f"a {kind}"
+        raise ValueError(
+            f"the file is not {what} that can be read ({e}); send {accepted}"
+        ) from None
+    if container.format.name not in containers:
+        container.close()
+        raise ValueError(
+            f"{kind} in a {container.format.name!r} container is not accepted; send {accepted}"
+        )
+    return container
+
+
 def decode(data: bytes, sample_rate: int, max_seconds: float) -> torch.Tensor:
     """An uploaded audio file -> its first audio stream, mixed to mono and resampled to
     ``sample_rate``, as float32 samples [n] in [-1, 1]. ``ValueError`` for a file that is not
@@ -250,17 +270,8 @@ def decode(data: bytes, sample_rate: int, max_seconds: float) -> torch.Tensor:
     if not data:
         raise ValueError(f"the audio file is empty; send {UPLOAD_ACCEPTED}")
     limit = int(max_seconds * sample_rate)
+    container = open_upload(data, UPLOAD_CONTAINERS, "audio", UPLOAD_ACCEPTED)
     try:
-        container = av.open(io.BytesIO(data), "r")
-    except av.FFmpegError as e:
-        raise ValueError(
-            f"the file is not audio that can be read ({e}); send {UPLOAD_ACCEPTED}"
-        ) from None
-    try:
-        if container.format.name not in UPLOAD_CONTAINERS:
-            raise ValueError(
-                f"audio in a {container.format.name!r} container is not accepted; send {UPLOAD_ACCEPTED}"
-            )
         if not container.streams.audio:
             raise ValueError(f"the file has no audio stream; send {UPLOAD_ACCEPTED}")
         resampler = av.AudioResampler(format="flt", layout="mono", rate=sample_rate)

@@ -8,15 +8,18 @@ ids, and splices those ids where the marks are in the rendered prompt::
                                                             resampled to task.sample_rate
     image_url {url: data:image/png|jpeg|webp;base64,...}  -> imagecodec.decode (Pillow), under
                                                             the server's max_image_pixels
-    image_url http(s) / file URLs                         -> read as the deployer's
+    video_url {url: data:video/mp4|webm|...;base64,...}   -> videocodec.decode (PyAV), under
+                                                            the task's ``video_limits``, the
+                                                            frames its ``video_frames`` picks
+    image_url / video_url http(s) / file URLs             -> read as the deployer's
                                                             ``mediafetch.MediaFetch`` allows
                                                             (off by default: a 400)
-    video_url, file                                       -> 400 naming the field
+    file; a kind the model does not take                  -> 400 naming the field
 
 Media parts go in user messages; at most ``task.max_parts`` per request. A kind's parts go to
 its ``MediaWalk.inputs`` together, in order (``per_part`` for processors that take each alone:
 their tensors concatenated along dimension 0); a request with audio and images runs the task's
-``mixed_walk``. Raises ``ApiError``.
+``mixed_walk``; videos go alone. Raises ``ApiError``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 import torch
 
-from walkserve.api import audiocodec, imagecodec, media
+from walkserve.api import audiocodec, imagecodec, media, videocodec
 from walkserve.api.errors import bad
 from walkserve.api.mediafetch import MediaFetch
 from walkserve.api.profile import (
@@ -45,17 +48,20 @@ from walkserve.api.schemas import ContentPart
 
 AUDIO_FORMATS = ("wav", "mp3", "flac")
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
+VIDEO_TYPES = ("video/mp4", "video/webm", "video/quicktime", "video/x-matroska", "video/x-msvideo")
+KIND_PARTS = {"audio": "audio (input_audio)", "image": "images (image_url)"}
+KIND_PARTS["video"] = "video (video_url)"
 DATA_URL = re.compile(r"data:([^;,]*)((?:;[^;,]*)*),(.*)", re.DOTALL)
 MARK = "\x00media{}\x00"  # never in a chat template; text holding "\x00media" is refused
 
 
 @dataclass(frozen=True)
 class Part:
-    kind: str  # "audio" or "image"
+    kind: str  # "audio", "image" or "video"
     data: bytes
     where: str  # the field named by a 400 about the data
     mark: str
-    url: str | None = None  # an image to read (``MediaFetch.read``) instead of ``data``
+    url: str | None = None  # an image or video to read (``MediaFetch.read``) instead of ``data``
 
 
 def _b64(data: str, where: str) -> bytes:
@@ -67,12 +73,17 @@ def _b64(data: str, where: str) -> bytes:
 
 def image_bytes(url: str, where: str) -> bytes:
     """The image of a data URL."""
+    return data_url_bytes(url, where, IMAGE_TYPES)
+
+
+def data_url_bytes(url: str, where: str, types: tuple[str, ...]) -> bytes:
+    """The data of a base64 data URL of one of ``types``."""
     m = DATA_URL.fullmatch(url)
     if m is None:
-        raise bad(f"{where}: not a data URL (data:image/png;base64,...)", where)
+        raise bad(f"{where}: not a data URL (data:{types[0]};base64,...)", where)
     mime, params = m.group(1).lower(), m.group(2).lower().split(";")
-    if mime not in IMAGE_TYPES:
-        raise bad(f"{where}: a data URL of {mime or 'no type'!r}; send one of {IMAGE_TYPES}", where)
+    if mime not in types:
+        raise bad(f"{where}: a data URL of {mime or 'no type'!r}; send one of {types}", where)
     if "base64" not in params:
         raise bad(f"{where}: the data URL must be base64 (data:{mime};base64,...)", where)
     return _b64(m.group(3), where)
@@ -95,9 +106,9 @@ class MediaParts:
         self.parts: list[Part] = []
 
     def _walk(self, kind: str, where: str) -> MediaWalk:
-        walk = self.task.audio if kind == "audio" else self.task.image
+        walk = getattr(self.task, kind)
         if walk is None:
-            other = "images (image_url)" if kind == "audio" else "audio (input_audio)"
+            other = " and ".join(p for k, p in KIND_PARTS.items() if getattr(self.task, k))
             raise bad(
                 f"{where}: model {self.model!r} takes no {kind} in chat; it takes {other}", where
             )
@@ -108,7 +119,7 @@ class MediaParts:
         return walk
 
     def mark(self, part: ContentPart, where: str, role: str) -> str:
-        if part.type == "video_url":
+        if part.type == "video_url" and self.task.video is None:
             raise bad(
                 f"{where}: model {self.model!r} takes no video (its walks read images and audio"
                 " clips); send image_url or input_audio",
@@ -140,17 +151,22 @@ class MediaParts:
             found = Part("audio", _b64(part.input_audio.data, data_where), data_where, "")
         elif part.type == "image_url":
             self._walk("image", where)
-            url, url_where = part.image_url.url, f"{where}.image_url.url"
-            if url[:5].lower() == "data:":
-                found = Part("image", image_bytes(url, url_where), url_where, "")
-            else:
-                self.fetch.check(url, url_where)
-                found = Part("image", b"", url_where, "", url=url)
+            found = self._url_part("image", part.image_url.url, f"{where}.image_url.url")
+        elif part.type == "video_url":
+            self._walk("video", where)
+            found = self._url_part("video", part.video_url.url, f"{where}.video_url.url")
         else:  # text and refusal parts never reach the marks
             raise bad(f"{where}: unexpected content part {part.type!r}", where)
         found = dataclasses.replace(found, mark=MARK.format(len(self.parts)))
         self.parts.append(found)
         return found.mark
+
+    def _url_part(self, kind: str, url: str, where: str) -> Part:
+        if url[:5].lower() == "data:":
+            types = IMAGE_TYPES if kind == "image" else VIDEO_TYPES
+            return Part(kind, data_url_bytes(url, where, types), where, "")
+        self.fetch.check(url, where, kind)
+        return Part(kind, b"", where, "", url=url)
 
     def prompt(self, rendered: str, encode: Encode) -> tuple[str, dict[str, Any], list[int]]:
         """(the walk, the media walk inputs, the prompt ids) of the rendered prompt (which
@@ -159,6 +175,7 @@ class MediaParts:
         if rendered.count("\x00media") != len(self.parts):
             raise bad("a text part holds the reserved text '\\x00media'", "messages")
         kinds = sorted({part.kind for part in self.parts})
+        name = self._walk_name(kinds)  # before any decoding: a 400 for kinds that cannot mix
         inputs: dict[str, Any] = {}
         placeholders: dict[str, list[int]] = {}  # mark -> ids
         for kind in kinds:
@@ -177,7 +194,7 @@ class MediaParts:
             before, rest = rest.split(part.mark, 1)
             out += [*encode(before), *placeholders[part.mark]]
         out += encode(rest)
-        return self._walk_name(kinds), inputs, out
+        return name, inputs, out
 
     def _decode(self, part: Part) -> Any:
         try:
@@ -186,11 +203,18 @@ class MediaParts:
                     part.data, self.task.sample_rate, self.task.max_audio_seconds
                 )
             data = part.data if part.url is None else self.fetch.read(part.url, part.where)
+            if part.kind == "video":
+                return videocodec.decode(data, self.task.video_limits, self.task.video_frames)
             return media.image_to_uint8(imagecodec.decode(data, self.max_image_pixels))
         except ValueError as e:
             raise bad(f"{part.where}: {e}", part.where) from None
 
     def _walk_name(self, kinds: list[str]) -> str:
+        if len(kinds) > 1 and "video" in kinds:
+            raise bad(
+                f"model {self.model!r} reads video parts alone: send no images or audio with them",
+                "messages",
+            )
         if len(kinds) == 1:
             walk = self._walk(kinds[0], "messages")
             return (walk.speak_walk if self.speaking else walk.walk) or ""

@@ -1,5 +1,6 @@
-"""Where the server may read an ``image_url`` from besides a data URL: the deployer's
-``MediaFetch`` policy (vLLM's ``--allowed-local-media-path`` and ``--allowed-media-domains``).
+"""Where the server may read an ``image_url`` or ``video_url`` from besides a data URL: the
+deployer's ``MediaFetch`` policy (vLLM's ``--allowed-local-media-path`` and
+``--allowed-media-domains``).
 Both are off by default: data URLs only.
 
     file:///abs/path or /abs/path   read only inside ``local_dir``: the path is resolved with
@@ -49,23 +50,23 @@ class MediaFetch:
         if not self.timeout_s > 0:
             raise ValueError(f"--media-fetch-timeout must be > 0, got {self.timeout_s}")
 
-    def check(self, url: str, where: str) -> None:
-        """A 400 unless the policy allows ``url`` (not a data URL)."""
+    def check(self, url: str, where: str, kind: str = "image") -> None:
+        """A 400 unless the policy allows ``url`` (not a data URL) of a ``kind`` part."""
         scheme = _scheme(url)
         if scheme in ("http", "https"):
             if not self.domains:
                 raise bad(
-                    f"{where}: remote image URLs are not enabled on this server; send the image"
-                    " as a data URL (data:image/png;base64,...)",
+                    f"{where}: remote {kind} URLs are not enabled on this server; send the"
+                    f" {kind} as a data URL (data:{kind}/...;base64,...)",
                     where,
                 )
             self._host(url, where)
         elif scheme in ("file", ""):
-            self._path(url, where)
+            self._path(url, where, kind)
         else:
             raise bad(
-                f"{where}: image URLs other than data URLs ({scheme} scheme) are not enabled on"
-                " this server; send data:image/png;base64,...",
+                f"{where}: {kind} URLs other than data URLs ({scheme} scheme) are not enabled on"
+                f" this server; send data:{kind}/...;base64,...",
                 where,
             )
 
@@ -80,11 +81,11 @@ class MediaFetch:
         with open(path, "rb") as f:
             return f.read()
 
-    def _path(self, url: str, where: str) -> str:
+    def _path(self, url: str, where: str, kind: str = "image") -> str:
         if self.local_dir is None:
             raise bad(
-                f"{where}: image URLs other than data URLs (file paths) are not enabled on this"
-                " server; send data:image/png;base64,...",
+                f"{where}: {kind} URLs other than data URLs (file paths) are not enabled on this"
+                f" server; send data:{kind}/...;base64,...",
                 where,
             )
         if _scheme(url) == "file":
@@ -155,26 +156,28 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allowed-local-media-path",
         metavar="DIR",
-        help="image_url may name files (file:// or absolute paths) inside DIR; off by default",
+        help="image_url / video_url may name files (file:// or absolute paths) inside DIR; off"
+        " by default",
     )
     parser.add_argument(
         "--allowed-media-domains",
         metavar="HOSTS",
-        help="image_url may be an http(s) URL of these comma-separated hosts; off by default",
+        help="image_url / video_url may be an http(s) URL of these comma-separated hosts; off"
+        " by default",
     )
     parser.add_argument(
         "--max-media-bytes",
         type=int,
         default=DEFAULT_MAX_BYTES,
         metavar="N",
-        help="a fetched or read image at most N bytes",
+        help="a fetched or read image or video at most N bytes",
     )
     parser.add_argument(
         "--media-fetch-timeout",
         type=float,
         default=DEFAULT_TIMEOUT_S,
         metavar="S",
-        help="seconds an image URL fetch may take",
+        help="seconds an image or video URL fetch may take",
     )
 
 

@@ -194,11 +194,35 @@ class TranscriptionTask:
 
 
 #: a request's decoded media parts of one kind, in order (clips [samples] float at
-#: ``ChatMediaTask.sample_rate``, or images [H, W, 3] uint8 RGB) -> (the walk's media inputs
+#: ``ChatMediaTask.sample_rate``, images [H, W, 3] uint8 RGB, or ``videocodec.Video``s: the
+#: frames ``ChatMediaTask.video_frames`` picked) -> (the walk's media inputs
 #: for all of them, the prompt ids that stand for each), as an upstream processor is called
 #: with the list (an audio feature extractor pads the clips to the longest)
 MediaInputs = Callable[[list[Any]], tuple[dict[str, Any], list[list[int]]]]
 OneMedia = Callable[[Any], tuple[dict[str, Any], list[int]]]  # one part -> (inputs, ids)
+#: (a video's frames, its frame rate) -> the indices of the frames the model reads, ascending
+FramePicker = Callable[[int, float], Sequence[int]]
+
+
+def all_frames(total: int, fps: float) -> list[int]:
+    return list(range(total))
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What one uploaded video may hold (``api.videocodec`` checks each before it decodes the
+    frames it covers): its encoded bytes, its length, its frames and each frame's pixels."""
+
+    max_bytes: int = 16 << 20
+    max_seconds: float = 60.0
+    max_frames: int = 3600  # in the file (a picker reads fewer)
+    max_pixels: int = 1920 * 1080  # width x height of a frame
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1 or self.max_frames < 1 or self.max_pixels < 1:
+            raise ValueError(f"video limits must be >= 1, got {self}")
+        if not self.max_seconds > 0:
+            raise ValueError(f"video max_seconds must be > 0, got {self.max_seconds}")
 
 
 @dataclass(frozen=True)
@@ -217,13 +241,18 @@ class MediaWalk:
 class ChatMediaTask:
     """``/v1/chat/completions`` with media parts in the messages: ``input_audio`` clips
     (decoded by PyAV, resampled to ``sample_rate``) through ``audio``, ``image_url`` data URLs
-    (decoded by Pillow under the server's ``max_image_pixels``) through ``image``; None: that
-    kind is a 400. The part's ids go where the part stands in the rendered prompt. A request
-    with both kinds runs ``mixed_walk`` (``mixed_speak_walk`` for audio out) with both kinds'
-    inputs; None: a 400."""
+    (decoded by Pillow under the server's ``max_image_pixels``) through ``image``,
+    ``video_url`` data URLs (decoded by PyAV under ``video_limits``, only the frames
+    ``video_frames`` picks) through ``video``; None: that kind is a 400. The part's ids go
+    where the part stands in the rendered prompt. A request with audio and images runs
+    ``mixed_walk`` (``mixed_speak_walk`` for audio out) with both kinds' inputs; None: a 400.
+    Videos go alone (no other kind in the request)."""
 
     audio: MediaWalk | None = None
     image: MediaWalk | None = None
+    video: MediaWalk | None = None
+    video_limits: VideoLimits = field(default_factory=VideoLimits)
+    video_frames: FramePicker = all_frames
     sample_rate: int = 16000
     max_audio_seconds: float = 30.0
     max_parts: int = 1  # media parts per request

@@ -33,10 +33,11 @@ so the waveform depends on the request alone, and equals upstream ``generate()``
 
 Media in (walks ``chat_audio``, ``chat_image``, ``chat_media``, text out, and ``speak_audio``,
 ``speak_image``, ``speak_media``, audio out; several clips and images in one prompt):
-``media_walks``.
+``media_walks``; videos (``chat_video``, text out): ``video_walk``.
 
 The package, by concept: ``decoders`` (thinker and talker on the paged KV pool), ``walks``
 (``Qwen25OmniWalks``, ``SeededToken2Wav``), ``media_walks`` (its walks with media),
+``video_walk`` (its walk with videos),
 ``instances`` (the tiny model, the sample request, the upstream references, the checkpoint
 loader) and ``profiles`` (HTTP). Every public name is importable from the package.
 """
@@ -75,6 +76,7 @@ from walkserve.adapters.qwen25_omni.profiles import (
     tiny_profile,
     with_qwen25_chat_media,
 )
+from walkserve.adapters.qwen25_omni.video_walk import VIDEO_INPUTS, VideoRopePositions, VideoWalk
 from walkserve.adapters.qwen25_omni.walks import (
     MAX_TALKER_STEPS,
     MAX_THINKER_STEPS,
@@ -99,6 +101,9 @@ __all__ = [
     "TINY_SPEAKER_BOS_2",
     "TINY_SPECIALS",
     "TalkerOnPool",
+    "VIDEO_INPUTS",
+    "VideoRopePositions",
+    "VideoWalk",
     "ThinkerOnPool",
     "_Ids",
     "audio_token_count",

@@ -254,11 +254,16 @@ def media_sample(
     config: Any, frames: int, grid_hw: tuple[int, int], seed: int = 0
 ) -> tuple[list[int], dict[str, Tensor]]:
     """The media of the sample request that captures every walk (a walk's inputs come from one
-    mapping): the user turn's placeholders, an image's (``<|vision_bos|> <|IMAGE|> x h*w/merge^2
-    <|vision_eos|>``) and then a clip's audio placeholders without audio bos / eos, so that the
-    image walks read them as text (in their positions too) and the audio walks read the image's
-    as text; and random ``input_features`` [1, mel, frames], ``feature_attention_mask``,
-    ``pixel_values`` [h * w, C * T * p * p], ``image_grid_thw`` [[1, h, w]] (seeded)."""
+    mapping): the user turn's placeholders, an image's (``<|IMAGE|> x h*w/merge^2
+    <|vision_eos|>``), a video's (``<|VIDEO|> x 2*h*w/merge^2 <|vision_eos|>``) and a clip's
+    (``<|AUDIO|> x audio_token_count(frames)``), none with its bos token: each walk reads the
+    other kinds' placeholders as text, and every walk's positions are plain (upstream
+    ``get_rope_index`` reads a vision bos token followed by an image or video placeholder as
+    that kind, whose grid a walk of the other kind does not have); and random
+    ``input_features`` [1, mel, frames], ``feature_attention_mask``, ``pixel_values``
+    [h * w, C * T * p * p], ``image_grid_thw`` [[1, h, w]], ``pixel_values_videos``
+    [2 * h * w, C * T * p * p], ``video_grid_thw`` [[2, h, w]], ``video_second_per_grid``
+    (seeded)."""
     thinker = config.thinker_config
     vision = thinker.vision_config
     h, w = grid_hw
@@ -268,13 +273,17 @@ def media_sample(
     g = torch.Generator().manual_seed(seed)
     patch = int(vision.in_channels * vision.temporal_patch_size * vision.patch_size**2)
     mel = int(thinker.audio_config.num_mel_bins)
-    image = [thinker.vision_start_token_id, *[thinker.image_token_index] * (h * w // merge**2)]
+    image = [*[thinker.image_token_index] * (h * w // merge**2), thinker.vision_end_token_id]
+    video = [*[thinker.video_token_index] * (2 * h * w // merge**2), thinker.vision_end_token_id]
     clip = [thinker.audio_token_index] * int(audio_token_count(frames))
-    return [*image, thinker.vision_end_token_id, *clip], {
+    return [*image, *video, *clip], {
         "input_features": torch.randn(1, mel, frames, generator=g),
         "feature_attention_mask": torch.ones(1, frames, dtype=torch.int64),
         "pixel_values": torch.randn(h * w, patch, generator=g),
         "image_grid_thw": torch.tensor([[1, h, w]]),
+        "pixel_values_videos": torch.randn(2 * h * w, patch, generator=g),
+        "video_grid_thw": torch.tensor([[2, h, w]]),
+        "video_second_per_grid": torch.tensor([1.0]),
     }
 
 
@@ -299,8 +308,11 @@ def tiny_processor() -> Any:
     """Upstream ``Qwen2_5OmniProcessor`` for the tiny config: the feature extractor and image
     processor the tiny profile serves with (``omni_transcribe.tiny_extractor``,
     ``omni_chatmedia.tiny_image_processor``) and a byte-level tokenizer of the tiny ids (bytes
-    < 238 as themselves, ``TINY_SPECIALS``: ``TinyChatTokenizer``'s ids). No video processor
-    (upstream's needs torchvision): the reference takes images and audio."""
+    < 238 as themselves, ``TINY_SPECIALS``: ``TinyChatTokenizer``'s ids). Its video processor
+    is upstream's where torchvision imports, else ``omni_video.TorchVideoProcessor`` (the
+    served path, checked against upstream's own code in ``tests/unit/test_omni_video.py``),
+    both with the tiny profile's settings; videos go in with their frames picked
+    (``omni_video.pick_frames``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2_5OmniProcessor
 
@@ -327,9 +339,15 @@ def tiny_processor() -> Any:
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
-    return WithoutVideo(
+    processor = WithoutVideo(
         image_processor=images, video_processor=None, feature_extractor=extractor, tokenizer=fast
     )
+    from walkserve.adapters import omni_video
+
+    settings = omni_video.tiny_video_settings(thinker.vision_config, omni_video.TINY_VIDEO_PIXELS)
+    upstream = omni_video.upstream_video_processor(settings)
+    processor.video_processor = upstream or omni_video.TorchVideoProcessor(settings)
+    return processor
 
 
 def _byte_chars() -> dict[int, str]:

@@ -302,8 +302,9 @@ class MediaWalks:
         max_new_tokens: int,
         media: Mapping[str, Tensor],
         sampling: tuple[Any, ...],
+        positions: tuple[Tensor, Tensor] | None = None,
     ) -> dict[str, Tensor]:
-        thought, _ = self._think(input_ids, max_new_tokens, media, sampling, hidden=False)
+        thought, _ = self._think(input_ids, max_new_tokens, media, sampling, False, positions)
         return thought
 
     def _think(
@@ -313,6 +314,7 @@ class MediaWalks:
         media: Mapping[str, Tensor],
         sampling: tuple[Any, ...],
         hidden: bool,
+        prompt_positions: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[dict[str, Tensor], tuple[Tensor, Tensor, Tensor] | None]:
         """Prefill with the media -> t0; the step feeding t0 -> t1; the loop -> t2 ..
         (EOS / max_new_tokens). ``sampling``: ``(temperature, top_p, top_k, seed)``. Every step
@@ -320,14 +322,17 @@ class MediaWalks:
         also the talker's inputs, as ``speak``'s thinker part makes them: the prompt term
         [B, P, D] (last hidden state + input embedding, the input embedding zeroed on the
         media's placeholder rows as upstream ``generate()`` zeroes them), reply0 [B, 1, D] and
-        the reply items [B, n - 2, D + 1]."""
+        the reply items [B, n - 2, D + 1]. ``prompt_positions``: the prompt's (``position_ids``
+        [3, B, P], ``rope``) where the walk computed them (videos); else from the images'
+        grids, or plain."""
         extra: dict[str, Any] = dict(media)
         if hidden:
             extra["output_hidden_states"] = True
-        if "image_grid_thw" in media:
+        if prompt_positions is None and "image_grid_thw" in media:
             mask = media.get("feature_attention_mask")
-            positions, rope = self.thinker_positions(input_ids, media["image_grid_thw"], mask)
-            extra["position_ids"] = positions  # [3, B, P]
+            prompt_positions = self.thinker_positions(input_ids, media["image_grid_thw"], mask)
+        if prompt_positions is not None:
+            extra["position_ids"], rope = prompt_positions  # [3, B, P], [B, 1]
         out = self.thinker_lm(input_ids=input_ids, use_cache=True, **extra)
         cache = _read_now(out.cache)
         prompt_part = None
@@ -338,7 +343,7 @@ class MediaWalks:
             prompt_part = out.hidden_states[-1] + embeds  # [B, P, D]
         first = self.thinker_sampler(out.logits[:, -1:], 0, *sampling)  # [B, 1]: t0
         count = first * 0 + 1  # [B, 1]
-        if "image_grid_thw" not in media:  # plain positions (text, audio), as upstream's
+        if prompt_positions is None:  # plain positions (text, audio), as upstream's
             rope = first * 0 + (input_ids.shape[1] - 1)  # [B, 1]
         step = {"output_hidden_states": True} if hidden else {}
         out = self.thinker_lm(

@@ -23,7 +23,8 @@ from walkserve.adapters.qwen25_omni.instances import (
 from walkserve.adapters.qwen25_omni.media_walks import audio_token_count
 
 if TYPE_CHECKING:
-    from walkserve.api.profile import ModelProfile
+    from walkserve.adapters.omni_video import VideoSettings
+    from walkserve.api.profile import ModelProfile, VideoLimits
 
 QWEN_IM_END = 151645  # <|im_end|>: the thinker's EOS (as load_qwen25_omni's default)
 
@@ -86,13 +87,19 @@ def tiny_profile(name: str) -> ModelProfile:
     )
     from walkserve.adapters.omni_chatmedia import tiny_image_processor
     from walkserve.adapters.omni_transcribe import tiny_extractor
+    from walkserve.adapters.omni_video import (
+        TINY_VIDEO_LIMITS,
+        TINY_VIDEO_PIXELS,
+        tiny_video_settings,
+    )
     from walkserve.adapters.qwen25_omni.instances import tiny_config
 
     thinker = tiny_config().thinker_config
     extractor = tiny_extractor(int(thinker.audio_config.num_mel_bins))
     images = tiny_image_processor(thinker.vision_config)
+    video = tiny_video_settings(thinker.vision_config, TINY_VIDEO_PIXELS)
     profile = with_qwen25_transcription(profile, thinker, extractor)
-    return with_qwen25_chat_media(profile, thinker, extractor, images)
+    return with_qwen25_chat_media(profile, thinker, extractor, images, video, TINY_VIDEO_LIMITS)
 
 
 def checkpoint_profile(path: str, name: str) -> ModelProfile:
@@ -126,14 +133,19 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
         chat=chat,
         voices=voices,
     )
+    from transformers import Qwen2_5OmniProcessor
+
     from walkserve.adapters.omni_chatmedia import checkpoint_image_processor
     from walkserve.adapters.omni_transcribe import checkpoint_extractor
+    from walkserve.adapters.omni_video import checkpoint_video_settings
 
     thinker = config.thinker_config
     extractor = checkpoint_extractor(path)
     images = checkpoint_image_processor(path, thinker.vision_config)
+    size: Any = Qwen2_5OmniProcessor.videos_kwargs["size"]  # what its calls pass
+    video = checkpoint_video_settings(path, thinker.vision_config, size)
     profile = with_qwen25_transcription(profile, thinker, extractor)
-    return with_qwen25_chat_media(profile, thinker, extractor, images)
+    return with_qwen25_chat_media(profile, thinker, extractor, images, video)
 
 
 def with_qwen25_transcription(
@@ -164,18 +176,25 @@ def with_qwen25_transcription(
 
 
 def with_qwen25_chat_media(
-    profile: ModelProfile, thinker: Any, extractor: Any | None, image_processor: Any | None
+    profile: ModelProfile,
+    thinker: Any,
+    extractor: Any | None,
+    image_processor: Any | None,
+    video_settings: VideoSettings | None = None,
+    video_limits: VideoLimits | None = None,
 ) -> ModelProfile:
-    """``profile`` whose chat takes audio clips (with an extractor) and images (with an image
-    processor), made into walk inputs as upstream's ``Qwen2_5OmniProcessor`` makes them: the
-    clips through the extractor at once, padded to its 30 s (``padding="max_length"``; longer
-    clips are refused, as the processor would cut them), each image through the image
-    processor; audio out through ``speak_audio`` / ``speak_image`` / ``speak_media``.
-    ``thinker`` the model's ``thinker_config``."""
+    """``profile`` whose chat takes audio clips (with an extractor), images (with an image
+    processor) and videos (with video settings), made into walk inputs as upstream's
+    ``Qwen2_5OmniProcessor`` makes them: the clips through the extractor at once, padded to
+    its 30 s (``padding="max_length"``; longer clips are refused, as the processor would cut
+    them), each image through the image processor, each video's frames at the settings' fps
+    through ``omni_video`` (``chat_video``, text out only); audio out through ``speak_audio``
+    / ``speak_image`` / ``speak_media``. ``thinker`` the model's ``thinker_config``."""
     from walkserve.adapters.omni_chatmedia import audio_inputs, image_inputs, with_chat_media
-    from walkserve.api.profile import MediaWalk
+    from walkserve.adapters.omni_video import pick_frames, video_inputs
+    from walkserve.api.profile import FramePicker, MediaWalk, all_frames
 
-    audio = image = None
+    audio = image = video = None
     if extractor is not None:
         placeholders = (
             int(thinker.audio_start_token_id),
@@ -193,9 +212,28 @@ def with_qwen25_chat_media(
         image = MediaWalk(
             "chat_image", image_inputs(image_processor, *placeholders), speak_walk="speak_image"
         )
+    frames: FramePicker = all_frames
+    if video_settings is not None:
+        placeholders = (
+            int(thinker.vision_start_token_id),
+            int(thinker.video_token_index),
+            int(thinker.vision_end_token_id),
+        )
+        video = MediaWalk("chat_video", video_inputs(video_settings, *placeholders))
+        frames = pick_frames(video_settings)
     rate = int(extractor.sampling_rate) if extractor is not None else 16000
     seconds = float(extractor.chunk_length) if extractor is not None else 30.0
-    return with_chat_media(profile, audio, image, rate, seconds, mixed_speak_walk="speak_media")
+    return with_chat_media(
+        profile,
+        audio,
+        image,
+        rate,
+        seconds,
+        mixed_speak_walk="speak_media",
+        video=video,
+        video_frames=frames,
+        video_limits=video_limits,
+    )
 
 
 AUDIBLE_GAIN = 4e6  # the random token2wav's waveform peaks near 1.2e-7: under one pcm16 step

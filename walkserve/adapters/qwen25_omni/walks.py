@@ -14,10 +14,10 @@ from torch import Tensor, nn
 from walkserve.adapters.qwen3_omni.inputs import ImagePlaceholders, _read_now
 from walkserve.adapters.qwen25_omni.decoders import TalkerOnPool, ThinkerOnPool
 from walkserve.adapters.qwen25_omni.media_walks import (
-    MediaWalks,
     Qwen25AudioPlaceholders,
     RopePositions,
 )
+from walkserve.adapters.qwen25_omni.video_walk import VideoRopePositions, VideoWalk
 from walkserve.adapters.speech_sampling import SamplingDefaults, TokenSampler
 from walkserve.capture import (
     FixedChunk,
@@ -108,10 +108,10 @@ class SeededToken2Wav(nn.Module):
         return [self(*args, **kwargs) for args, kwargs in calls]
 
 
-class Qwen25OmniWalks(MediaWalks, nn.Module):
+class Qwen25OmniWalks(VideoWalk, nn.Module):
     """Walks ``speak`` (thinker -> talker) and, from ``MediaWalks``, ``chat_audio``,
-    ``chat_image`` and ``chat_media`` (thinker only) around an upstream
-    ``Qwen2_5OmniForConditionalGeneration``."""
+    ``chat_image`` and ``chat_media`` (thinker only; ``speak_*`` with the talker), from
+    ``VideoWalk`` ``chat_video``, around an upstream ``Qwen2_5OmniForConditionalGeneration``."""
 
     def __init__(self, model: Any, thinker_eos_id: int, pool: PagedLMConfig | None = None) -> None:
         """``pool``: the thinker's and the talker's KV pools (the server's settings override
@@ -119,7 +119,7 @@ class Qwen25OmniWalks(MediaWalks, nn.Module):
         super().__init__()
         register_component(ThinkerOnPool, engine="kv_cache")
         register_component(TalkerOnPool, engine="kv_cache", speculative=False)
-        for cls in (Qwen25AudioPlaceholders, ImagePlaceholders, RopePositions):
+        for cls in (Qwen25AudioPlaceholders, ImagePlaceholders, RopePositions, VideoRopePositions):
             register_component(cls, engine="stateless")
         object.__setattr__(self, "upstream", model)  # for reference runs; not a submodule
         self.thinker: Any = model.thinker
@@ -149,6 +149,9 @@ class Qwen25OmniWalks(MediaWalks, nn.Module):
         merge = int(thinker_config.vision_config.spatial_merge_size)
         self.image_placeholders = ImagePlaceholders(int(thinker_config.image_token_index), merge)
         self.thinker_positions = RopePositions(model.thinker)
+        video_token = int(thinker_config.video_token_index)
+        self.video_placeholders = ImagePlaceholders(video_token, merge, kind="video")
+        self.video_positions = VideoRopePositions(model.thinker)
 
     @walk(inputs={"input_ids": Input(dims={1: "dynamic"})})
     def speak(

@@ -12,7 +12,9 @@ for audio input (walks ``chat_audio``, ``speak_audio``)
 also ``input_features`` [1, mel, T] float and ``feature_attention_mask`` [1, T] int64, for an
 image (``chat_image``, ``speak_image``) ``pixel_values`` [patches, C * T * p * p] float and
 ``image_grid_thw`` [1, 3] int64, with the prompt's placeholders laid out as upstream's
-processor does (``audio_chat_prompt``, ``image_request``); outputs ``first_token`` [1, 1]
+processor does (``audio_chat_prompt``, ``image_request``), for videos (``chat_video``, text
+out: ``video_walk``) ``pixel_values_videos``, ``video_grid_thw``, ``video_second_per_grid``;
+outputs ``first_token`` [1, 1]
 (t0, from the prefill), ``text_tokens`` [1, n - 1] (t1 .. t{n-1}, streamed token by token),
 ``codes`` [1, G, frames] and ``waveform`` [1, 1, samples] (both streamed).
 
@@ -120,6 +122,7 @@ from walkserve.adapters.qwen3_omni.profiles import (
     tiny_audible_profile,
     tiny_profile,
 )
+from walkserve.adapters.qwen3_omni.video_walk import VideoMropePositions, VideoWalk
 from walkserve.adapters.qwen3_omni.walks import (
     Qwen3OmniWalks,
 )
@@ -179,6 +182,8 @@ __all__ = [
     "tiny_config",
     "tiny_eos",
     "tiny_profile",
+    "VideoMropePositions",
+    "VideoWalk",
     "tiny_upstream",
     "upstream_speech",
     "user_mask",

@@ -2,10 +2,11 @@
 takes the keyword arguments the walks gave the upstream module and builds the decoder input as
 upstream's forward does, then runs its base decoder packed with the batch's other calls.
 
-    ThinkerOnPool    input_ids [B, T] (+ input_features / feature_attention_mask, or
-                     pixel_values / image_grid_thw at a prefill) -> text embeddings with the
-                     audio / image features at their placeholders (upstream
-                     ``get_audio_features``, ``get_image_features``, ``get_placeholder_mask``),
+    ThinkerOnPool    input_ids [B, T] (+ input_features / feature_attention_mask,
+                     pixel_values / image_grid_thw, or pixel_values_videos / video_grid_thw at
+                     a prefill) -> text embeddings with the audio / image / video features at
+                     their placeholders (upstream ``get_audio_features``,
+                     ``get_image_features``, ``get_video_features``, ``get_placeholder_mask``),
                      DeepStack visual features for the first layers; ``lm_head``
     TalkerOnPool     inputs_embeds [B, T, D] -> ``codec_head``
     PredictorOnPool  a frame's prefill inputs_embeds [B, 2, D] (head 0), then input_ids [B, 1]
@@ -36,12 +37,18 @@ __all__ = ["PredictorOnPool", "TalkerOnPool", "ThinkerOnPool"]
 
 class ThinkerOnPool(PagedThinker):
     """An upstream ``Qwen3OmniMoeThinkerForConditionalGeneration`` on the pool, with media and
-    DeepStack: the image features of the first layers added at the image placeholders."""
+    DeepStack: the image or video features of the first layers added at their placeholders
+    (the walks send images or videos, never both: videos go alone)."""
 
     def prepare(self, args: dict[str, Any], context: int) -> Prepared:
-        embeds, visual, image = self.merge_media(args)
-        deepstack = None if image is None else [torch.cat(f) for f in image.deepstack_features]
-        return Prepared(embeds, args.get("position_ids"), visual, deepstack)
+        merged = self.merge_media(args)
+        if merged.image is not None and merged.video is not None:
+            raise ValueError("a prompt with images and videos: send videos alone")
+        visual, out = merged.image_mask, merged.image
+        if merged.video is not None:
+            visual, out = merged.video_mask, merged.video
+        deepstack = None if out is None else [torch.cat(f) for f in out.deepstack_features]
+        return Prepared(merged.embeds, args.get("position_ids"), visual, deepstack)
 
 
 class TalkerOnPool(PagedDecoder):

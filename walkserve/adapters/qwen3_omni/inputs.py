@@ -304,32 +304,35 @@ class AudioPlaceholders(nn.Module):
 class ImagePlaceholders(nn.Module):
     """Checks one run of image placeholder tokens per image (row of ``image_grid_thw``, in
     order), each as long as the vision encoder makes of its patch grid (t * h * w / merge^2),
-    and ``pixel_values`` holding every patch; returns the prompt unchanged."""
+    and ``pixel_values`` holding every patch; returns the prompt unchanged. With ``kind``
+    "video" the same of videos (``video_grid_thw``, ``pixel_values_videos``)."""
 
-    def __init__(self, image_token: int, merge: int) -> None:
+    def __init__(self, image_token: int, merge: int, kind: str = "image") -> None:
         super().__init__()
-        self.image_token, self.merge = image_token, merge
+        self.image_token, self.merge, self.kind = image_token, merge, kind
 
     def forward(self, input_ids: Tensor, pixel_values: Tensor, image_grid_thw: Tensor) -> Tensor:
         # input_ids: [B, P], pixel_values: [patches, C * T * p * p], image_grid_thw: [images, 3]
         have = placeholder_runs(input_ids, self.image_token)
+        kind = self.kind
+        grid, values = f"{kind}_grid_thw", "pixel_values" + ("_videos" if kind == "video" else "")
         if image_grid_thw.dim() != 2 or image_grid_thw.shape != (len(have), 3):
             raise ValueError(
-                f"image_grid_thw has shape {tuple(image_grid_thw.shape)}; give one (t, h, w) "
-                f"row per image ({len(have)} runs of image placeholders in the prompt)"
+                f"{grid} has shape {tuple(image_grid_thw.shape)}; give one (t, h, w) "
+                f"row per {kind} ({len(have)} runs of {kind} placeholders in the prompt)"
             )
         patches = image_grid_thw.prod(-1)  # [images]
         if int(patches.sum()) != pixel_values.shape[0]:
             raise ValueError(
-                f"pixel_values holds {pixel_values.shape[0]} patches but image_grid_thw says "
+                f"{values} holds {pixel_values.shape[0]} patches but {grid} says "
                 f"{int(patches.sum())}"
             )
         want = (patches // self.merge**2).tolist()
         if want != have:
             raise ValueError(
-                f"the prompt holds {have} image placeholder tokens but the vision "
+                f"the prompt holds {have} {kind} placeholder tokens but the vision "
                 f"encoder makes {want} of the given grid: lay the prompt out as "
-                "<|vision_start|> + t*h*w/merge^2 x <|image_pad|> + <|vision_end|>"
+                f"<|vision_start|> + t*h*w/merge^2 x <|{kind}_pad|> + <|vision_end|>"
             )
         return input_ids
 

@@ -211,20 +211,30 @@ def media_sample(
     config: Any, frames: int, grid_hw: tuple[int, int], user_ids: list[int], newline: int = 9
 ) -> dict[str, Tensor]:
     """One sample request for capturing every walk (a walk's inputs come from one mapping):
-    a prompt with an image and then audio placeholders, audio features and pixels. The audio
-    placeholders stand without audio start / end tokens, so that the image walks (which give
-    no audio features) read them as text, in their positions too; the audio walks read the
-    image placeholders as text."""
+    a prompt with image, video and then audio placeholders, audio features, pixels and video
+    pixels (a video of 2 x ``grid_hw`` patches). The placeholders stand without their start
+    tokens, so that each walk reads the other kinds' as text, in their positions too
+    (upstream ``get_rope_index`` reads a vision start followed by an image or video
+    placeholder as that kind, whose grid a walk of the other kind does not have)."""
     image = image_request(config, grid_hw, seed=1, newline=newline)
     audio = audio_request(config, frames, user_ids, newline=newline)
     thinker = config.thinker_config
     clip = int(audio_token_count(frames, thinker.audio_config.n_window))
     ids = image["input_ids"][0, :-5].tolist()  # up to <|vision_end|>
+    ids.remove(thinker.vision_start_token_id)
+    h, w = grid_hw
+    merge = int(thinker.vision_config.spatial_merge_size)
+    ids += [thinker.video_token_id] * (2 * h * w // merge**2) + [thinker.vision_end_token_id]
     ids += [thinker.audio_token_id] * clip
+    patches = image["pixel_values"].shape[-1]
+    g = torch.Generator().manual_seed(2)
     return {
         **audio,
         **image,
         "input_ids": chat_prompt(config, [*ids[2:], *user_ids], newline),
+        "pixel_values_videos": torch.randn(2 * h * w, patches, generator=g),
+        "video_grid_thw": torch.tensor([[2, h, w]]),
+        "video_second_per_grid": torch.tensor([2.0]),
     }
 
 

@@ -49,6 +49,7 @@ class MediaWalks:
             media: Mapping[str, Tensor] | None = None,
             hidden: bool = False,
             sampling: tuple[Any, ...] = GREEDY,
+            prompt_positions: tuple[Tensor, Tensor] | None = None,
         ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]: ...
 
         def _speak(

@@ -5,6 +5,7 @@ factories."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ def qwen3_walk_names() -> Any:
 
 
 TINY_NEWLINE = 10  # "\n" as a byte of the tiny tokenizer
+QWEN3_VIDEO_FPS = 1.0  # Qwen3OmniMoeProcessor's fps when its call gives none (seconds a grid)
 TINY_FIRST_SPECIAL = 238  # the tiny config's special ids are 238 .. 255
 
 
@@ -94,9 +96,18 @@ def tiny_profile(name: str) -> ModelProfile:
     extractor = tiny_extractor(int(config.thinker_config.audio_config.num_mel_bins))
     profile = with_qwen3_transcription(profile, config, extractor, TINY_AUDIO_SECONDS)
     from walkserve.adapters import omni_chatmedia as cm
+    from walkserve.adapters.omni_video import (
+        TINY_VIDEO_LIMITS,
+        TINY_VIDEO_PIXELS,
+        tiny_video_settings,
+    )
 
-    images = cm.tiny_image_processor(config.thinker_config.vision_config)
-    return cm.with_qwen3_chat_media(profile, config, extractor, images, TINY_AUDIO_SECONDS)
+    vision = config.thinker_config.vision_config
+    images = cm.tiny_image_processor(vision)
+    video = replace(tiny_video_settings(vision, TINY_VIDEO_PIXELS), fps=QWEN3_VIDEO_FPS)
+    return cm.with_qwen3_chat_media(
+        profile, config, extractor, images, TINY_AUDIO_SECONDS, video, TINY_VIDEO_LIMITS
+    )
 
 
 def checkpoint_profile(path: str, name: str) -> ModelProfile:
@@ -129,10 +140,18 @@ def checkpoint_profile(path: str, name: str) -> ModelProfile:
     )
     extractor = checkpoint_extractor(path)
     profile = with_qwen3_transcription(profile, config, extractor, CHECKPOINT_AUDIO_SECONDS)
-    from walkserve.adapters import omni_chatmedia as cm
+    from transformers import Qwen3OmniMoeProcessor
 
-    images = cm.checkpoint_image_processor(path, config.thinker_config.vision_config)
-    return cm.with_qwen3_chat_media(profile, config, extractor, images, CHECKPOINT_AUDIO_SECONDS)
+    from walkserve.adapters import omni_chatmedia as cm
+    from walkserve.adapters.omni_video import checkpoint_video_settings
+
+    vision = config.thinker_config.vision_config
+    images = cm.checkpoint_image_processor(path, vision)
+    size: Any = Qwen3OmniMoeProcessor.videos_kwargs["size"]  # what its calls pass
+    video = replace(checkpoint_video_settings(path, vision, size), fps=QWEN3_VIDEO_FPS)
+    return cm.with_qwen3_chat_media(
+        profile, config, extractor, images, CHECKPOINT_AUDIO_SECONDS, video
+    )
 
 
 def from_env() -> tuple[Qwen3OmniWalks, dict[str, Any]]:

@@ -49,12 +49,13 @@ from walkserve.adapters.qwen3_omni.inputs import (
     _speak_sampling,
     step_positions,
 )
-from walkserve.adapters.qwen3_omni.media_walks import MediaWalks
+from walkserve.adapters.qwen3_omni.video_walk import VideoMropePositions, VideoWalk
 
 
-class Qwen3OmniWalks(MediaWalks, nn.Module):
+class Qwen3OmniWalks(VideoWalk, nn.Module):
     """Walks ``chat`` (thinker only) and ``speak`` (thinker -> talker -> code2wav) around an
-    upstream ``Qwen3OmniMoeForConditionalGeneration``."""
+    upstream ``Qwen3OmniMoeForConditionalGeneration``; the media walks (``MediaWalks``) and
+    ``chat_video`` (``VideoWalk``)."""
 
     def __init__(
         self,
@@ -81,6 +82,7 @@ class Qwen3OmniWalks(MediaWalks, nn.Module):
             AudioPlaceholders,
             ImagePlaceholders,
             MropePositions,
+            VideoMropePositions,
         ):
             register_component(cls, engine="stateless")
         self.tokens = OmniTokens.of(model.config)
@@ -118,6 +120,9 @@ class Qwen3OmniWalks(MediaWalks, nn.Module):
         )
         self.thinker_positions = MropePositions(model.thinker)
         self.talker_positions = MropePositions(model.talker, self.tokens)
+        merge = thinker_config.vision_config.spatial_merge_size
+        self.video_placeholders = ImagePlaceholders(thinker_config.video_token_id, merge, "video")
+        self.video_positions = VideoMropePositions(model.thinker)
         self.step_input = StepInput(
             codec_embed, model.talker.code_predictor.get_input_embeddings(), text
         )
@@ -160,6 +165,7 @@ class Qwen3OmniWalks(MediaWalks, nn.Module):
         media: Mapping[str, Tensor] | None = None,
         hidden: bool = False,
         sampling: tuple[Any, ...] = GREEDY,
+        prompt_positions: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """-> t0 [B, 1], the decode loop's tokens t1 .. t{n-1} [B, n - 1] (a streamed channel),
         the talker's feed items [B, n - 1], and with ``hidden`` the prefill's hidden states of
@@ -169,10 +175,13 @@ class Qwen3OmniWalks(MediaWalks, nn.Module):
         ``rope`` [B, 2], a per-request loop input (``MropePositions``): with images the
         multimodal positions of the prompt; else (text, audio: plain positions upstream) the
         prompt's last position. Nothing is read from upstream's ``rope_deltas`` module
-        attribute, which concurrent requests would share."""
+        attribute, which concurrent requests would share. ``prompt_positions``: the prompt's
+        (``position_ids``, ``rope``) where the walk computed them (videos)."""
         extra: dict[str, Any] = dict(media or {})
-        if "image_grid_thw" in extra:
+        mrope = prompt_positions
+        if mrope is None and "image_grid_thw" in extra:
             mrope = self._positions(self.thinker_positions, input_ids, extra)
+        if mrope is not None:
             extra["position_ids"] = mrope[0]  # [4, B, P]
         if hidden:
             extra["output_hidden_states"] = True
@@ -181,7 +190,7 @@ class Qwen3OmniWalks(MediaWalks, nn.Module):
         accepted = out.hidden_states[self.accept_layer] if hidden else None  # [B, P, D]
         first = token = self.thinker_sampler(out.logits[:, -1:], 0, *sampling)  # [B, 1]: t0
         count = token * 0 + 1  # [B, 1] (elementwise: runs in the thinker's dispatch)
-        if "position_ids" in extra:
+        if mrope is not None:
             rope = mrope[1]  # [B, 2]
         else:
             rope = (token * 0).repeat(1, 2) + (input_ids.shape[1] - 1)  # [B, 2]
