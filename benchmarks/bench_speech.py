@@ -227,13 +227,6 @@ def main() -> None:
     load_before = os.getloadavg()
     results: dict[str, dict[str, Any]] = {}
     native: dict[int, dict[str, Any]] = {}
-    for level in args.levels:  # fresh process per level: repeated generate() slows down
-        cmd = [sys.executable, __file__, "--native-level", str(level)]
-        cmd += ["--tokens", str(args.tokens), "--seed", str(args.seed)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        native[level] = json.loads(proc.stdout.strip().splitlines()[-1])
-        results[f"native_c{level}"] = summarize(native[level], rate)
-        print(f"native c={level}: {results[f'native_c{level}']}", flush=True)
     placement = None
     if args.ranks == 2:
         path = PLACEMENTS[args.placement]
@@ -249,7 +242,16 @@ def main() -> None:
         )
         matches = total = 0
         checked: list[tuple[list[int], list[int], list[int]]] = []  # prompt, served, native
+        # Native and served alternate per level (the server's workers idle meanwhile), so that
+        # each ratio compares runs minutes apart at most on a machine whose load drifts.
+        # Native runs in a fresh process per level: repeated generate() slows down.
         for level in args.levels:
+            cmd = [sys.executable, __file__, "--native-level", str(level)]
+            cmd += ["--tokens", str(args.tokens), "--seed", str(args.seed)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            native[level] = json.loads(proc.stdout.strip().splitlines()[-1])
+            results[f"native_c{level}"] = summarize(native[level], rate)
+            print(f"native c={level}: {results[f'native_c{level}']}", flush=True)
             served = run_served(server, level, args.tokens, args.seed)
             results[f"served_c{level}"] = summarize(served, rate)
             matches += sum(a == b for a, b in zip(served["tokens"], native[level]["tokens"]))
