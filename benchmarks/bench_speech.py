@@ -19,9 +19,9 @@ wall second (all requests' audio / time until the last one finished), and for ``
 streaming viability: the share of chunks after the first that arrive before the audio already
 delivered has finished playing (playback starting when the first chunk arrives). Viability
 needs a window decode faster than the 85 ms it plays: ``snac_window_s`` is one window's decode
-in the native process, for comparison. Served audio is 3 frames shorter than native's
-(Orpheus's streaming plays neither frame 0 nor the last two): audio seconds count what each
-delivers.
+in the native process (2 torch threads; a worker has 1), for comparison. Served audio is 3
+frames shorter than native's (Orpheus's streaming plays neither frame 0 nor the last two):
+audio seconds count what each delivers.
 
 Tokens: whether the served tokens equal ``generate()``'s, and whether each request's tokens
 (served and ``generate()``'s alike) are a greedy decode of the LM up to float32 rounding
