@@ -379,8 +379,17 @@ def _speech_orpheus(data: dict[str, Any], src: str) -> list[Row]:
     result = _speech_cells(levels, "native")
     if data.get("served_tokens_equal_generate"):
         result += f"; served tokens = generate() {data['served_tokens_equal_generate']}"
+    greedy = data.get("greedy_up_to_float32")
+    if isinstance(greedy, dict):
+        result += (
+            f" (greedy up to float32 rounding, rtol {greedy.get('rtol')}: served"
+            f" {greedy.get('served')}, generate() {greedy.get('generate')})"
+        )
+    ranks = f"{data.get('ranks', '?')} ranks"
+    if data.get("placement"):
+        ranks += f", placement {data['placement']}"
     what = (
-        f"Orpheus streamed speech, served ({data.get('ranks', '?')} ranks) vs native"
+        f"Orpheus streamed speech, served ({ranks}) vs native"
         f" `generate()` + SNAC decode, `{_model(data)}`, {data.get('tokens_per_request', '?')}"
         f" tokens per request ({_script(data, src, 'bench_speech.py')})"
     )

@@ -1,7 +1,8 @@
 """The Orpheus adapter served by real worker processes: ``serve("walkserve.adapters.orpheus:tiny")``
-on one rank and on two (LM on rank 0, SNAC decoder on rank 1), 8 concurrent requests of mixed
-lengths against the reference interpreter (``walkserve.testing.assert_outputs_match``), and the
-first audio chunk arriving while the LM is still generating."""
+on one rank, on two (LM on rank 0, SNAC decoder on rank 1) and under the shipped placement file
+(LM on rank 0, the decoder replicated on both), 8 concurrent requests of mixed lengths against
+the reference interpreter (``walkserve.testing.assert_outputs_match``), and the first audio
+chunk arriving while the LM is still generating."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from walkserve.testing import assert_outputs_match
 
 FACTORY = "walkserve.adapters.orpheus:tiny"
 TWO_RANKS = Placement(ranks=2, rules={"lm": [0], "codec": [1]})
+PLACEMENT_FILE = "walkserve/adapters/placements/orpheus.2ranks.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +114,14 @@ def test_two_ranks_stream_audio_before_the_lm_finishes(reference: capture.Captur
         assert len(audio) > 1 and torch.equal(torch.cat(audio, dim=-1), out["waveform"])
         want = reference.run({"input_ids": ids, "max_new_tokens": 64}, "speak")
         assert_outputs_match(out, want)
+
+
+def test_placement_file_decodes_windows_on_both_ranks(reference: capture.CapturedModel) -> None:
+    """Each streamed window is a region of either replica (the batcher picks the less busy
+    one), and rank 1, which holds the decoder only, takes windows of concurrent requests
+    (what the bench gains from); outputs are the reference interpreter's."""
+    with serve(FACTORY, Placement.from_file(PLACEMENT_FILE)) as server:
+        windows = [r for r in server.plan.regions["speak"] if "play_window/codec" in r.items]
+        assert [r.replicas for r in windows] == [[0, 1]], server.plan.regions["speak"]
+        check_concurrent(server, reference)
+        assert server.batcher.items_per_rank.get(1, 0) > 0, server.batcher.items_per_rank

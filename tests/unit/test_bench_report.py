@@ -274,6 +274,12 @@ def test_speech_orpheus_row() -> None:
     assert "audio s per wall s 0.2 / 0.16 / 0.18 served vs 0.4 / 0.8 / - native" in row
     assert "(served/native 0.5x / 0.2x / -)" in row
     assert "streaming viability 100% / 50% / 0%" in row and "13/13" in row
+    assert "greedy" not in row and "placement" not in row
+    data["placement"] = "replicas"
+    data["greedy_up_to_float32"] = {"rtol": 4e-06, "served": "12/13", "generate": "13/13"}
+    row = _row(data, "speech_orpheus")
+    assert "(2 ranks, placement replicas)" in row
+    assert "(greedy up to float32 rounding, rtol 4e-06: served 12/13, generate() 13/13)" in row
     data["results"] = {}
     assert _row(data, "speech_orpheus") == _generic_row(data, "speech_orpheus")
 

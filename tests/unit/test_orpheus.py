@@ -120,6 +120,50 @@ def test_decode_walk_equals_snac_decode_on_all_codes(tiny: Any) -> None:
     assert torch.equal(wav, want[:, 0])
 
 
+def test_folded_weight_norm_decodes_as_upstream_snac(tmp_path: Any) -> None:
+    """``fold_weight_norm`` stores each weight-normalized weight once: the decode of a SNAC
+    that recomputes them per call (upstream, untouched) is reproduced bit for bit, also by a
+    SNAC that ``load_snac`` reads from a checkpoint in upstream's layout."""
+    import json
+
+    from safetensors.torch import save_file
+    from snac import SNAC
+
+    config = {
+        "sampling_rate": 24000,
+        "encoder_dim": 8,
+        "encoder_rates": [2, 4, 4],
+        "decoder_dim": 64,
+        "decoder_rates": [4, 4, 2],
+        "attn_window_size": None,
+        "codebook_size": T.codebook,
+        "codebook_dim": 4,
+        "vq_strides": [4, 2, 1],
+        "noise": False,
+        "depthwise": True,
+    }
+
+    def upstream() -> Any:
+        torch.manual_seed(3)
+        return SNAC(**config).eval()
+
+    reference, folded = upstream(), orpheus.fold_weight_norm(upstream())
+    assert any(".parametrizations." in k for k in reference.state_dict())
+    assert not any(".parametrizations." in k for k in folded.state_dict())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(
+        {k: v.contiguous() for k, v in reference.state_dict().items()},
+        str(tmp_path / "model.safetensors"),
+    )
+    loaded = orpheus.load_snac(str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    frames = [torch.randint(0, T.codebook, (2, 5 * n), generator=g) for n in (1, 2, 4)]
+    with torch.no_grad():
+        want = reference.decode(frames)
+        assert torch.equal(folded.decode(frames), want)
+        assert torch.equal(loaded.decode(frames), want)
+
+
 def test_streamed_waveform_is_each_windows_second_frame(tiny: Any) -> None:
     """SlidingWindow(28, 7), end=pad: window i holds tokens [7i, 7i + 28) and gives samples
     [iS, (i+1)S) of the waveform, equal to snac.decode(window i)[S:2S]; a window with a token

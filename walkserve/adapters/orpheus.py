@@ -1,5 +1,6 @@
 """Orpheus-style text-to-speech: an unmodified ``transformers.LlamaForCausalLM`` emits SNAC code
-tokens, seven per audio frame, which stream into an unmodified ``snac.SNAC`` decoder. The LM
+tokens, seven per audio frame, which stream into an unmodified ``snac.SNAC`` decoder (its weight
+norm folded into its weights once, ``fold_weight_norm``: the same weights). The LM
 runs on the paged KV engine (``runtime.kv.paged_lm.PagedLM``), as the text walks' LMs do, so
 concurrent requests' decode steps share one forward.
 
@@ -159,6 +160,23 @@ def audio_frames(generated: Sequence[int], tokens: OrpheusTokens) -> Tensor:
     audio = [t for t in generated if tokens.audio_offset <= t < tokens.vocab_end]
     whole = len(audio) // FRAME * FRAME
     return torch.tensor(audio[:whole], dtype=torch.int64).reshape(1, -1, FRAME)
+
+
+def fold_weight_norm(snac: nn.Module) -> nn.Module:
+    """``snac`` with its weight-normalized convolutions' weights computed once and stored
+    (``remove_parametrizations(leave_parametrized=True)``), in place, instead of recomputed
+    from their ``g`` and ``v`` on every ``decode``: the same weights bit for bit, so the same
+    audio. Upstream SNAC recomputes all of them per call; for the streamed 4-frame windows
+    that was 12% of a decode on CPU (py-spy, ``bench``'s snac_24khz-shaped decoder). Its
+    ``state_dict`` then holds plain ``weight`` keys (``load_snac`` reads both layouts)."""
+    from torch.nn.utils import parametrize
+
+    for module in snac.modules():
+        if parametrize.is_parametrized(module):
+            parametrized: nn.ModuleDict = module.parametrizations  # type: ignore[assignment]
+            for name in list(parametrized.keys()):
+                parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+    return snac
 
 
 @component(engine="stateless")
@@ -379,7 +397,7 @@ def build(config: RandomConfig = RandomConfig(), seed: int = 0) -> OrpheusTTS:
         noise=config.snac_noise,
         depthwise=True,
     ).eval()
-    model = OrpheusTTS(lm, snac, t).eval()
+    model = OrpheusTTS(lm, fold_weight_norm(snac), t).eval()
     model.requires_grad_(False)
     return model
 
@@ -464,7 +482,8 @@ def bench_profile(name: str) -> ModelProfile:
 def load_snac(snac_dir: str) -> Any:
     """A SNAC checkpoint directory: ``config.json`` plus ``model.safetensors`` or
     ``pytorch_model.bin`` (read with ``weights_only=True``), as ``snac.SNAC`` itself lays it
-    out, without its hub download."""
+    out (or saved from a folded one), without its hub download; returned folded
+    (``fold_weight_norm``)."""
     from snac import SNAC
 
     config_path = os.path.join(snac_dir, "config.json")
@@ -486,8 +505,10 @@ def load_snac(snac_dir: str) -> Any:
         state = torch.load(bin_path, map_location="cpu", weights_only=True)
     else:
         raise ValueError(f"{snac_dir} has neither model.safetensors nor pytorch_model.bin")
+    if not any(".parametrizations." in key for key in state):
+        fold_weight_norm(snac)  # saved from a folded SNAC (``fold_weight_norm``)
     snac.load_state_dict(state)
-    return snac.eval()
+    return fold_weight_norm(snac).eval()
 
 
 def load_orpheus(
