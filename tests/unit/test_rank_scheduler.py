@@ -318,3 +318,39 @@ def test_a_producer_region_waits_for_its_consumer_regions_credit(stream: bool) -
     outputs = {e.name: e.value for e in conductor.events() if isinstance(e, Output)}
     testing.assert_outputs_match(outputs, captured.run(request), bitwise=True)
     assert conductor.idle() and thinker.idle() and talker.idle()
+
+
+@pytest.mark.parametrize("limit", [5, 64])
+def test_a_rank_local_producer_streams_into_a_loop_the_conductor_drives(limit: int) -> None:
+    """The thinker on rank 0 alone, talker and codec on replicas of ranks 0 and 1: the talker
+    loop is the conductor's (a replicated consumer), and the thinker's loop stays a region of
+    rank 0 that feeds it item by item (``RegionPlan.feeds``) within the conductor's credit,
+    instead of being dispatched node by node; outputs are the interpreter's."""
+    from walkserve.runtime.local import run_local
+
+    model, sample = build_example("example-speech")
+    captured = capture.trace(model, sample)
+    placement = Placement.from_dict(
+        {"ranks": 2, "nodes": {"thinker": [0], "talker": [0, 1], "codec": [0, 1]}}
+        | {"replicas": {"talker": 2, "codec": 2}}
+    )
+    plan = lower(captured, sample, placement, check_capture=False)
+    (thinker,) = [r for r in plan.regions["speak"] if "think_step" in r.items]
+    assert thinker.rank == 0 and thinker.feeds == ["stream.talk_step"]
+    assert "think_step.out3.all" in thinker.forwards
+    assert all("talk_step" not in r.items for r in plan.regions["speak"])
+    assert "streams stream.talk_step to the conductor" in plan.format()
+    reqs = {
+        f"r{k}": dict(sample, max_new_tokens=n, prompt_ids=torch.tensor([[3 + k, 4, 5, 6]]))
+        for k, n in enumerate([16, 9, 1])
+    }
+    result = run_local(captured, plan, reqs, walks="speak", stream_buffer_limit=limit)
+    assert result.failed == {}
+    for rid, r in reqs.items():
+        testing.assert_outputs_match(result.outputs[rid], captured.run(r, "speak"))
+    think = [d for d in result.dispatches if d.node.startswith("think_step/")]
+    assert think and all(d.region for d in think)  # stepped by the rank, never the conductor
+    talk = [d for d in result.dispatches if d.node.startswith("talk_step/")]
+    assert talk and not any(d.region for d in talk)
+    assert result.max_buffered <= max(limit, 8)  # the producer waited for credit
+    assert result.rank_values == 0

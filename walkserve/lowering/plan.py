@@ -80,7 +80,9 @@ class RegionPlan(msgspec.Struct, frozen=True):
     that are client outputs of the walk, reported as each iteration commits; ``forwards``:
     accumulated channels of its loops that stream into another region (each committed item
     is sent on as it commits, as far as the consumer's credit allows); ``fed``: the streams
-    (edge names) its loops consume whose items come from another region."""
+    (edge names) its loops consume whose items come from another region; ``feeds``: the
+    streams (edge names) from its loops into loops the conductor drives (their sources among
+    ``forwards``: the conductor takes each committed item into its own buffer)."""
 
     name: str
     rank: int
@@ -93,6 +95,7 @@ class RegionPlan(msgspec.Struct, frozen=True):
     forwards: list[str] = []
     fed: list[str] = []
     replicas: list[int] = []  # ranks that each run it (``rank`` the first); empty: ``rank``
+    feeds: list[str] = []
 
     @property
     def ranks(self) -> list[int]:
@@ -194,9 +197,12 @@ class ExecutablePlan(msgspec.Struct):
             for region in self.regions.get(walk, []):
                 where = f" in loop {'/'.join(region.path)}" if region.path else ""
                 on = f"rank {region.rank}" if not region.replicas else f"ranks {region.replicas}"
+                feeds = (
+                    f"; streams {', '.join(region.feeds)} to the conductor" if region.feeds else ""
+                )
                 lines.append(
                     f"  region    {region.name:32} {on}{where}: "
-                    f"{', '.join(region.items)} (runs there by itself)"
+                    f"{', '.join(region.items)} (runs there by itself{feeds})"
                 )
         for group in self.tp_groups:
             lines.append(

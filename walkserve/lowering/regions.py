@@ -24,8 +24,11 @@ region never delays work that node-by-node dispatch would have started):
   outside the run is a parameter of the block or already read by the run;
 - a stream between two rank-local loops goes from region to region: the producer's region
   sends each committed item on (its ``forwards``), the consumer's region takes them in (its
-  ``fed`` streams), ranks apart or not; a stream with a loop the conductor drives at one end
-  makes the other end conductor-driven too (the conductor cuts that stream itself);
+  ``fed`` streams), ranks apart or not; a stream from a rank-local loop into one the conductor
+  drives (a consumer on replicas, or whose body spans ranks) is one of the producer region's
+  ``feeds``: it sends each committed item on, as far as the conductor's credit allows, and the
+  conductor cuts the chunks itself; a consumer of a conductor-driven producer is
+  conductor-driven too, and so is a producer on replicas with its consumer;
 - a run holds at least one loop or two nodes (a lone node is dispatched as a node).
 
 What crosses the boundary: ``regions(walk, plan_block)`` reads the IR and the placed plan (every
@@ -57,6 +60,8 @@ class _Finder:
         self.found: list[RegionPlan] = []
         self.edges: list[tuple[str, str, ir.StreamEdge]] = []  # streams of rank-local loops
         self.apart: list[tuple[str, str, ir.StreamEdge]] = []  # ... between two regions
+        # streams from a rank-local loop into one the conductor drives
+        self.to_conductor: list[tuple[str, str, ir.StreamEdge]] = []
         nodes = ir.iter_nodes(walk.body)
         self.ir_nodes: dict[str, ir.Node] = {n.name: n for n in nodes}
         self.streams = {e.name: e for e in walk.streams}
@@ -70,21 +75,23 @@ class _Finder:
         # rank-local. Runs depend on which loops are local, so repeat until nothing changes.
         pairs = self._stream_pairs(items)
         for producer, consumer, _ in pairs:  # replicas: no region streams to another region
-            if len(local[producer] or ()) > 1 or len(local[consumer] or ()) > 1:
+            if len(local[producer] or ()) > 1:
                 local[producer] = local[consumer] = None
-        while True:  # a stream with one rank-local end: that end is conductor-driven too
+            elif len(local[consumer] or ()) > 1:
+                local[consumer] = None  # the conductor drives it; its producer may stay
+        while True:  # a consumer of a conductor-driven producer: conductor-driven too
             half = {
-                name
+                consumer
                 for producer, consumer, _ in pairs
-                if (local[producer] is None) != (local[consumer] is None)
-                for name in (producer, consumer)
-                if local[name] is not None
+                if local[producer] is None and local[consumer] is not None
             }
             if not half:
                 break
             for name in half:
                 local[name] = None
         self.edges = [(p, c, e) for p, c, e in pairs if local[p] is not None]
+        self.to_conductor = [(p, c, e) for p, c, e in self.edges if local[c] is None]
+        self.edges = [(p, c, e) for p, c, e in self.edges if local[c] is not None]
         runs = self._runs(body, items, local)
         run_of = {name: k for k, run in enumerate(runs) for name in run}
         self.apart = [(p, c, e) for p, c, e in self.edges if run_of[p] != run_of[c]]
@@ -172,7 +179,10 @@ class _Finder:
                 if isinstance(node, ir.LoopNode):
                     streamed += [ch for ch in node.accumulated if ch in emitted]
         fed = [e.name for _, c, e in self.apart if c in run]
-        forwards = list(dict.fromkeys(e.source for p, _, e in self.apart if p in run))
+        feeds = [e.name for p, _, e in self.to_conductor if p in run]
+        forwards = list(
+            dict.fromkeys(e.source for p, _, e in [*self.apart, *self.to_conductor] if p in run)
+        )
         ranks = local[run[0]]
         assert ranks is not None
         return RegionPlan(
@@ -187,6 +197,7 @@ class _Finder:
             streamed=streamed,
             fed=fed,
             forwards=forwards,
+            feeds=feeds,
         )
 
     # ------------------------------------------------------------------ items

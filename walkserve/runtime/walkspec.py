@@ -50,7 +50,7 @@ class RegionSpec:
 class StreamSpec:
     edge: ir.StreamEdge
     policy: ChunkPolicy
-    producer: str | None  # the sibling loop whose accumulated channel is the source, if any
+    producer: str | None  # the sibling loop (or region) whose accumulated channel is the source
     acc: ir.Accumulated | None
     backpressure: bool  # False where the consumer cannot start before the producer ends
 
@@ -178,7 +178,7 @@ class SpecBuilder:
                 f"the plan of walk {self.walk.name!r} does not match the captured model: "
                 f"plan-only {sorted(planned - block_ops)}, IR-only {sorted(block_ops - planned)}"
             )
-        streams = self._streams(block, loops)
+        streams = self._streams(block, loops, regions)
         uses: dict[str, int] = {}
         for n in nodes:
             for o in n.ops:
@@ -243,6 +243,7 @@ class SpecBuilder:
             )
             for ch in region.forwards
         }
+        edges = {e.name: e for e in self.walk.streams}
         return RegionSpec(
             region.name,
             tuple(region.inputs),
@@ -251,6 +252,7 @@ class SpecBuilder:
             emit,
             forwards,
             tuple(region.fed),
+            tuple((name, edges[name].source) for name in region.feeds),
         )
 
     def _speculative(self, node: ir.LoopNode) -> bool:
@@ -261,9 +263,12 @@ class SpecBuilder:
         ]
         return node.speculative and all(components)
 
-    def _streams(self, block: ir.Block, loops: list[LoopSpec]) -> dict[str, StreamSpec]:
+    def _streams(
+        self, block: ir.Block, loops: list[LoopSpec], regions: list[RegionSpec]
+    ) -> dict[str, StreamSpec]:
         by_name = {ls.node.name: ls for ls in loops}
         producers = {ch: ls.node for ls in loops for ch in ls.node.accumulated}
+        fed_by = {stream: rs for rs in regions for stream, _ in rs.feeds}
         out: dict[str, StreamSpec] = {}
         for ls in loops:
             trips = ls.node.trips
@@ -271,6 +276,18 @@ class SpecBuilder:
                 continue
             edge = self.edges[trips.stream]
             producer = producers.get(edge.source)
+            region = fed_by.get(edge.name)
+            if region is not None:  # a region's loop feeds it item by item (its ``feeds``)
+                loop = next(n for n in self.loops.values() if edge.source in n.accumulated)
+                waits = bool(set(region.outputs) & self._needs(block, by_name, ls.need))
+                out[edge.name] = StreamSpec(
+                    edge,
+                    ChunkPolicy.from_json(dict(edge.policy)),
+                    region.name,
+                    loop.accumulated[edge.source],
+                    backpressure=not waits,
+                )
+                continue
             acc = producer.accumulated[edge.source] if producer is not None else None
             waits = producer is not None and producer.name in self._ancestors(
                 block, by_name, ls.need
@@ -283,6 +300,29 @@ class SpecBuilder:
                 backpressure=producer is not None and not waits,
             )
         return out
+
+    def _needs(
+        self, block: ir.Block, loops: dict[str, LoopSpec], names: tuple[str, ...]
+    ) -> set[str]:
+        """The values ``names`` depend on in ``block``, transitively (themselves included),
+        through its ops and conductor-driven loops (a region's outputs end the search)."""
+        made_by: dict[str, ir.Node] = {}
+        for n in block.nodes:
+            for v in ir.node_outputs(n):
+                made_by[v] = n
+        seen: set[str] = set()
+        todo = list(names)
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            node = made_by.get(name)
+            if isinstance(node, ir.Op):
+                todo += ir.node_inputs(node)
+            elif node is not None and node.name in loops:
+                todo += loops[node.name].need
+        return seen
 
     def _ancestors(
         self, block: ir.Block, loops: dict[str, LoopSpec], names: tuple[str, ...]
