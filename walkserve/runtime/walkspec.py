@@ -306,41 +306,42 @@ class SpecBuilder:
     ) -> set[str]:
         """The values ``names`` depend on in ``block``, transitively (themselves included),
         through its ops and conductor-driven loops (a region's outputs end the search)."""
-        made_by: dict[str, ir.Node] = {}
-        for n in block.nodes:
-            for v in ir.node_outputs(n):
-                made_by[v] = n
-        seen: set[str] = set()
-        todo = list(names)
-        while todo:
-            name = todo.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            node = made_by.get(name)
-            if isinstance(node, ir.Op):
-                todo += ir.node_inputs(node)
-            elif node is not None and node.name in loops:
-                todo += loops[node.name].need
-        return seen
+        return self._depends(block, loops, names)[1]
 
     def _ancestors(
         self, block: ir.Block, loops: dict[str, LoopSpec], names: tuple[str, ...]
     ) -> set[str]:
         """Nodes of ``block`` that the values ``names`` depend on, transitively."""
+        return self._depends(block, loops, names)[0]
+
+    @staticmethod
+    def _depends(
+        block: ir.Block, loops: dict[str, LoopSpec], names: tuple[str, ...]
+    ) -> tuple[set[str], set[str]]:
+        """(nodes, values) of ``block`` that the values ``names`` depend on, transitively; a
+        loop's dependencies are its ``need`` (one not among ``loops``, a region's, ends the
+        search there)."""
         made_by: dict[str, ir.Node] = {}
         for n in block.nodes:
             for v in ir.node_outputs(n):
                 made_by[v] = n
-        seen: set[str] = set()
+        nodes: set[str] = set()
+        values: set[str] = set()
         todo = list(names)
         while todo:
-            node = made_by.get(todo.pop())
-            if node is None or node.name in seen:
+            name = todo.pop()
+            if name in values:
                 continue
-            seen.add(node.name)
-            todo += ir.node_inputs(node) if isinstance(node, ir.Op) else loops[node.name].need
-        return seen
+            values.add(name)
+            node = made_by.get(name)
+            if node is None or node.name in nodes:
+                continue
+            nodes.add(node.name)
+            if isinstance(node, ir.Op):
+                todo += ir.node_inputs(node)
+            elif node.name in loops:
+                todo += loops[node.name].need
+        return nodes, values
 
 
 def simple_loop(ls: LoopSpec) -> bool:
