@@ -19,9 +19,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from walkserve import capture, testing
 from walkserve.adapters.examples import build_example, example_placement
+from walkserve.capture import component, iterations, loop, stream, walk
+from walkserve.capture.chunk import EndOfStream, SlidingWindow
 from walkserve.lowering.lower import lower
 from walkserve.lowering.placement import Placement
 from walkserve.lowering.plan import ExecutablePlan
@@ -354,3 +357,79 @@ def test_a_rank_local_producer_streams_into_a_loop_the_conductor_drives(limit: i
     assert talk and not any(d.region for d in talk)
     assert result.max_buffered <= max(limit, 8)  # the producer waited for credit
     assert result.rank_values == 0
+
+
+@component
+class _Cell(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.net(torch.cat([x, h], -1)))
+        return h[:, None, :1], h  # an item [B, 1, 1] of the stream, the next state
+
+
+@component
+class _Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4 + 4, 2)
+
+    def forward(self, window: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([window[..., 0], h], -1))  # [B, 4, 1], [B, 4] -> [B, 2]
+
+
+class _LateConsumer(nn.Module):
+    """A consumer loop that needs its producer's last state: it cannot start before the
+    producer ends, so the stream between them has no backpressure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = _Cell()
+        self.decoder = _Decoder()
+
+    @walk
+    def speak(self, x: torch.Tensor, h: torch.Tensor, steps: int) -> dict[str, Any]:
+        items = []
+        for _ in iterations(steps):
+            h, item = self.think(h, x)
+            items.append(item)
+        seq = torch.cat(items, dim=1)  # [B, steps, 1]
+        last = torch.tanh(h)  # the producer's last state, made after it ends
+        windows = stream(seq, SlidingWindow(4, 2, EndOfStream.PAD), dim=1)
+        return {"audio": torch.cat([self.decode(w, last) for w in windows], dim=1)}
+
+    @loop
+    def think(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        item, h = self.cell(x, h)
+        return h, item
+
+    @loop
+    def decode(self, window: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(window, h)  # type: ignore[no-any-return]
+
+
+def test_a_region_feeding_a_consumer_that_waits_for_its_end_is_not_held_by_credit() -> None:
+    """The producer region's stream exceeds the buffer limit and its consumer (on replicas,
+    the conductor's) needs the producer's last state: the producer gets unlimited credit
+    (it would wait forever for a consumer that waits for it), and outputs are the
+    interpreter's."""
+    from walkserve.runtime.local import run_local
+
+    torch.manual_seed(0)
+    model = _LateConsumer().eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    sample = {"x": torch.randn(1, 4, generator=g), "h": torch.randn(1, 4, generator=g)}
+    captured = capture.trace(model, {**sample, "steps": 5})
+    placement = Placement.from_dict(
+        {"ranks": 2, "nodes": {"cell": [0], "decoder": [0, 1]}, "replicas": {"decoder": 2}}
+    )
+    plan = lower(captured, {**sample, "steps": 5}, placement, check_capture=False)
+    (producer,) = [r for r in plan.regions["speak"] if "think" in r.items]
+    assert producer.feeds  # the producer stays a region of rank 0
+    reqs = {f"r{n}": {**sample, "steps": n} for n in (13, 6)}
+    result = run_local(captured, plan, reqs, walks="speak", stream_buffer_limit=4)
+    assert result.failed == {}
+    for rid, r in reqs.items():
+        testing.assert_outputs_match(result.outputs[rid], captured.run(r, "speak"))

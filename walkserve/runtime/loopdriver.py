@@ -187,14 +187,22 @@ class LoopDriver:
         for stream, ch in ls.feeds:  # it may commit a buffer's worth before a consumer takes
             s = f.streams[stream]
             s.producer_item = item.id
-            self._credits.append(Credit(item.id, req.id, ch, s.base + self.stream_buffer_limit))
+            self._credits.append(Credit(item.id, req.id, ch, self._first_credit(s)))
+
+    def _first_credit(self, s: Stream) -> int:
+        """What a producer item (a fast loop, a region) may commit of ``s`` before its consumer
+        takes any: a buffer's worth, or everything when the consumer cannot start before the
+        producer ends (no backpressure: waiting for it would wait forever)."""
+        return s.base + self.stream_buffer_limit if s.spec.backpressure else UNLIMITED
 
     def _grant(self, f: Frame, s: Stream) -> None:
-        """Credit for a stream's producer its runner steps (a fast loop item)."""
+        """Credit for a stream's producer its runner steps (a fast loop item, a region)."""
         item = s.producer_item
         if item is None or item not in self._items:
             return
-        items = UNLIMITED if s.closed else s.base + self.stream_buffer_limit
+        items = (
+            UNLIMITED if s.closed or not s.spec.backpressure else s.base + self.stream_buffer_limit
+        )
         ch = s.spec.edge.source
         self._credits.append(Credit(item, self._items[item].request.id, ch, items))
 

@@ -205,7 +205,7 @@ class RegionItems(LoopDriver):
         for stream, ch in rs.feeds:  # into this frame's buffers: a buffer's worth, then credit
             s = f.streams[stream]
             s.producer_item = item.id
-            self._credits.append(Credit(item.id, req.id, ch, s.base + self.stream_buffer_limit))
+            self._credits.append(Credit(item.id, req.id, ch, self._first_credit(s)))
 
     def _flush(self, req: RequestState, fwd: Forward) -> None:
         if fwd.consumer is None or not (fwd.pending or (fwd.finished and not fwd.finish_sent)):
