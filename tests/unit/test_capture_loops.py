@@ -89,3 +89,62 @@ def test_nested_loops() -> None:
     assert inner.params[1].role == ir.PerStep(ir.SelectStep(ir.Ref("outer/x2"), 1, 0, 1))
     got = captured.run(sample, walk="nested")
     assert torch.equal(got["h"], model.nested(**sample)["h"])
+
+
+class Handoff(nn.Module):
+    """One loop's last state passed straight into the next loop, as a newcomer writes it:
+    a plain second loop, and a stream consumer whose every chunk call takes it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.cell = Cell()
+
+    @walk
+    def twice(self, h, xs):
+        for k in range(3):
+            h = self.inner(h, xs[:, k])
+        g = xs[:, 7]
+        for _ in range(2):
+            g = self.again(g, h)  # the first loop's last state, unchanged, every step
+        return {"g": g}
+
+    @walk
+    def windows(self, h, xs):
+        items = []
+        for k in range(4):
+            h = self.inner(h, xs[:, k])
+            items.append(h)
+        seq = torch.stack(items, dim=1)  # [1, 4, 4]
+        outs = [self.mix(w, h) for w in capture.stream(seq, capture.FixedChunk(2), dim=1)]
+        return {"out": torch.cat(outs, dim=1)}
+
+    @loop
+    def inner(self, h, x):
+        return self.cell(h, x)
+
+    @loop
+    def again(self, g, h):
+        return self.cell(g, h)
+
+    @loop
+    def mix(self, w, h):
+        return self.cell(w.sum(1), h)[:, None]
+
+
+def test_a_loops_last_state_passed_straight_to_the_next_loop_is_its_channel() -> None:
+    """Fails with "a stream chunk is used outside a @loop body" (the chunk loop) or wrong
+    values when the second loop's recorded calls keep naming the first loop's last iteration
+    after that loop became one node."""
+    model = Handoff().eval().requires_grad_(False)
+    sample = {"h": torch.randn(1, 4), "xs": torch.randn(1, 8, 4)}
+    captured = capture.trace(model, sample)
+    for walk_name in ("twice", "windows"):
+        for seed in (1, 2):
+            g = torch.Generator().manual_seed(seed)
+            r = {"h": torch.randn(1, 4, generator=g), "xs": torch.randn(1, 8, 4, generator=g)}
+            with torch.no_grad():
+                want = getattr(model, walk_name)(**r)
+            got = captured.run(r, walk_name)
+            for k, v in want.items():
+                torch.testing.assert_close(got[k], v)

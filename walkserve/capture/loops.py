@@ -69,6 +69,9 @@ class Finalized:
     trips: Literal["fixed", "input", "stream"]
     trip_count: int | str | ir.IntExpr  # input: a walk input's name or an expression
     stream_dep: int | None  # deps index of the stream source
+    # nodes of the enclosing graph this loop's channels replaced (its last iteration's
+    # outputs, a join of its pieces) -> the channel that stands for each now
+    replaced: dict[fx.Node, fx.Node] = field(default_factory=dict)
 
 
 def finalize_scope(tracer: WalkTracer, scope: Scope) -> None:
@@ -77,6 +80,7 @@ def finalize_scope(tracer: WalkTracer, scope: Scope) -> None:
         if record.finalized is None:
             _check_components_used(scope.graph)
             record.finalized = _finalize(tracer, scope.graph, record)
+            _rebind(scope.loops, record.finalized.replaced)
     _check_components_used(scope.graph)
     _dead_glue(scope.graph)
     leftovers = [
@@ -88,6 +92,28 @@ def finalize_scope(tracer: WalkTracer, scope: Scope) -> None:
             "a stream chunk is used outside a @loop body; iterate a stream only to call a loop body",
             leftovers[0].meta.get("source"),
         )
+
+
+def _rebind(records: list[LoopRecord], replaced: dict[fx.Node, fx.Node]) -> None:
+    """Point the arguments that later loops' calls recorded at the channels that replaced
+    them: a loop output passed straight to another loop's body (its last state, its stacked
+    pieces) is the first loop's channel once that loop is one node."""
+    if not replaced:
+        return
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, fx.Proxy) and value.node in replaced:
+            value.node = replaced[value.node]
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                swap(v)
+        return value
+
+    for record in records:
+        if record.finalized is None:
+            for it in record.iterations:
+                for value in it.args:
+                    swap(value)
 
 
 def _finalize(tracer: WalkTracer, graph: fx.Graph, record: LoopRecord) -> Finalized:
@@ -177,6 +203,7 @@ def _finalize(tracer: WalkTracer, graph: fx.Graph, record: LoopRecord) -> Finali
         return channels[name]
 
     labels = _output_labels(record, params)
+    replaced: dict[fx.Node, fx.Node] = {}
     for j, out_node in enumerate(last.outputs):
         uses = [u for u in out_node.users if u not in pred_nodes and u not in acc_nodes]
         if uses:
@@ -184,6 +211,7 @@ def _finalize(tracer: WalkTracer, graph: fx.Graph, record: LoopRecord) -> Finali
             terminal[name] = j
             keep = set(uses)
             out_node.replace_all_uses_with(channel(name), delete_user_cb=keep.__contains__)
+            replaced[out_node] = channel(name)  # later loops' recorded calls still name it
     acc_channels: dict[str, ir.Accumulated] = {}
     for join, (j, mode, dim, run) in accumulated.items():
         name = f"{record.name}.{labels[j]}.all"
@@ -192,10 +220,20 @@ def _finalize(tracer: WalkTracer, graph: fx.Graph, record: LoopRecord) -> Finali
         new_seq = [*seq[: run[0]], channel(name), *seq[run[1] :]]
         if len(new_seq) == 1:
             join.replace_all_uses_with(channel(name))
+            replaced[join] = channel(name)
         else:
             _set_join_seq(join, new_seq)
     return Finalized(
-        record, loop_fx, params, terminal, acc_channels, stop_output, trips, count, stream_dep
+        record,
+        loop_fx,
+        params,
+        terminal,
+        acc_channels,
+        stop_output,
+        trips,
+        count,
+        stream_dep,
+        replaced,
     )
 
 
