@@ -211,8 +211,8 @@ class _Finder:
         return next(iter(ranks))
 
     def _reads(self, item: NodePlan | LoopPlan) -> list[str]:
-        """What ``item`` needs from outside itself; a stream between two rank-local loops is
-        not a read (its items come from region to region)."""
+        """What ``item`` needs from outside itself; a stream from a rank-local loop is not a
+        read (its items come from region to region, or from the region to the conductor)."""
         if isinstance(item, NodePlan):
             inside = set(item.ops)
             out: list[str] = []
@@ -221,7 +221,7 @@ class _Finder:
                 out += [r for r in ir.node_inputs(node) if r not in inside]
             return out
         node = self.ir_nodes[item.name]
-        streamed = {e.source for _, c, e in self.edges if c == item.name}
+        streamed = {e.source for _, c, e in [*self.edges, *self.to_conductor] if c == item.name}
         return [v for v in ir.node_inputs(node) if v not in streamed]
 
     def _makes(self, item: NodePlan | LoopPlan) -> list[str]:
