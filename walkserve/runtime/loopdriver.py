@@ -7,7 +7,7 @@ ops and requests it drives these through are its own (the hooks below)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -184,27 +184,33 @@ class LoopDriver:
         )
         spec = RegionSpec(node.name, (), (), channels, ls.emit, {}, (), ls.feeds)
         self._issue(item, Pending(req, f, node.name, channels, {}, item, spec))
-        for stream, ch in ls.feeds:  # it may commit a buffer's worth before a consumer takes
-            s = f.streams[stream]
-            s.producer_item = item.id
-            self._credits.append(Credit(item.id, req.id, ch, self._first_credit(s)))
+        self._feeding(req, f, item.id, ls.feeds)
 
-    def _first_credit(self, s: Stream) -> int:
-        """What a producer item (a fast loop, a region) may commit of ``s`` before its consumer
-        takes any: a buffer's worth, or everything when the consumer cannot start before the
+    def _feeding(
+        self, req: RequestState, f: Frame, item: int, feeds: Sequence[tuple[str, str]]
+    ) -> None:
+        """Item ``item`` (a fast loop, a region) produces ``feeds`` (stream, channel) of frame
+        ``f``: it gets the streams' credit, now and as their consumers take items."""
+        for stream, ch in feeds:
+            s = f.streams[stream]
+            s.producer_item = item
+            self._credits.append(Credit(item, req.id, ch, self._credit_of(s)))
+
+    def _credit_of(self, s: Stream) -> int:
+        """What the producer item of ``s`` may commit: a buffer's worth beyond what its
+        consumer released, or everything when the consumer is done or cannot start before the
         producer ends (no backpressure: waiting for it would wait forever)."""
-        return s.base + self.stream_buffer_limit if s.spec.backpressure else UNLIMITED
+        if s.closed or not s.spec.backpressure:
+            return UNLIMITED
+        return s.base + self.stream_buffer_limit
 
     def _grant(self, f: Frame, s: Stream) -> None:
         """Credit for a stream's producer its runner steps (a fast loop item, a region)."""
         item = s.producer_item
         if item is None or item not in self._items:
             return
-        items = (
-            UNLIMITED if s.closed or not s.spec.backpressure else s.base + self.stream_buffer_limit
-        )
         ch = s.spec.edge.source
-        self._credits.append(Credit(item, self._items[item].request.id, ch, items))
+        self._credits.append(Credit(item, self._items[item].request.id, ch, self._credit_of(s)))
 
     def _pump_loop(self, req: RequestState, run: LoopRun) -> bool:
         changed = self._settle(req, run)

@@ -202,10 +202,7 @@ class RegionItems(LoopDriver):
         for streams in rs.forwards.values():
             for stream in streams:
                 f.forwards[stream].producer = item.id
-        for stream, ch in rs.feeds:  # into this frame's buffers: a buffer's worth, then credit
-            s = f.streams[stream]
-            s.producer_item = item.id
-            self._credits.append(Credit(item.id, req.id, ch, self._first_credit(s)))
+        self._feeding(req, f, item.id, rs.feeds)  # into this frame's buffers, with credit
 
     def _flush(self, req: RequestState, fwd: Forward) -> None:
         if fwd.consumer is None or not (fwd.pending or (fwd.finished and not fwd.finish_sent)):
