@@ -89,9 +89,9 @@ class _Finder:
                 break
             for name in half:
                 local[name] = None
-        self.edges = [(p, c, e) for p, c, e in pairs if local[p] is not None]
-        self.to_conductor = [(p, c, e) for p, c, e in self.edges if local[c] is None]
-        self.edges = [(p, c, e) for p, c, e in self.edges if local[c] is not None]
+        from_local = [(p, c, e) for p, c, e in pairs if local[p] is not None]
+        self.edges = [(p, c, e) for p, c, e in from_local if local[c] is not None]
+        self.to_conductor = [(p, c, e) for p, c, e in from_local if local[c] is None]
         runs = self._runs(body, items, local)
         run_of = {name: k for k, run in enumerate(runs) for name in run}
         self.apart = [(p, c, e) for p, c, e in self.edges if run_of[p] != run_of[c]]
