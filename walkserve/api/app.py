@@ -21,7 +21,7 @@ A request's path through here::
     body   = ctx.parse(request, Schema)      size limit, safe JSON, types and ranges -> 400
     inputs = task-specific checks            model, limits, tokenization        -> 400
     ticket = admit()                         --max-queued, atomic on the loop   -> 503
-    handle = await server.submit_async(...)  admission by the conductor thread, awaited
+    handle = await server.submit_async(...)  admission by a conductor pass, awaited
     items  = handle.astream() / aresult()    awaited on the loop (woken by the conductor
                                              thread; no pool thread per request)
     ticket.release(); handle.cancel()        when the response ends or the client leaves

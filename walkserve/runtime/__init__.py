@@ -5,8 +5,8 @@
     server process                                         worker process (one per rank)
     ------------------------------------------------       -----------------------------------
     api/ (asyncio)   route: parse, admit, submit_async
-        |  inbox (thread hand-off)
-    conductor thread Conductor: the walk state machine       io thread: decode inputs, pull held
+        |  task deque; the posting thread makes the pass
+    conductor pass   Conductor: the walk state machine       io thread: decode inputs, pull held
                      Batcher: which ready items leave,         values from their rank (peers),
                      to which rank                             heartbeats, peer socket answers
                      pool.submit_batch / pool.regions ------>     |  queue (thread hand-off)
@@ -18,8 +18,8 @@
                                                                 batched by node
                                                                 NodeRunner: the batched call
         pool io thread: copy reports out, ack <--------------   reports: loop exits, committed
-        |  inbox (thread hand-off)          RegionEvents,        stream items, failures; outputs
-    conductor thread: complete / streamed   BatchDone            as soon as they exist
+        |  then a conductor pass, same thread RegionEvents,      stream items, failures; outputs
+    conductor pass: complete / streamed     BatchDone            as soon as they exist
         |  RequestHandle (asyncio wake-up)
     api/: SSE chunks, JSON answer                            rank to rank (peer sockets): a held
                                                              value pulled by its consumer rank
@@ -37,7 +37,7 @@ rank pulls it from there (``peers``), never through the server process, which re
 
 Modules, by role:
 
-    server        serve(), Server: the Python API and the conductor thread; handle:
+    server        serve(), Server: the Python API and the conductor passes; handle:
                   RequestHandle, what a caller holds of a request
     conductor     the walk state machine (pure); loopdriver (its loops), regionitems (its
                   region items: streams, feeds, credit), workitem, walkspec,

@@ -1,5 +1,5 @@
 """A submitted request as its caller holds it: ``RequestHandle`` (outputs, streamed items,
-their asyncio forms, cancel), filled from the conductor thread by the events of its request;
+their asyncio forms, cancel), filled by conductor passes from the events of its request;
 ``RequestFailed`` when the request ends in an error."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class RequestHandle:
     """One submitted request. ``result()`` blocks for the client outputs; ``stream()``
     yields ``StreamItem`` events as the request's loops commit iterations. ``aresult()`` and
     ``astream()`` are the same for asyncio code: they wait on the caller's event loop (woken
-    from the conductor thread), holding no thread while they wait."""
+    from a conductor pass), holding no thread while they wait."""
 
     request_id: str
     _server: Server = field(repr=False)

@@ -177,6 +177,12 @@ class WorkerPool(RankLife):
         self._scheduling = (speculate, stream_buffer_limit)
         self.hold = hold
         self.regions = RegionTraffic(self)
+        # run at the end of every pass of the io thread (the server's conductor pass), and
+        # what wakes that thread for it from any other (``nudge``): a pipe, thread-safe
+        self.on_io_pass: Callable[[], None] = lambda: None
+        self._nudge_rx, self._nudge_tx = os.pipe()
+        os.set_blocking(self._nudge_rx, False)
+        os.set_blocking(self._nudge_tx, False)
         self._lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
         self._handle_batch: dict[Token, int] = {}
@@ -437,6 +443,9 @@ class WorkerPool(RankLife):
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
+        for fd in (self._nudge_rx, self._nudge_tx):
+            with contextlib.suppress(OSError):
+                os.close(fd)
         for name in ("_shm", "_reader"):
             resource = getattr(self, name, None)
             if resource is not None:
@@ -464,6 +473,7 @@ class WorkerPool(RankLife):
         poller = self._poller = zmq.Poller()
         poller.register(self._reports, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._nudge_rx, zmq.POLLIN)
         sentinels = self._sentinels = {s.process.sentinel: s for s in self._ranks.values()}
         for fd in sentinels:
             poller.register(fd, zmq.POLLIN)
@@ -476,14 +486,26 @@ class WorkerPool(RankLife):
                         self._dispatch(frames)
                 elif sock is self._wake_rx:
                     return
+                elif sock == self._nudge_rx:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._nudge_rx, 4096)
                 elif isinstance(sock, int) and sock in sentinels:
                     poller.unregister(sock)
                     self._drain_reports()  # its last words (a Fatal) come first
                     self._on_exit(sentinels.pop(sock), closing=self._closed)
             for rank, setup in list(self._setups_due.items()):
                 self._send_setup(self._ranks[rank], setup)
+            self.on_io_pass()
             self.regions.flush()
             self.supervision.tick()
+
+    def nudge(self) -> None:
+        """Wake the io thread for an ``on_io_pass`` (any thread)."""
+        with contextlib.suppress(BlockingIOError):  # full: a wake is pending anyway
+            os.write(self._nudge_tx, b"\0")
+
+    def on_io_thread(self) -> bool:
+        return threading.current_thread() is self._io
 
     def _drain_reports(self, wait_ms: int = 20) -> None:
         """Dispatch what the workers sent so far, waiting up to ``wait_ms`` for stragglers."""

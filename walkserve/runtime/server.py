@@ -1,4 +1,4 @@
-"""``serve(...)``: the runtime's Python API. A conductor loop in this process, one worker
+"""``serve(...)``: the runtime's Python API. The conductor in this process, one worker
 process per rank, requests in, outputs and streamed items out.
 
     server = serve("example-speech", placement)          # or serve(capture_model(name), ...)
@@ -9,7 +9,9 @@ process per rank, requests in, outputs and streamed items out.
     server.health(); server.stats(); server.close()        # also a context manager
     server.drain(grace_s=30)                               # stop admitting, let requests end
 
-The conductor loop (one thread, the only one touching the conductor)::
+A conductor pass (one at a time, under ``_pass_lock``; no thread of its own: the thread that
+posts a task (a submit, a cancel) makes one pass itself, and the pool's io thread makes one
+after every batch of replies it reads, so a reply reaches the conductor with no hand-off)::
 
     items   = conductor.ready()                  schedule: ready work of every request
     batches = group(items)                       by (walk, plan node, ops, rank)
@@ -17,23 +19,23 @@ The conductor loop (one thread, the only one touching the conductor)::
     conductor.complete / fail(...)               postprocess, as each batch's reply arrives
     route(conductor.events())                    outputs and stream items to their handles
 
-Planning overlaps execution: while batches are out on the workers, the loop keeps taking
+Planning overlaps execution: while batches are out on the workers, each pass keeps taking
 newly ready items (the next iteration of another request, another branch) and dispatching
 them. A worker that dies (or hangs past its deadline and is killed) fails the requests whose
 batches it held, with an error naming the rank; requests that need only other ranks go on.
 The pool restarts it (``supervisor``); work sent to it meanwhile waits for it. No request is
 retried: a failed one is the client's to send again. ``unavailable()`` says why new work
-would not be served now (a rank restarting or failed, draining, the loop stopped): the HTTP
+would not be served now (a rank restarting or failed, draining, the conductor stopped): the HTTP
 layer answers 503 with Retry-After then.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -69,7 +71,6 @@ from walkserve.runtime.pool import BatchResult, RankHealth, WorkerPool
 
 log = logging.getLogger("walkserve.server")
 
-_STOP = object()
 MAX_FAULTS = 3  # unexpected conductor failures within FAULT_WINDOW_S that stop the server
 FAULT_WINDOW_S = 10.0
 
@@ -121,7 +122,11 @@ class Server:
             w.name: {n.name: n for n in ir.iter_nodes(w.body) if isinstance(n, ir.Op)}
             for w in captured.graph.walks.values()
         }
-        self._inbox: queue.Queue[Any] = queue.Queue()  # callables run on the loop thread
+        # what the conductor is to do, run in order by whichever thread makes the next pass
+        self._tasks: collections.deque[Callable[[], None]] = collections.deque()
+        self._pass_lock = threading.Lock()  # one pass at a time: the conductor is not shared
+        self._stopped = False  # closed, or stopped by faults: no pass runs any more
+        self._faults: list[float] = []  # when passes failed unexpectedly, within FAULT_WINDOW_S
         self._admitted: list[Callable[[], None]] = []  # callers to wake after this dispatch
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
@@ -141,13 +146,12 @@ class Server:
         self.max_inflight = max_inflight
         self._region_rank: dict[int, int] = {}  # region items out -> their rank
         pool.regions.on_regions = self._region_events
+        pool.on_io_pass = self._pump
         self._closed = False
-        self.fatal: str | None = None  # why the conductor loop stopped, if it did
+        self.fatal: str | None = None  # why the conductor stopped, if it did
         self.draining: str | None = None  # why new requests are refused (``drain``)
         self.cross_host_edges: list[Any] = []  # runtime.net.link.CrossHostEdge
         self.closers: list[Callable[[], None]] = []  # run after the pool closed (a launcher)
-        self._thread = threading.Thread(target=self._loop, name="walkserve-conductor", daemon=True)
-        self._thread.start()
 
     # ---------------------------------------------------------------- client API
 
@@ -177,7 +181,7 @@ class Server:
         request_id: str | None = None,
         stream: bool = True,
     ) -> Future[RequestHandle]:
-        """Queue ``inputs`` for admission by the conductor thread; the future holds the handle,
+        """Queue ``inputs`` for admission by the next conductor pass; the future holds the handle,
         or the error that says why the request was refused. ``stream=False``: the handle
         gets the final outputs only (``stream()`` yields nothing), and nothing is reported
         item by item for it: what ``run()`` and non-streamed answers need."""
@@ -218,7 +222,7 @@ class Server:
             # its thread must not take the GIL from the dispatch that its request waits for
             self._admitted.append(lambda: done.set_result(handle))
 
-        self._inbox.put(admit)
+        self._post(admit)
         return handle, done
 
     def run(
@@ -243,7 +247,7 @@ class Server:
             if handle is not None:
                 handle._finish("cancelled")
 
-        self._inbox.put(drop)
+        self._post(drop)
 
     def health(self) -> dict[int, RankHealth]:
         return self.pool.health()
@@ -268,7 +272,7 @@ class Server:
         to finish; True if they all did. ``close()`` then fails whatever is left."""
         self.draining = self.draining or "the server is shutting down"
         deadline = time.monotonic() + grace_s
-        while self._handles or not self._inbox.empty():
+        while self._handles or self._tasks:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)
@@ -283,7 +287,7 @@ class Server:
         rank's own). Live values count what the conductor holds and what the ranks' region
         runs and object stores hold."""
         result: Future[ConductorStats] = Future()
-        self._inbox.put(lambda: result.set_result(self.conductor.stats()))
+        self._post(lambda: result.set_result(self.conductor.stats()))
         outer = result.result(timeout)
         ranks = self.pool.regions.stats(timeout)
         return RuntimeStats(
@@ -313,8 +317,8 @@ class Server:
         if self._closed:
             return
         self._closed = True
-        self._inbox.put(_STOP)
-        self._thread.join(timeout=30)
+        with self._pass_lock:  # a pass under way ends first; none runs after it
+            self._stopped = True
         self.pool.close()
         for closer in self.closers:
             closer()
@@ -327,50 +331,56 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- the loop
+    # ---------------------------------------------------------------- the passes
 
-    def _loop(self) -> None:
-        """The conductor thread. It never dies silently: an unexpected exception is logged with
-        its traceback and fails every request the conductor holds (their state may be half
-        updated), and the loop goes on; ``MAX_FAULTS`` of them within ``FAULT_WINDOW_S`` stop
-        it, with ``fatal`` saying why (``/health`` answers 503, ``walkserve serve`` exits)."""
-        faults: list[float] = []
-        while True:
-            try:
-                if self._step():
-                    return
-            except Exception as e:
-                log.exception("the conductor loop failed; failing the requests it held")
-                now = time.monotonic()
-                faults = [t for t in faults if now - t < FAULT_WINDOW_S] + [now]
-                self._fail_all(f"the server failed: {type(e).__name__}: {e}")
-                if len(faults) >= MAX_FAULTS:
-                    self.fatal = f"{type(e).__name__}: {e}"
-                    log.critical(
-                        "the conductor loop failed %d times in a row; stopping", len(faults)
-                    )
-                    self._fail_all(f"the server stopped: {self.fatal}")
-                    return
+    def _post(self, task: Callable[[], None]) -> None:
+        """Queue ``task`` for the next pass. A caller's thread makes that pass itself when no
+        other thread is in one (no hand-off to wait for); the pool's io thread, whose
+        callbacks post the workers' replies, makes its pass once it has read them all."""
+        self._tasks.append(task)
+        if not self.pool.on_io_thread():
+            self._pump(once=True)
 
-    def _step(self) -> bool:
-        """One pass: run what the inbox holds, dispatch, route events. True: stop."""
-        task = self._inbox.get()
-        if task is _STOP:
-            return True
-        task()
-        while True:  # drain whatever else is waiting before dispatching
+    def _pump(self, once: bool = False) -> None:
+        """Make passes while tasks wait and no other thread is in one (that one sees them:
+        it makes another pass, or, ``once``, a caller's thread making one pass, wakes the io
+        thread for the rest). ``once``: so that a caller (the HTTP event loop) is not kept
+        on the conductor's work by a stream of replies."""
+        while self._tasks and not self._stopped:
+            if not self._pass_lock.acquire(blocking=False):
+                return
             try:
-                task = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if task is _STOP:
-                self._wake_admitted()
-                return True
-            task()
-        self._dispatch(self.conductor.ready())
-        self._wake_admitted()
-        self._route(self.conductor.events())
-        return False
+                if not self._stopped:
+                    self._pass()
+            finally:
+                self._pass_lock.release()
+            if once:
+                if self._tasks:
+                    self.pool.nudge()
+                return
+
+    def _pass(self) -> None:
+        """One pass: run the queued tasks, dispatch what is ready, route the events. It never
+        fails silently: an unexpected exception is logged with its traceback and fails every
+        request the conductor holds (their state may be half updated); ``MAX_FAULTS`` of them
+        within ``FAULT_WINDOW_S`` stop the server, ``fatal`` saying why (``/health`` answers
+        503, ``walkserve serve`` exits)."""
+        try:
+            while self._tasks:
+                self._tasks.popleft()()
+            self._dispatch(self.conductor.ready())
+            self._wake_admitted()
+            self._route(self.conductor.events())
+        except Exception as e:
+            log.exception("a conductor pass failed; failing the requests it held")
+            now = time.monotonic()
+            self._faults = [t for t in self._faults if now - t < FAULT_WINDOW_S] + [now]
+            self._fail_all(f"the server failed: {type(e).__name__}: {e}")
+            if len(self._faults) >= MAX_FAULTS:
+                self.fatal = f"{type(e).__name__}: {e}"
+                log.critical("%d conductor passes failed in a row; stopping", len(self._faults))
+                self._fail_all(f"the server stopped: {self.fatal}")
+                self._stopped = True
 
     def _wake_admitted(self) -> None:
         admitted, self._admitted = self._admitted, []
@@ -459,7 +469,7 @@ class Server:
                 self.batcher.returned(batch)
                 self._finished(future, list(batch.items))
 
-            self._inbox.put(finished)
+            self._post(finished)
 
         return on_reply
 
@@ -483,7 +493,7 @@ class Server:
                     self._region_over(event.item)
                     self.conductor.fail(event.item, event.error)
 
-        self._inbox.put(apply)
+        self._post(apply)
 
     def _inputs(self, item: WorkItem) -> dict[str, Any]:
         """The item's inputs by value name: the component op's argument values (from the
