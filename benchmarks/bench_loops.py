@@ -8,12 +8,15 @@ walk methods called in this process (Python ``for`` loops, no runtime):
     speech    a 96-step recurrent LM (GRU, width 256) streamed into a sliding-window decoder
               (SlidingWindow(16, 8): 11 windows)
 
-For each: latency at batch 1 (p50 of ``--reps`` requests, served and eager alternating so
-load drift hits both; ratio served / eager, target <= 1.2; and the CPU seconds the server
-process and its worker spent per request over the eager loop's, which other load on a small
-host disturbs less than wall time), and 16 concurrent requests served
-vs the same 16 run eagerly one after another (throughput ratio, target >= 4; the median of
-``ROUNDS`` rounds). Every served
+Both sides use the same torch thread count: the worker's default (``default_threads``: the
+cores but one, so 1 on 2 cores), set in this process for the eager loops too (on a 2-core host
+torch's own default of 2 makes the eager loops 2x-4x slower, which would flatter the served
+ratio); ``BENCH_THREADS`` sets another. For each: latency at batch 1 (p50 of ``--reps``
+requests, served and eager alternating so load drift hits both; ratio served / eager, target <=
+1.2; and the CPU seconds the server process and its worker spent per request over the eager
+loop's, which other load on a small host disturbs less than wall time), and 16 concurrent
+requests served vs the same 16 run eagerly one after another (throughput ratio, target >= 4;
+the median of ``ROUNDS`` rounds). Every served
 output is checked against the eager one. Writes ``benchmarks/results/loops.json`` (cpu count,
 torch version, git commit, load average). Small shared VMs are noisy: compare ratios of one run.
 """
@@ -42,7 +45,7 @@ import loop_models
 from walkserve.benchmarking import tree_cpu_seconds, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-THREADS = int(os.environ.get("BENCH_THREADS", "0")) or None
+THREADS = int(os.environ.get("BENCH_THREADS", "0")) or None  # None: default_threads(1)
 ROUNDS = 5  # rounds of the concurrent measurement: the median's figures are reported
 CASES = {
     "rollout": (
@@ -67,7 +70,11 @@ def check(got: dict[str, Any], want: dict[str, Any]) -> float:
 
 
 def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
+    from walkserve.runtime.config import default_threads
     from walkserve.runtime.server import serve
+
+    threads = THREADS or default_threads(1)
+    torch.set_num_threads(threads)  # the eager loops run with the worker's threads
 
     factory, walk, inputs = CASES[name]
     model, _ = getattr(loop_models, factory.split(":")[1])()
@@ -77,7 +84,7 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
         with torch.no_grad():
             return method(**r)  # type: ignore[no-any-return]
 
-    with serve(factory, threads=THREADS) as server:
+    with serve(factory, threads=threads) as server:
         for seed in range(3):  # warm-up: first calls of every node, both ways
             server.run(inputs(seed), walk, timeout=600)
             eager(inputs(seed))
@@ -118,6 +125,7 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
     served, eager_p50 = statistics.median(served_s), statistics.median(eager_s)
     return {
         "walk": walk,
+        "threads": threads,
         "served_p50_s": served,
         "eager_p50_s": eager_p50,
         "served_over_eager": served / eager_p50,

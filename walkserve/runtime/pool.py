@@ -132,7 +132,7 @@ log = logging.getLogger("walkserve.pool")
 
 class WorkerPool(RankLife):
     """One spawned worker process per rank (see the module docstring). ``threads``: torch
-    threads per worker, default ``worker.default_threads(ranks)`` (cores // ranks, >= 1)."""
+    threads per worker, default ``config.default_threads(ranks)`` ((cores - 1) // ranks, >= 1)."""
 
     def __init__(
         self,

@@ -46,7 +46,7 @@ def serve(
     made by ``registry.capture_model`` (it remembers its source and seed). The model is lowered
     for ``placement`` (a ``Placement``, a YAML/JSON file, or None for everything on one rank)
     and one worker process per rank is started; workers load the same weights themselves.
-    ``threads``: torch threads per worker (default: the cores divided by the ranks).
+    ``threads``: torch threads per worker (default: the cores but one divided by the ranks).
 
     The rest is composed of small configs (``runtime.config``): ``lowering`` (device, glue,
     batch buckets), ``scheduling`` (speculation, stream buffers, batches in flight),

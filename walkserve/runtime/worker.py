@@ -43,7 +43,7 @@ place an object's producer and all its consumers on one rank. ``Cancel`` drops t
 
 Threads: ``WorkerConfig.threads`` sets ``OMP_NUM_THREADS`` before torch is imported and
 ``torch.set_num_threads``; the pool's default is ``default_threads(ranks)``: the usable cores
-divided evenly over the ranks, at least 1. This module's top level imports no torch, because
+but one (the conductor's process) divided evenly over the ranks, at least 1. This module's top level imports no torch, because
 spawn imports it in the child (to find ``worker_main``) before ``worker_main`` runs; torch and
 the rest of walkserve are imported inside functions. If the parent's ``__main__`` module
 imports torch at its top, spawn re-imports that module in the child first and the variable

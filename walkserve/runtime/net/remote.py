@@ -188,7 +188,9 @@ def run_remote_worker(
         raise ValueError(f"rank must be >= 0, got {rank}")
     commands = commands_address(conductor)
     server_key, pair = load_worker_keys(keys_dir, rank, wait_s=setup_timeout_s)
-    n = threads if threads is not None else default_threads(1)
+    n = (
+        threads if threads is not None else default_threads(1, reserved=0)
+    )  # no conductor on this host
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
     import torch
 
