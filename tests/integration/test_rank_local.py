@@ -95,6 +95,21 @@ def test_a_lone_cohort_takes_the_fast_lane_and_a_cancel_still_stops_it() -> None
         assert_outputs_match(server.run(short, "drift", timeout=120), captured.run(short, "drift"))
 
 
+def test_region_runs_that_arrive_together_step_together_from_their_first_step() -> None:
+    captured = capture_model("rank_local_models:drift")
+    with serve(captured) as server:
+        requests = [{"h": torch.randn(1, 4, 8), "steps": 40} for _ in range(8)]
+        with server._pass_lock:  # no pass until all eight wait: one pass admits them all
+            futures = [server.submit_future(r, "drift", stream=False) for r in requests]
+        server.pool.nudge()  # the io thread makes that pass: one StartRegions of 8 runs
+        for r, f in zip(requests, futures):
+            got = f.result(timeout=120).result(timeout=120)
+            assert_outputs_match(got, captured.run(r, "drift"))
+        # the rank took the eight starts in one pass: every step held all eight rows (had it
+        # stepped the first run alone while reading the others, a step of 1 would show)
+        assert set(server.batch_sizes) == {8}, server.batch_sizes
+
+
 def test_a_killed_rank_fails_its_region_runs_and_the_other_rank_serves_on() -> None:
     captured = capture_model(MODEL)
     # ``looped`` wholly on rank 1 (one region), ``direct`` wholly on rank 0.

@@ -165,7 +165,7 @@ class EngineLoop:
         self.hold = hold
         self._conductor_values = {w: frozenset(v) for w, v in plan.conductor_values.items()}
         self._walk_of = scheduler.regions.walk_of
-        self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command | list[Command] | None] = queue.SimpleQueue()
         self._requests: dict[int, str] = {}  # region item -> request (for encoding)
         self._region_walk: dict[int, str] = {}
         self._batches: dict[int, NodeBatch] = {}
@@ -180,6 +180,13 @@ class EngineLoop:
         """Queue a command (any thread)."""
         self._commands.put(command)
 
+    def put_all(self, commands: list[Command]) -> None:
+        """Queue commands that the loop takes together, in one pass: the region starts of one
+        message, so that runs that arrived together start at the same iteration and form one
+        cohort (put one by one, the first could be stepped alone before the rest are read)."""
+        if commands:
+            self._commands.put(commands)
+
     def stop(self) -> None:
         self._commands.put(_STOP)
 
@@ -187,12 +194,18 @@ class EngineLoop:
         """The loop, until ``stop()`` or ``stopping`` is set."""
         wait = True
         while not stopping.is_set():
-            commands: list[Command | None] = [self._commands.get()] if wait else []
+            taken = [self._commands.get()] if wait else []
             while True:
                 try:
-                    commands.append(self._commands.get_nowait())
+                    taken.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
+            commands: list[Command | None] = []
+            for c in taken:
+                if isinstance(c, list):
+                    commands += c
+                else:
+                    commands.append(c)
             if _STOP in commands:
                 return
             for command in commands:

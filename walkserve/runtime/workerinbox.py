@@ -16,7 +16,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from walkserve.runtime.engine import EngineLoop
+    from walkserve.runtime.engine import Command, EngineLoop
     from walkserve.runtime.messages import Message, RunBatch, StartRegions
     from walkserve.runtime.peers import PeerClient
     from walkserve.runtime.transport import ShmTransport
@@ -96,6 +96,7 @@ class WorkerInbox:
 
         handles: list[Any] = []
         failed: list[RegionEvent] = []
+        runs: list[Command] = []
         for start in msg.starts:
             try:
                 env = self._receive(start.inputs, start.request_id, handles)
@@ -103,9 +104,10 @@ class WorkerInbox:
                 error = f"inputs of region {start.region} could not be read on rank {self.rank}"
                 failed.append(RegionFailed(start.item, f"{error}: {e}"))
                 continue
-            self.engine.put(
+            runs.append(
                 StartRun(start.item, start.request_id, start.walk, start.region, env, start.stream)
             )
+        self.engine.put_all(runs)  # together: runs that came together start together
         if handles:
             self._send(Ack(handles))
         if failed:
