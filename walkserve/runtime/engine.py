@@ -21,8 +21,9 @@ It blocks for commands only when the last step ran nothing, so region runs advan
 with no process crossing per iteration: a decode loop of 96 tokens is 96 steps here, one
 ``StartRegions`` and a ``RegionEvents`` every ``coalesce_s`` (2 ms) at most on the socket: its
 streamed tokens of consecutive steps, batched across requests, leave together; outputs, exits,
-failures and credit leave at once, and everything pending before the loop waits. Commands come from the worker's io thread (``put``, any thread), which
-has already turned their payloads into values.
+failures and credit leave at once, and everything pending before the loop waits. Commands come
+from the loop's ``Inbox`` (a worker's command socket, read on this same thread: the handlers
+turn payloads into values and ``put`` them) and from ``put`` on any thread.
 
 What a report carries: a value as the worker's transport encodes it (tensors inline or in this
 worker's shared-memory pool, objects such as a KV cache kept in the per-request object store
@@ -37,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -68,6 +69,7 @@ __all__ = [
     "DropItems",
     "FeedItems",
     "EngineLoop",
+    "Inbox",
     "NodeBatch",
     "StartRun",
     "StatsAsk",
@@ -133,6 +135,17 @@ Command = StartRun | NodeBatch | CancelRequest | DropItems | StatsAsk | FeedItem
 _STOP = None
 
 
+class Inbox(Protocol):
+    """A source of commands that the loop reads on its own thread (``workerinbox``)."""
+
+    def read(self, wait: bool) -> None:
+        """Take what has arrived (its commands reach the loop through ``put``); ``wait``:
+        first wait a while for something."""
+
+    def waiting(self) -> bool:
+        """Whether something has arrived that ``read`` would take."""
+
+
 class EngineLoop:
     """One rank's loop (see the module docstring). ``send`` puts a message on the report
     socket (thread-safe); ``transport`` encodes report values; ``objects``: the per-request
@@ -175,6 +188,7 @@ class EngineLoop:
         self.coalesce_s = coalesce_s
         self._unsent: list[m.RegionEvent] = []
         self._first_unsent = 0.0
+        self._inbox: Inbox | None = None  # run()'s
 
     def put(self, command: Command) -> None:
         """Queue a command (any thread)."""
@@ -190,11 +204,19 @@ class EngineLoop:
     def stop(self) -> None:
         self._commands.put(_STOP)
 
-    def run(self, stopping: threading.Event) -> None:
-        """The loop, until ``stop()`` or ``stopping`` is set."""
+    def run(self, stopping: threading.Event, inbox: Inbox | None = None) -> None:
+        """The loop, until ``stop()`` or ``stopping`` is set. ``inbox``: where commands come
+        from besides ``put`` (a worker's command socket, read on this thread: ``read`` when
+        the loop would wait and before each pass, ``waiting`` between fast-lane steps);
+        without one, the loop waits on ``put`` alone."""
+        self._inbox = inbox
         wait = True
         while not stopping.is_set():
-            taken = [self._commands.get()] if wait else []
+            if inbox is not None:
+                inbox.read(wait and self._commands.empty())
+                taken: list[Command | list[Command] | None] = []
+            else:
+                taken = [self._commands.get()] if wait else []
             while True:
                 try:
                     taken.append(self._commands.get_nowait())
@@ -284,9 +306,11 @@ class EngineLoop:
     def _lane(self, stopping: threading.Event) -> None:
         """The fast lane: a lone cohort steps back to back while no command waits, each step
         one runner call and one commit (``RankScheduler.lane``)."""
-        commands = self._commands
+        commands, inbox = self._commands, self._inbox
         lane = self.scheduler.lane()
         if lane is None or not commands.empty() or stopping.is_set():
+            return
+        if inbox is not None and inbox.waiting():
             return
         commit, call = lane.commit, lane.call
         with self.runner.lane(lane.walk, lane.node, lane.item) as run:
@@ -301,6 +325,8 @@ class EngineLoop:
                 if self._unsent and self._due():
                     self._flush()
                 if not more or not commands.empty() or stopping.is_set():
+                    return
+                if inbox is not None and inbox.waiting():
                     return
 
     def _step(self, step: Step) -> None:

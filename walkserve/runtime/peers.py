@@ -128,7 +128,7 @@ class PeerServer:
 
 class PeerClient:
     """Fetches held values from other ranks (``peers``: rank -> peer address); used by one
-    thread at a time (the worker's io thread)."""
+    thread at a time (the worker's engine thread)."""
 
     def __init__(
         self,
@@ -140,9 +140,9 @@ class PeerClient:
         on_wait: Callable[[], object] = lambda: None,
         wait_slice_s: float = 0.1,
     ) -> None:
-        """``on_wait``: called every ``wait_slice_s`` while an answer is awaited (the worker
-        keeps its heartbeats going: a dead or stopped producer must not make this rank look
-        hung)."""
+        """``on_wait``: called every ``wait_slice_s`` while an answer is awaited (a caller
+        whose heartbeats run on its own thread keeps them going; a worker's run on its watch
+        thread)."""
         self._ctx = ctx
         self._on_wait = on_wait
         self._slice_ms = max(1, int(wait_slice_s * 1000))

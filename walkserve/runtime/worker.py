@@ -10,25 +10,24 @@ shared memory (``transport.ShmTransport``)::
     WorkerSetup(model, seed, ir, plan, pool) ->  load weights, rebuild the CapturedModel, build
                                                  the callables of the nodes on this rank
                   <---------------------------  AttachPools([output pool]), Hello
-    RunBatch(batch, walk, node, items) ------>  [io]   read inputs, Ack the input handles
-                                                [main] run the node for every item
+    RunBatch(batch, walk, node, items) ------>  read inputs, Ack the input handles, run the
+                                                 node for every item
                   <---------------------------  BatchDone(outputs) | BatchFailed(per item)
-    Ack(output handles) --------------------->  [io]   release the output slots
-    Cancel(request) ------------------------->  [io]   drop the request's objects
-                  <---------------------------  Heartbeat, every config.heartbeat_s
+    Ack(output handles) --------------------->  release the output slots
+    Cancel(request) ------------------------->  drop the request's runs and objects
+                  <---------------------------  Heartbeat, every config.heartbeat_s [watch]
     Shutdown -------------------------------->  drop queued work, close the pool, exit 0
 
 Two threads, two DEALER sockets: one to the conductor's command ROUTER (``commands_addr``),
 one to its report ROUTER (``conductor_addr``).
 
-- The *io* thread owns the command socket. It decodes a batch's inputs (copying large tensors
-  out of the conductor's pool, resolving object handles), acks the input slots and queues the
-  batch, so the next batch's inputs are gathered while the main thread runs the current one
-  (torch ops release the GIL). It sends the heartbeats: a heartbeat says the process is alive,
-  not that a long node has finished. A glue batch that arrives while nothing is queued or
-  running, it runs itself: glue is cheaper than waking the main thread.
-- The *main* thread runs the queued batches one at a time and sends each reply itself on the
-  report socket (shared with the io thread under a lock): no hand-back to the io thread.
+- The *main* thread runs the engine loop (``engine.EngineLoop``) and reads the command socket
+  itself (``workerinbox``): when it would wait, it polls the socket; between steps it takes
+  what has arrived. A command reaches the engine with no hand-off between threads (a thread
+  woken per command costs tens of microseconds on a small host, more than reading it). It
+  sends its reports itself on the report socket (shared under a lock).
+- The *watch* thread sends the heartbeats (a heartbeat says the process is alive, not that a
+  long node has finished, nor that a slow peer answered) and notices the conductor's end.
 
 Batches run one at a time, in arrival order. A component node is one ``BatchedComponent`` call
 for the whole batch, then its fused glue per item; a glue node runs ``Interpreter.op`` per item.
@@ -74,8 +73,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import zmq
@@ -337,9 +335,7 @@ class Worker(WorkerInbox):
                 self.reader,
                 self.config.inline_max_bytes,
             )
-            self.peers = PeerClient(
-                self._ctx, self.rank, dict(setup.peers), self.reader, on_wait=self._beat
-            )
+            self.peers = PeerClient(self._ctx, self.rank, dict(setup.peers), self.reader)
         runner = NodeRunner(captured, plan, self.rank)
         scheduler = RankScheduler(
             region_walks(captured, plan, self.rank),
@@ -360,70 +356,34 @@ class Worker(WorkerInbox):
             counters=component_counters(model),
         )
 
-    # ------------------------------------------------------------------ main thread
+    # ------------------------------------------------------------------ threads
 
     def _serve(self, rx: zmq.Socket[bytes]) -> None:
-        io = threading.Thread(
-            target=self._io_loop, args=(rx,), name=f"walkserve-io-{self.rank}", daemon=True
+        """The engine loop on this (the main) thread, reading the command socket itself
+        (``WorkerInbox``); heartbeats and the conductor's end on a watch thread."""
+        self._open_inbox(rx)
+        watch = threading.Thread(
+            target=self._watch, name=f"walkserve-watch-{self.rank}", daemon=True
         )
-        io.start()
+        watch.start()
         try:
-            self.engine.run(self._stopping)
+            self.engine.run(self._stopping, inbox=self)
         finally:
             self._stopping.set()
-            io.join()
+            watch.join()
+            self._close_inbox()
 
-    # ------------------------------------------------------------------ io thread
-
-    def _io_loop(self, rx: zmq.Socket[bytes]) -> None:
-        from walkserve.runtime.engine import CancelRequest, CreditItems, DropItems, StatsAsk
-        from walkserve.runtime.messages import (
-            Ack,
-            Cancel,
-            DropRuns,
-            FeedStream,
-            GrantCredit,
-            MessageError,
-            Probe,
-            Release,
-            RunBatch,
-            Shutdown,
-            StartRegions,
-            StatsQuery,
-            decode,
-        )
-
-        handlers: dict[type, Callable[[Any], object]] = {
-            RunBatch: self._prepare,
-            StartRegions: self._start_regions,
-            Ack: self._on_ack,
-            Cancel: lambda m: self.engine.put(CancelRequest(m.request_id)),
-            DropRuns: lambda m: self.engine.put(DropItems(list(m.items))),
-            StatsQuery: lambda m: self.engine.put(StatsAsk(m.seq)),
-            Release: lambda m: self.objects.release(m.request_id, m.keys),
-            FeedStream: self._feed,
-            GrantCredit: lambda m: self.engine.put(CreditItems(m.item, m.channel, m.items)),
-            Shutdown: lambda m: self._stop(),
-            Probe: self._on_probe,
-        }
+    def _watch(self) -> None:
+        """The watch thread: a heartbeat every ``heartbeat_s`` (it says the process is alive,
+        also while a long step runs or a peer is slow to answer), and the end of the
+        conductor (this process's parent dies, a remote connection drops) stops the rank."""
         self._next_beat = time.monotonic()
         try:
             while not self._stopping.is_set():
-                rx.poll(int(max(0.0, self._next_beat - time.monotonic()) * 1000) + 1)
-                while not self._stopping.is_set() and (data := _recv(rx)) is not None:
-                    try:
-                        msg: Message = decode(data)
-                    except MessageError as e:
-                        log.warning("rank %d: ignoring a bad message: %s", self.rank, e)
-                        continue
-                    handler = handlers.get(type(msg))
-                    if handler is None:
-                        log.warning("rank %d: unexpected %s", self.rank, type(msg).__name__)
-                    else:
-                        handler(msg)
                 self._beat()
                 if self._conductor_gone():
                     break
+                self._stopping.wait(max(0.0, self._next_beat - time.monotonic()) + 0.001)
         finally:
             self._stop()
 
@@ -436,9 +396,7 @@ class Worker(WorkerInbox):
         return True
 
     def _beat(self) -> bool:
-        """Send a heartbeat if one is due (True then): from the io thread's loop, and while it
-        waits for a peer's answer (a peer that died or stopped must not make this rank look
-        hung too)."""
+        """Send a heartbeat if one is due (True then; the watch thread's)."""
         from walkserve.runtime.messages import Heartbeat
 
         now = time.monotonic()
@@ -478,20 +436,9 @@ class Worker(WorkerInbox):
         os._exit(1)
 
     def _stop(self) -> None:
+        """Stop the engine loop (any thread, a signal handler too): it wakes if it waits."""
         self._stopping.set()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.stop()
-
-
-def _recv(sock: zmq.Socket[bytes]) -> bytes | None:
-    """The next message, or None when none is waiting (asked of the socket's events first:
-    raising ``zmq.Again`` for every empty read costs more than the read)."""
-    import zmq
-
-    if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
-        return None
-    try:
-        return sock.recv(zmq.NOBLOCK)
-    except zmq.Again:
-        return None
+        self._wake()

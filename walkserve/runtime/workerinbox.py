@@ -1,21 +1,31 @@
-"""A worker's inbox: what its io thread does with each command of the conductor that carries
-values (``worker.Worker`` is a ``WorkerInbox``).
+"""A worker's inbox: the conductor's commands, read off the command socket by the engine's
+own thread (``worker.Worker`` is a ``WorkerInbox``; ``EngineLoop.run`` calls ``read`` when it
+would wait and between steps, and asks ``waiting`` between fast-lane steps), so a command
+reaches the engine with no hand-off between threads::
+
+    engine.run(stopping, inbox=worker)     # read(wait=True): poll the socket and the wake pipe
+    worker._wake()                         # any thread (a stop): the poll returns
 
 A node batch (``RunBatch``), region starts (``StartRegions``) and fed stream pieces
-(``FeedStream``) have their inputs read here, on the io thread, while the main thread runs the
-engine loop: values held by other ranks are pulled from them first (``peers``, one round trip
-per rank), shared-memory inputs are acknowledged at once (they were copied out), and the work
-goes to the engine (``EngineLoop.put``). An input that cannot be read fails its items or runs
-here, with a report, and nothing reaches the engine. ``Ack`` releases this rank's output slots;
-``Probe`` is a link measurement.
+(``FeedStream``) have their inputs read here: values held by other ranks are pulled from them
+first (``peers``, one round trip per rank), shared-memory inputs are acknowledged at once (they
+were copied out), and the work is queued for the engine (``EngineLoop.put``; a message's region
+starts together, ``put_all``). An input that cannot be read fails its items or runs here, with a
+report, and nothing reaches the engine. ``Ack`` releases this rank's output slots; ``Probe`` is
+a link measurement; ``Shutdown`` stops the loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import zmq
+
     from walkserve.runtime.engine import Command, EngineLoop
     from walkserve.runtime.messages import Message, RunBatch, StartRegions
     from walkserve.runtime.peers import PeerClient
@@ -25,18 +35,112 @@ __all__ = ["WorkerInbox"]
 
 log = logging.getLogger("walkserve.worker")
 
+WAIT_MS = 500  # longest wait for a command: a stop that no wake announced is seen by then
+
 
 class WorkerInbox:
-    """The io thread's handlers of value-carrying commands (see the module docstring)."""
+    """The command socket's reader and handlers (see the module docstring)."""
 
     # the worker's state these handlers use (set by Worker)
     rank: int
     engine: EngineLoop
     transport: ShmTransport
     peers: PeerClient | None
+    objects: Any  # transport.ObjectStore
+    _rx: zmq.Socket[bytes]
+    _poller: zmq.Poller
+    _handlers: dict[type, Callable[[Any], object]]
+    _wake_rx = -1
+    _wake_tx = -1
 
     def _send(self, msg: Message) -> None:
         raise NotImplementedError
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the socket
+
+    def _open_inbox(self, rx: zmq.Socket[bytes]) -> None:
+        import zmq
+
+        from walkserve.runtime.engine import CancelRequest, CreditItems, DropItems, StatsAsk
+        from walkserve.runtime.messages import (
+            Ack,
+            Cancel,
+            DropRuns,
+            FeedStream,
+            GrantCredit,
+            Probe,
+            Release,
+            RunBatch,
+            Shutdown,
+            StartRegions,
+            StatsQuery,
+        )
+
+        self._rx = rx
+        self._wake_rx, self._wake_tx = os.pipe()
+        os.set_blocking(self._wake_rx, False)
+        os.set_blocking(self._wake_tx, False)
+        self._poller = zmq.Poller()
+        self._poller.register(rx, zmq.POLLIN)
+        self._poller.register(self._wake_rx, zmq.POLLIN)
+        engine = self.engine
+        self._handlers = {
+            RunBatch: self._prepare,
+            StartRegions: self._start_regions,
+            Ack: self._on_ack,
+            Cancel: lambda m: engine.put(CancelRequest(m.request_id)),
+            DropRuns: lambda m: engine.put(DropItems(list(m.items))),
+            StatsQuery: lambda m: engine.put(StatsAsk(m.seq)),
+            Release: lambda m: self.objects.release(m.request_id, m.keys),
+            FeedStream: self._feed,
+            GrantCredit: lambda m: engine.put(CreditItems(m.item, m.channel, m.items)),
+            Shutdown: lambda m: self._stop(),
+            Probe: self._on_probe,
+        }
+
+    def _close_inbox(self) -> None:
+        for fd in (self._wake_rx, self._wake_tx):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_rx = self._wake_tx = -1
+
+    def _wake(self) -> None:
+        """Make a waiting ``read`` return (any thread)."""
+        if self._wake_tx >= 0:
+            with contextlib.suppress(OSError):  # full: a wake is pending anyway; closed: over
+                os.write(self._wake_tx, b"\0")
+
+    def read(self, wait: bool) -> None:
+        """Handle every command waiting on the socket; ``wait``: first wait (at most
+        ``WAIT_MS``) for one, or for a wake from another thread."""
+        from walkserve.runtime.messages import MessageError, decode
+
+        if wait:
+            for sock, _ in self._poller.poll(WAIT_MS):
+                if sock == self._wake_rx:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_rx, 4096)
+        handlers = self._handlers
+        while (data := _recv(self._rx)) is not None:
+            try:
+                msg: Message = decode(data)
+            except MessageError as e:
+                log.warning("rank %d: ignoring a bad message: %s", self.rank, e)
+                continue
+            handler = handlers.get(type(msg))
+            if handler is None:
+                log.warning("rank %d: unexpected %s", self.rank, type(msg).__name__)
+            else:
+                handler(msg)
+
+    def waiting(self) -> bool:
+        """Whether a command waits on the socket (cheap: asked between fast-lane steps)."""
+        return _readable(self._rx)
+
+    # ------------------------------------------------------------------ the handlers
 
     def _receive(self, inputs: Any, request_id: str, handles: list[Any]) -> dict[str, Any]:
         """The values of ``inputs`` (payloads by name): held ones of other ranks pulled from
@@ -68,8 +172,8 @@ class WorkerInbox:
             self.transport.fetched = {}
 
     def _prepare(self, msg: RunBatch) -> None:
-        """Decode a batch's inputs (while the main thread runs), ack the shared-memory inputs
-        at once (they were copied out), hand the batch to the engine loop."""
+        """Decode a batch's inputs, ack the shared-memory inputs at once (they were copied
+        out), hand the batch to the engine loop."""
         from walkserve.runtime.engine import NodeBatch
         from walkserve.runtime.messages import Ack, BatchFailed, ItemError
 
@@ -151,3 +255,25 @@ class WorkerInbox:
                 self.transport.release([handle])
             except ShmError as e:
                 log.warning("rank %d: bad ack: %s", self.rank, e)
+
+
+_POLLIN = 1  # zmq.POLLIN, as an int: the flag enum's ``&`` costs more than the read
+
+
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    import zmq
+
+    return bool(int(sock.get(zmq.EVENTS)) & _POLLIN)
+
+
+def _recv(sock: zmq.Socket[bytes]) -> bytes | None:
+    """The next message, or None when none is waiting (asked of the socket's events first:
+    raising ``zmq.Again`` for every empty read costs more than the read)."""
+    import zmq
+
+    if not _readable(sock):
+        return None
+    try:
+        return sock.recv(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
