@@ -18,7 +18,7 @@ other), images per second at concurrency 4 (the same number of requests, 4 in fl
 pipeline: one after the other, as a per-request caller would), and per-step latency:
 (latency at ``--steps`` steps - latency at 1 step) / (steps - 1), medians of requests at
 concurrency 1. Served images are checked against the pipeline's for the same seed (max error).
-Workers use ``cores / ranks`` torch threads (served2: one thread per rank on 2 cores); the
+Workers use ``(cores - 1) / ranks`` torch threads, at least 1 (one per rank on 2 cores); the
 pipeline process uses every core. Writes ``benchmarks/results/image_diffusers.json`` (cpu count,
 torch version, git commit, load average). ``--quick``: 4 requests, 4 steps. Small shared VMs are
 noisy (+-20% or worse): compare ratios from one run.

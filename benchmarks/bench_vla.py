@@ -22,7 +22,8 @@ a warm-up request) and actions per second at concurrency 8 (``--requests`` reque
 flight at all times for the served methods; for the eager ones one after the other, as a
 per-request policy server runs them): requests x 50 actions / wall time. Served actions are
 checked against ``sample_actions_cached`` on the same inputs (max error relative to
-max|actions|). Workers use ``cores / ranks`` torch threads; the eager processes every core.
+max|actions|). Workers use ``(cores - 1) / ranks`` torch threads (at least 1); the eager
+processes every core.
 Writes ``benchmarks/results/vla_pi05.json`` (cpu count, torch version, git commit, load
 average before each method). ``--quick``: the ``tiny`` model, 16 requests, 3 reps. Small
 shared VMs are noisy (+-20% or worse): compare ratios from one run.
