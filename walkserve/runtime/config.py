@@ -182,10 +182,12 @@ class PoolConfig:
 def default_threads(ranks: int, reserved: int = 1) -> int:
     """Torch threads per worker when none are given: the cores this process may use, less
     ``reserved`` for the conductor's process on the same host (its passes, the pool io thread,
-    the HTTP API), divided evenly over ``ranks`` workers, at least 1. Oversubscribed cores cost
-    more than idle ones: on 2 cores, a worker's 2 OpenMP threads beside the conductor's threads
-    made a small model's served rollout 1.9x slower than 1 thread did, and the same loop run
-    eagerly with 2 threads 4.4x slower than with 1 (``bench_loops``)."""
+    the HTTP API), divided evenly over ``ranks`` workers, at least 1 (vLLM's CPU backend keeps
+    one core from its OpenMP threads for its scheduler process the same way,
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU``). Oversubscribed cores cost more than idle ones: on 2
+    cores, a worker's 2 OpenMP threads beside the conductor's threads made a small model's
+    served rollout 1.9x slower than 1 thread did, and the same loop run eagerly with 2 threads
+    4.4x slower than with 1 (``bench_loops``)."""
     if hasattr(os, "sched_getaffinity"):
         cores = len(os.sched_getaffinity(0))
     else:
