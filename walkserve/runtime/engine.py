@@ -191,7 +191,9 @@ class EngineLoop:
         self._inbox: Inbox | None = None  # run()'s
 
     def put(self, command: Command) -> None:
-        """Queue a command (any thread)."""
+        """Queue a command: from any thread when the loop runs without an inbox; with one, from
+        the loop's own thread (the inbox's handlers), since only the inbox wakes a waiting
+        loop (``stop`` is seen at the next wake, or within the inbox's longest wait)."""
         self._commands.put(command)
 
     def put_all(self, commands: list[Command]) -> None:
