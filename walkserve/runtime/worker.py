@@ -42,11 +42,12 @@ place an object's producer and all its consumers on one rank. ``Cancel`` drops t
 
 Threads: ``WorkerConfig.threads`` sets ``OMP_NUM_THREADS`` before torch is imported and
 ``torch.set_num_threads``; the pool's default is ``default_threads(ranks)``: the usable cores
-but one (the conductor's process) divided evenly over the ranks, at least 1. This module's top level imports no torch, because
-spawn imports it in the child (to find ``worker_main``) before ``worker_main`` runs; torch and
-the rest of walkserve are imported inside functions. If the parent's ``__main__`` module
-imports torch at its top, spawn re-imports that module in the child first and the variable
-comes too late for OpenMP's start-up, but ``torch.set_num_threads`` still applies.
+but one (the conductor's process) divided evenly over the ranks, at least 1. This module's top
+level imports no torch, because spawn imports it in the child (to find ``worker_main``) before
+``worker_main`` runs; torch and the rest of walkserve are imported inside functions. If the
+parent's ``__main__`` module imports torch at its top, spawn re-imports that module in the
+child first and the variable comes too late for OpenMP's start-up, but
+``torch.set_num_threads`` still applies.
 
 Tensor parallelism: a ``WorkerSetup`` with ``tp`` makes the worker join its group before it
 loads the model (the loader then loads this rank's shard) and hand the group's components to

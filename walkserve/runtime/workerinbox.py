@@ -102,10 +102,11 @@ class WorkerInbox:
         }
 
     def _close_inbox(self) -> None:
-        for fd in (self._wake_rx, self._wake_tx):
+        fds = (self._wake_rx, self._wake_tx)
+        self._wake_rx = self._wake_tx = -1  # first: a late wake (a signal) writes nowhere
+        for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._wake_rx = self._wake_tx = -1
 
     def _wake(self) -> None:
         """Make a waiting ``read`` return (any thread)."""
