@@ -6,11 +6,11 @@
     ------------------------------------------------       -----------------------------------
     api/ (asyncio)   route: parse, admit, submit_async
         |  task deque; the posting thread makes the pass
-    conductor pass   Conductor: the walk state machine       io thread: decode inputs, pull held
-                     Batcher: which ready items leave,         values from their rank (peers),
-                     to which rank                             heartbeats, peer socket answers
-                     pool.submit_batch / pool.regions ------>     |  queue (thread hand-off)
-                                   StartRegions, RunBatch     engine loop (main thread):
+    conductor pass   Conductor: the walk state machine       engine loop (main thread):
+                     Batcher: which ready items leave,         inbox: reads the command socket,
+                     to which rank                             decodes inputs, pulls held
+                     pool.submit_batch / pool.regions ------>  values from their rank (peers)
+                                   StartRegions, RunBatch     (watch thread: heartbeats)
                                                                 RankScheduler: region runs (a
                                                                 Conductor over region walks) and
                                                                 simple loops (LoopStepper), every
@@ -47,8 +47,8 @@ Modules, by role:
                   its end), poolbatches (node batches), poolregions, poolremote (remote
                   ranks, link probes), poolsupervision, poolstate, config
     supervisor    when a silent rank is hung, restarts of dead ranks, crash loops (pure)
-    worker        a worker process: sockets, setup, io thread; workerinbox: what the io
-                  thread does with commands carrying values; engine: its engine loop
+    worker        a worker process: sockets, setup, the watch thread; workerinbox: the
+                  command socket read by the engine's thread; engine: its engine loop
     rankscheduler what a rank runs next (pure); regionwalk: regions as walks; loopstep: the
                   fast path for simple loops (pure); runner: runs a batch of one node
     messages      every message on a socket (msgspec structs, never pickle)

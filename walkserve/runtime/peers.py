@@ -6,7 +6,7 @@ side (``PeerClient``: one DEALER per producer rank). What crosses the boundary: 
 shared-memory pool; the server process carries only the ``ObjectRef`` that names the value::
 
     rank 0 (made x)                          server                    rank 1 (reads x)
-    store[x] = tensor  -- ObjectRef(0, x) -->  conductor  -- RunBatch -->  io thread:
+    store[x] = tensor  -- ObjectRef(0, x) -->  conductor  -- RunBatch -->  engine thread:
     PeerServer    <------------------- Fetch(seq, request, [x]) -------------  PeerClient
       pool.write  ------------------- Fetched(seq, [ShmHandle]) ------------>  copy out
       pool.ack    <------------------- Ack([handle]) ------------------------

@@ -153,7 +153,7 @@ class Worker(WorkerInbox):
         self.peer_server: PeerServer | None = None
         self.peers: PeerClient | None = None
         self._orphaned = False  # the conductor process died: clean what it left
-        self._next_beat = 0.0  # when the io thread sends the next heartbeat
+        self._next_beat = 0.0  # when the watch thread sends the next heartbeat
         self.tp: TPMember | None = None
 
     def run(self) -> int:
@@ -162,7 +162,7 @@ class Worker(WorkerInbox):
         from walkserve.runtime.messages import AttachPools, Fatal, Hello, Join
 
         ctx = self._ctx = zmq.Context()
-        rx = ctx.socket(zmq.DEALER)  # commands; the io thread's alone once it runs
+        rx = ctx.socket(zmq.DEALER)  # commands; the engine thread's alone once it runs
         rx.setsockopt(zmq.LINGER, 0)
         rx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.config.generation))
         self._secure(rx)
