@@ -125,6 +125,7 @@ from walkserve.runtime.transport import (
     Token,
     Transport,
 )
+from walkserve.runtime.wakepipe import WakePipe
 from walkserve.runtime.worker import worker_main
 
 log = logging.getLogger("walkserve.pool")
@@ -180,9 +181,7 @@ class WorkerPool(RankLife):
         # run at the end of every pass of the io thread (the server's conductor pass), and
         # what wakes that thread for it from any other (``nudge``): a pipe, thread-safe
         self.on_io_pass: Callable[[], None] = lambda: None
-        self._nudge_rx, self._nudge_tx = os.pipe()
-        os.set_blocking(self._nudge_rx, False)
-        os.set_blocking(self._nudge_tx, False)
+        self._nudge = WakePipe()
         self._lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
         self._handle_batch: dict[Token, int] = {}
@@ -443,9 +442,7 @@ class WorkerPool(RankLife):
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
-        for fd in (self._nudge_rx, self._nudge_tx):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._nudge.close()
         for name in ("_shm", "_reader"):
             resource = getattr(self, name, None)
             if resource is not None:
@@ -473,7 +470,7 @@ class WorkerPool(RankLife):
         poller = self._poller = zmq.Poller()
         poller.register(self._reports, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
-        poller.register(self._nudge_rx, zmq.POLLIN)
+        poller.register(self._nudge.fd, zmq.POLLIN)
         sentinels = self._sentinels = {s.process.sentinel: s for s in self._ranks.values()}
         for fd in sentinels:
             poller.register(fd, zmq.POLLIN)
@@ -486,9 +483,8 @@ class WorkerPool(RankLife):
                         self._dispatch(frames)
                 elif sock is self._wake_rx:
                     return
-                elif sock == self._nudge_rx:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._nudge_rx, 4096)
+                elif sock == self._nudge.fd:
+                    self._nudge.clear()
                 elif isinstance(sock, int) and sock in sentinels:
                     poller.unregister(sock)
                     self._drain_reports()  # its last words (a Fatal) come first
@@ -501,8 +497,7 @@ class WorkerPool(RankLife):
 
     def nudge(self) -> None:
         """Wake the io thread for an ``on_io_pass`` (any thread)."""
-        with contextlib.suppress(BlockingIOError):  # full: a wake is pending anyway
-            os.write(self._nudge_tx, b"\0")
+        self._nudge.set()
 
     def on_io_thread(self) -> bool:
         return threading.current_thread() is self._io

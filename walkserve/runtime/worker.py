@@ -396,16 +396,14 @@ class Worker(WorkerInbox):
         self._orphaned = True
         return True
 
-    def _beat(self) -> bool:
-        """Send a heartbeat if one is due (True then; the watch thread's)."""
+    def _beat(self) -> None:
+        """Send a heartbeat if one is due (the watch thread's)."""
         from walkserve.runtime.messages import Heartbeat
 
         now = time.monotonic()
-        if now < self._next_beat:
-            return False
-        self._send(Heartbeat(self.rank, now, self._kv_stats()))
-        self._next_beat = now + self.config.heartbeat_s
-        return True
+        if now >= self._next_beat:
+            self._send(Heartbeat(self.rank, now, self._kv_stats()))
+            self._next_beat = now + self.config.heartbeat_s
 
     def _kv_stats(self) -> list[KVStats]:
         """The paged pools this worker allocated (a busy pool keeps its last figures)."""

@@ -17,11 +17,11 @@ a link measurement; ``Shutdown`` stops the loop.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from walkserve.runtime.wakepipe import WakePipe
 
 if TYPE_CHECKING:
     import zmq
@@ -50,8 +50,7 @@ class WorkerInbox:
     _rx: zmq.Socket[bytes]
     _poller: zmq.Poller
     _handlers: dict[type, Callable[[Any], object]]
-    _wake_rx = -1
-    _wake_tx = -1
+    _wakes: WakePipe | None = None
 
     def _send(self, msg: Message) -> None:
         raise NotImplementedError
@@ -80,12 +79,10 @@ class WorkerInbox:
         )
 
         self._rx = rx
-        self._wake_rx, self._wake_tx = os.pipe()
-        os.set_blocking(self._wake_rx, False)
-        os.set_blocking(self._wake_tx, False)
+        self._wakes = WakePipe()
         self._poller = zmq.Poller()
         self._poller.register(rx, zmq.POLLIN)
-        self._poller.register(self._wake_rx, zmq.POLLIN)
+        self._poller.register(self._wakes.fd, zmq.POLLIN)
         engine = self.engine
         self._handlers = {
             RunBatch: self._prepare,
@@ -102,28 +99,21 @@ class WorkerInbox:
         }
 
     def _close_inbox(self) -> None:
-        fds = (self._wake_rx, self._wake_tx)
-        self._wake_rx = self._wake_tx = -1  # first: a late wake (a signal) writes nowhere
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        if self._wakes is not None:
+            self._wakes.close()
 
     def _wake(self) -> None:
-        """Make a waiting ``read`` return (any thread)."""
-        if self._wake_tx >= 0:
-            with contextlib.suppress(OSError):  # full: a wake is pending anyway; closed: over
-                os.write(self._wake_tx, b"\0")
+        """Make a waiting ``read`` return (any thread; before the inbox opens, nothing)."""
+        if self._wakes is not None:
+            self._wakes.set()
 
     def read(self, wait: bool) -> None:
         """Handle every command waiting on the socket; ``wait``: first wait (at most
         ``WAIT_MS``) for one, or for a wake from another thread."""
         from walkserve.runtime.messages import MessageError, decode
 
-        if wait:
-            for sock, _ in self._poller.poll(WAIT_MS):
-                if sock == self._wake_rx:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_rx, 4096)
+        if wait and self._poller.poll(WAIT_MS) and self._wakes is not None:
+            self._wakes.clear()  # a wake, or a message: either way the wait is over
         handlers = self._handlers
         while (data := _recv(self._rx)) is not None:
             try:
