@@ -23,6 +23,41 @@ class LoopError(RuntimeError):
     """A loop cannot run or finish: a bad bound, an empty accumulated channel."""
 
 
+class Steps:
+    """Consecutive pieces of an accumulated channel held as one tensor, steps first
+    (``block[k]`` is the piece of the k-th of them): what a batch of runs that stepped together
+    leaves each run, one view instead of one tensor per step. ``loop_channels`` joins it as it
+    joins the pieces it stands for."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: torch.Tensor) -> None:
+        self.block = block  # [steps, *piece]
+
+    def __len__(self) -> int:
+        return int(self.block.shape[0])
+
+
+def _joined(pieces: list[Any], mode: str, dim: int) -> torch.Tensor:
+    """``torch.cat`` (``mode`` "cat") or ``torch.stack`` of ``pieces`` along ``dim``, where a
+    piece may be a ``Steps`` standing for several."""
+    join = torch.cat if mode == "cat" else torch.stack
+    if not any(isinstance(p, Steps) for p in pieces):
+        return join(pieces, dim=dim)
+    parts: list[torch.Tensor] = []
+    for p in pieces:
+        if not isinstance(p, Steps):
+            parts.append(p if mode == "cat" else p.unsqueeze(dim))
+            continue
+        ndim = p.block.dim() - 1  # a piece's
+        if mode == "cat":  # [steps, .., n at d, ..] -> [.., steps * n at d, ..]
+            d = dim % ndim
+            parts.append(p.block.movedim(0, d).flatten(d, d + 1))
+        else:  # stacked at d: the steps axis moved there
+            parts.append(p.block.movedim(0, dim % (ndim + 1)))
+    return torch.cat(parts, dim=dim)  # a new tensor, even of one part (as cat and stack make)
+
+
 def int_input(inputs: Mapping[str, Any], name: str) -> int:
     """A walk input used as a loop bound: a Python int or a one-element tensor."""
     value = inputs.get(name)
@@ -188,8 +223,7 @@ def loop_channels(
     for ch, acc in node.accumulated.items():
         if not collected[ch]:
             raise LoopError(f"loop {node.name} ran no iteration, so {ch} is empty")
-        join = torch.cat if acc.mode == "cat" else torch.stack
-        result[ch] = join(collected[ch], dim=acc.dim)
+        result[ch] = _joined(collected[ch], acc.mode, acc.dim)
     return result
 
 

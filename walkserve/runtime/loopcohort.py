@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from walkserve.capture import ir
+from walkserve.capture.loopsem import Steps
 from walkserve.lowering.plan import NodePlan
 from walkserve.runtime.loopjoin import Join
 from walkserve.runtime.workitem import LoopStart
@@ -80,7 +81,8 @@ class Member:
 @dataclass(frozen=True)
 class Left:
     """A run's state when its cohort dissolves: what it carries into its next iteration, its
-    last outputs, its accumulated pieces (by channel, one per step) and the steps it took."""
+    last outputs, its accumulated pieces (by channel, in step order; the steps a cohort of
+    several runs took are one ``Steps``) and the steps it took."""
 
     carried: dict[str, Any]
     last: list[Any] | None
@@ -171,17 +173,28 @@ class Cohort:
         acc_dims = {ch: out_dims[k] for ch, k in spec.accumulated.items()}
         left: list[Left] = []
         whole = len(self.rows) == 1  # one run holds every row: its values are the joint ones
+        stacked = (
+            {} if whole else {ch: _stacked(vs, acc_dims[ch]) for ch, vs in self.pieces.items()}
+        )
         for at, n in zip(self.offsets, self.rows):
 
             def rows(v: Any, dim: int | None, a: int = at, n: int = n) -> Any:
                 return v if dim is None or whole else v.narrow(dim, a, n)
+
+            def pieces(ch: str, vs: list[Any], a: int = at, n: int = n) -> list[Any]:
+                block = stacked.get(ch)
+                if block is None:  # one narrow per piece (shapes differ, or no batch dim)
+                    return [rows(v, acc_dims[ch]) for v in vs]
+                dim = acc_dims[ch]
+                assert dim is not None
+                return [Steps(block.narrow(dim + 1, a, n))]  # the run's rows of every step
 
             last = None if self.last is None else [rows(v, d) for v, d in zip(self.last, out_dims)]
             left.append(
                 Left(
                     {p: rows(v, dims[p]) for p, v in self.carried.items()},
                     last,
-                    {ch: [rows(v, acc_dims[ch]) for v in vs] for ch, vs in self.pieces.items()},
+                    {ch: pieces(ch, vs) for ch, vs in self.pieces.items()},
                     self.steps,
                 )
             )
@@ -280,6 +293,20 @@ def form(spec: CohortSpec, members: Sequence[Member]) -> Cohort | None:
     rows = [m.rows for m in members]
     offsets = [sum(rows[:k]) for k in range(len(rows))]
     return Cohort(spec, rows, length, fixed, carried, slabs, offsets=offsets, total=sum(rows))
+
+
+def _stacked(pieces: list[Any], dim: int | None) -> torch.Tensor | None:
+    """A channel's pieces as one tensor, steps first (one copy, so that each run's rows are one
+    narrow, a ``Steps``, not one narrow per piece and run), or None when they do not stack
+    (no batch dim, shapes that differ, fewer than two pieces: cut one by one then)."""
+    if dim is None or dim < 0 or len(pieces) < 2:
+        return None
+    if not all(isinstance(v, torch.Tensor) for v in pieces):
+        return None
+    first = pieces[0].shape
+    if any(v.shape != first for v in pieces):
+        return None
+    return torch.stack(pieces, 0)
 
 
 def _left(spec: CohortSpec, m: Member) -> int:

@@ -1,0 +1,60 @@
+"""``loopsem.Steps``: consecutive pieces of an accumulated channel held as one tensor (what a
+dissolving cohort leaves each run) join exactly as the pieces they stand for, in any mix with
+single pieces, for ``cat`` and ``stack`` channels and any dimension, negative ones included."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from walkserve.capture import ir
+from walkserve.capture.loopsem import Steps, loop_channels
+
+
+def _node(mode: str, dim: int) -> ir.LoopNode:
+    return ir.LoopNode(
+        "loop",
+        ir.Block([], []),
+        [],
+        ["out"],
+        {},
+        {"acc": ir.Accumulated(0, mode, dim)},  # type: ignore[arg-type]
+        ir.FixedTrips(1),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    mode=st.sampled_from(["cat", "stack"]),
+    ndim=st.integers(1, 3),
+    dim_pick=st.integers(0, 7),
+    runs=st.lists(st.integers(1, 4), min_size=1, max_size=5),  # pieces per segment
+    blocks=st.lists(st.booleans(), min_size=5, max_size=5),  # which segments are Steps
+    seed=st.integers(0, 2**16),
+)
+def test_steps_join_as_the_pieces_they_stand_for(
+    mode: str, ndim: int, dim_pick: int, runs: list[int], blocks: list[bool], seed: int
+) -> None:
+    span = ndim if mode == "cat" else ndim + 1
+    dim = dim_pick % (2 * span) - span  # every valid dim, negative ones too
+    g = torch.Generator().manual_seed(seed)
+    shape = [2, 3, 4][:ndim]
+    pieces = [torch.randn(shape, generator=g) for _ in range(sum(runs))]
+    mixed: list[object] = []
+    at = 0
+    for n, as_block in zip(runs, blocks):
+        seg = pieces[at : at + n]
+        at += n
+        if as_block:  # a cohort's rows: a view of a larger block, as dissolve makes
+            wide = torch.stack([torch.cat([p, torch.zeros_like(p)], dim=0) for p in seg])
+            mixed.append(Steps(wide.narrow(1, 0, shape[0])))
+        else:
+            mixed += seg
+    node = _node(mode, dim)
+    want = (torch.cat if mode == "cat" else torch.stack)(pieces, dim=dim)
+    got = loop_channels(node, {}, [None], {"acc": mixed})["acc"]
+    assert got.shape == want.shape
+    assert torch.equal(got, want)
+    assert got.is_contiguous()
+    assert all(got.data_ptr() != getattr(p, "block", p).data_ptr() for p in mixed)  # a copy
