@@ -43,7 +43,7 @@ EXAMPLES: list[Message] = [
     RunNode(["r1", "r2"], "denoiser", 4, [INLINE, HANDLE]),
     NodeDone(["r1"], "decoder", 0, [HANDLE]),
     NodeFailed(["r1", "r2"], "decoder", "CUDA out of memory"),
-    Cancel("r9"),
+    Cancel(["r9", "r10"]),
     Ack([HANDLE, HANDLE]),
 ]
 
@@ -105,7 +105,7 @@ def test_run_node_round_trip_property(
         pytest.param({"type": "Hello", "rank": "0", "pid": 1}, r"\$\.rank", id="wrong-type"),
         pytest.param({"type": "Hello", "rank": -1, "pid": 1}, r">= 0", id="negative"),
         pytest.param({"type": "Hello", "rank": 0}, "missing required field `pid`", id="missing"),
-        pytest.param({"type": "Cancel", "request_id": ""}, "length >= 1", id="empty-id"),
+        pytest.param({"type": "Cancel", "request_ids": [""]}, "length >= 1", id="empty-id"),
         pytest.param(
             {
                 "type": "RunNode",

@@ -350,7 +350,13 @@ class WorkerPool(RankLife):
     def release_request(self, request_id: str) -> None:
         """Tell every live worker that ``request_id`` is over (finished, failed or cancelled):
         each drops the objects it keeps for it (a KV cache), which frees their memory."""
-        data = encode(Cancel(request_id))
+        self.release_requests([request_id])
+
+    def release_requests(self, request_ids: list[str]) -> None:
+        """``release_request`` for several requests, in one message per worker."""
+        if not request_ids:
+            return
+        data = encode(Cancel(request_ids))
         with self._lock:
             live = [s for s in self._ranks.values() if s.status not in GONE]
         for state in live:

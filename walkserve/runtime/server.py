@@ -526,6 +526,7 @@ class Server:
                     self.conductor.complete(item.id, result.outputs[item.id])
 
     def _route(self, events: list[Event]) -> None:
+        ended: list[str] = []
         for event in events:
             over = isinstance(event, (Finished, Failed))
             handle = self._handles.get(event.request)
@@ -534,7 +535,8 @@ class Server:
                 if over:
                     del self._handles[event.request]
             if over:
-                self.pool.release_request(event.request)
+                ended.append(event.request)
+        self.pool.release_requests(ended)  # one message per rank for what ended in this pass
 
 
 # serve() starts a Server (runtime/startup.py); imported here, below Server, for the callers

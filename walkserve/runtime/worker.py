@@ -14,7 +14,7 @@ shared memory (``transport.ShmTransport``)::
                                                  node for every item
                   <---------------------------  BatchDone(outputs) | BatchFailed(per item)
     Ack(output handles) --------------------->  release the output slots
-    Cancel(request) ------------------------->  drop the request's runs and objects
+    Cancel(requests) ------------------------>  drop the requests' runs and objects
                   <---------------------------  Heartbeat, every config.heartbeat_s [watch]
     Shutdown -------------------------------->  drop queued work, close the pool, exit 0
 

@@ -88,7 +88,7 @@ class WorkerInbox:
             RunBatch: self._prepare,
             StartRegions: self._start_regions,
             Ack: self._on_ack,
-            Cancel: lambda m: engine.put(CancelRequest(m.request_id)),
+            Cancel: lambda m: engine.put_all([CancelRequest(r) for r in m.request_ids]),
             DropRuns: lambda m: engine.put(DropItems(list(m.items))),
             StatsQuery: lambda m: engine.put(StatsAsk(m.seq)),
             Release: lambda m: self.objects.release(m.request_id, m.keys),
