@@ -33,6 +33,15 @@ def server(captured: capture.CapturedModel) -> Iterator[Server]:
         yield s
 
 
+def _pixels(png: bytes) -> torch.Tensor:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    return torch.from_numpy(np.array(Image.open(io.BytesIO(png)))).to(torch.int16)
+
+
 def pool_usage(server: Server) -> list[list[int]]:
     """(pages in use, sequences, requests) of the worker's pool."""
     out = server.submit({"probe": torch.zeros(1)}, "pool_usage").result(timeout=60)
@@ -85,7 +94,12 @@ def test_images_generations_route_serves_the_walk(
     r = client.post("/v1/images/generations", json=body)
     assert r.status_code == 200, r.text
     png = base64.b64decode(r.json()["data"][0]["b64_json"])
-    assert png == media.png(want["image"][0])
+    # the worker's float pixels differ from this process's in the last bits (its torch threads
+    # differ, so do its reductions): a pixel may round to the next level, no more, and rarely
+    got_px, want_px = _pixels(png), _pixels(media.png(want["image"][0]))
+    assert got_px.shape == want_px.shape
+    off = (got_px - want_px).abs()
+    assert int(off.max()) <= 1 and int((off > 0).sum()) <= got_px.numel() // 1000, off.sum()
     bad = client.post("/v1/images/generations", json={**body, "size": "16x16"})
     assert bad.status_code == 400 and "64x64" in bad.json()["error"]["message"]
     assert pool_usage(server) == [[0, 0, 0]]
