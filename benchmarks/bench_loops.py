@@ -16,7 +16,11 @@ requests, served and eager alternating so load drift hits both; ratio served / e
 1.2; and the CPU seconds the server process and its worker spent per request over the eager
 loop's, which other load on a small host disturbs less than wall time), and 16 concurrent
 requests served vs the same 16 run eagerly one after another (throughput ratio, target >= 4;
-the median of ``ROUNDS`` rounds). Every served
+the median of ``ROUNDS`` rounds), beside the bound batching alone gives (the 16 as one batch
+through the eager loop). Where batch-1 time goes: p50 pairs at a short and a long loop length
+too (``CASES``), fitted as ``t = fixed + per_step * length`` for served and eager, give the
+served path's fixed cost per request and its cost per step over eager's, and the loop length
+from which served / eager is at most 1.2 on this machine. Every served
 output is checked against the eager one. Writes ``benchmarks/results/loops.json`` (cpu count,
 torch version, git commit, load average). Small shared VMs are noisy: compare ratios of one run.
 """
@@ -47,13 +51,11 @@ from walkserve.benchmarking import tree_cpu_seconds, write_result
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = int(os.environ.get("BENCH_THREADS", "0")) or None  # None: default_threads(1)
 ROUNDS = 5  # rounds of the concurrent measurement: the median's figures are reported
-CASES = {
-    "rollout": (
-        "loop_models:rollout",
-        "rollout",
-        lambda seed: loop_models.rollout_inputs(seed, 30),
-    ),
-    "speech": ("loop_models:speech", "speak", lambda seed: loop_models.speech_inputs(seed, 96)),
+# factory, walk, inputs(seed, loop length), (short, standard, long) loop lengths: the standard
+# one is the issue's measurement, the other two place it on the overhead model
+CASES: dict[str, tuple[str, str, Any, tuple[int, int, int]]] = {
+    "rollout": ("loop_models:rollout", "rollout", loop_models.rollout_inputs, (1, 30, 120)),
+    "speech": ("loop_models:speech", "speak", loop_models.speech_inputs, (16, 96, 384)),
 }
 
 
@@ -69,6 +71,39 @@ def check(got: dict[str, Any], want: dict[str, Any]) -> float:
     return worst
 
 
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``t = fixed + per_step * n`` through (n, t) points."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - slope * mx, slope
+
+
+def overhead_model(served: list[tuple[int, float]], eager: list[tuple[int, float]]) -> dict:
+    """Where batch-1 time goes, from p50s at several loop lengths: the served loop's fixed cost
+    per request and cost per step against eager's, and the length from which served / eager
+    is at most 1.2 (None: never, a served step costs 1.2x an eager one or more)."""
+    a, s = fit(served)
+    e0, e = fit(eager)
+    breakeven: float | None = None
+    if 1.2 * e > s:
+        breakeven = max(0.0, (a - 1.2 * e0) / (1.2 * e - s))
+    return {
+        "lengths": [n for n, _ in served],
+        "served_p50_s": [t for _, t in served],
+        "eager_p50_s": [t for _, t in eager],
+        "served_fixed_s": a,
+        "served_per_step_s": s,
+        "eager_fixed_s": e0,
+        "eager_per_step_s": e,
+        "fixed_overhead_s": a - e0,
+        "per_step_overhead_s": s - e,
+        "length_for_1_2x": breakeven,
+    }
+
+
 def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
     from walkserve.runtime.config import default_threads
     from walkserve.runtime.server import serve
@@ -76,7 +111,11 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
     threads = THREADS or default_threads(1)
     torch.set_num_threads(threads)  # the eager loops run with the worker's threads
 
-    factory, walk, inputs = CASES[name]
+    factory, walk, make, (short, standard, long) = CASES[name]
+
+    def inputs(seed: int, n: int = standard) -> dict[str, Any]:
+        return make(seed, n)  # type: ignore[no-any-return]
+
     model, _ = getattr(loop_models, factory.split(":")[1])()
     method = getattr(model, walk)
 
@@ -104,6 +143,23 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
             c1 = tree_cpu_seconds()
             served_cpu += c1 - c0 if c0 is not None and c1 is not None else float("nan")
             error = max(error, check(got, want))
+        # the same p50 pair at a short and a long length: fixed and per-step costs
+        lengths: dict[int, tuple[float, float]] = {}
+        for n in (short, long):
+            pairs = []
+            for i in range(max(5, reps // 3)):
+                r = inputs(200 + i, n)
+                t0 = time.perf_counter()
+                want = eager(r)
+                e_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                got = server.run(r, walk, timeout=600)
+                pairs.append((time.perf_counter() - t0, e_s))
+                error = max(error, check(got, want))
+            lengths[n] = (
+                statistics.median(p[0] for p in pairs),
+                statistics.median(p[1] for p in pairs),
+            )
         ratios: list[tuple[float, float, float]] = []  # (eager / served, eager, served)
         for k in range(ROUNDS):  # each a new batch, eager then served
             batch = [inputs(1000 + 100 * k + i) for i in range(concurrent)]
@@ -120,9 +176,21 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
             for got, want in zip(gots, wants):
                 error = max(error, check(got, want))
         _, eager_wall, served_wall = sorted(ratios)[len(ratios) // 2]  # the median round
+        # the bound batching can reach: the last round's requests as one batch, eagerly
+        joint = {
+            k: torch.cat([r[k] for r in batch]) if isinstance(v, torch.Tensor) else v
+            for k, v in batch[0].items()
+        }
+        batched: list[float] = []
+        for _ in range(ROUNDS):
+            t0 = time.perf_counter()
+            eager(joint)
+            batched.append(time.perf_counter() - t0)
         stats = server.stats()
         sizes = server.batch_sizes
     served, eager_p50 = statistics.median(served_s), statistics.median(eager_s)
+    model_points = [(short, lengths[short]), (standard, (served, eager_p50)), (long, lengths[long])]
+    batched_s = statistics.median(batched)
     return {
         "walk": walk,
         "threads": threads,
@@ -136,6 +204,13 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
         "served_concurrent_req_per_s": concurrent / served_wall,
         "eager_one_by_one_req_per_s": concurrent / eager_wall,
         "throughput_ratio": eager_wall / served_wall,
+        # the same requests as one batch through the eager loop: what batching alone gives
+        "eager_batched_req_per_s": concurrent / batched_s,
+        "batched_throughput_ratio": eager_wall / batched_s,
+        "served_over_batched": batched_s / served_wall,
+        "overhead": overhead_model(
+            [(n, t[0]) for n, t in model_points], [(n, t[1]) for n, t in model_points]
+        ),
         "max_rel_error": error,
         "speculated_steps": stats.speculated_steps,
         "wasted_steps": stats.wasted_steps,
@@ -158,7 +233,17 @@ def main() -> None:
             f"{r['eager_p50_s'] * 1e3:.2f} ms ({r['served_over_eager']:.2f}x, CPU "
             f"{r['cpu_served_over_eager'] or float('nan'):.2f}x); {concurrent} "
             f"concurrent: {r['throughput_ratio']:.2f}x the eager one-by-one throughput "
-            f"(largest batch {r['largest_batch']}, max rel error {r['max_rel_error']:.1e})"
+            f"(largest batch {r['largest_batch']}, max rel error {r['max_rel_error']:.1e}); "
+            f"the same batch eagerly {r['batched_throughput_ratio']:.2f}x (served reaches "
+            f"{r['served_over_batched']:.2f} of it)"
+        )
+        o = r["overhead"]
+        reach = o["length_for_1_2x"]
+        print(
+            f"{'':8} fixed cost per request {o['fixed_overhead_s'] * 1e6:.0f} us over eager, "
+            f"per step {o['per_step_overhead_s'] * 1e6:.1f} us over eager's "
+            f"{o['eager_per_step_s'] * 1e6:.1f} us; served/eager <= 1.2 from "
+            + ("never" if reach is None else f"{reach:.0f} steps")
         )
     write_result(
         ROOT / "benchmarks/results/loops.json",

@@ -462,6 +462,12 @@ def _loops(data: dict[str, Any], src: str) -> list[Row]:
             + (f"; CPU {_x(r['cpu_served_over_eager'])}" if r.get("cpu_served_over_eager") else "")
             + f"); {r['concurrent']} concurrent"
             f" {_x(r['throughput_ratio'])} the eager one-by-one throughput (target 4x)"
+            + (
+                f", the same batch run eagerly {_x(r['batched_throughput_ratio'])}"
+                if r.get("batched_throughput_ratio")
+                else ""
+            )
+            + _overhead(r.get("overhead"))
         )
     if data.get("loadavg_before"):
         parts.append(f"1-min load {data['loadavg_before'][0]:.1f} before")
@@ -470,6 +476,20 @@ def _loops(data: dict[str, Any], src: str) -> list[Row]:
         f" {data.get('torch_threads', '?')} ({_script(data, src, 'bench_loops.py')})"
     )
     return [(what, machine(data), "; ".join(parts))]
+
+
+def _overhead(o: dict[str, Any] | None) -> str:
+    """bench_loops' batch-1 model: fixed and per-step cost over eager, and the loop length
+    from which served / eager is at most 1.2."""
+    if not o:
+        return ""
+    reach = o.get("length_for_1_2x")
+    return (
+        f"; over eager: {_secs(o['fixed_overhead_s'])} per request +"
+        f" {_secs(o['per_step_overhead_s'])} per step (eager's step"
+        f" {_secs(o['eager_per_step_s'])}), so 1.2x "
+        + ("at no loop length" if reach is None else f"from {reach:.0f} steps")
+    )
 
 
 def _soak(data: dict[str, Any], src: str) -> list[Row]:
