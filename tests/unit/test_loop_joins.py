@@ -330,3 +330,24 @@ def test_a_lane_step_that_raises_fails_only_the_request_that_made_it() -> None:
         testing.assert_outputs_match({"states": done[k]["step.state.all"]}, want)
     assert lane > 0 and sched.loops.counters()["loop_stepper/lane_steps"] == lane
     assert sched.idle() and sched.stats().live_values == 0
+
+
+def test_a_tuple_item_read_gives_the_interpreters_value_and_error() -> None:
+    """The runner reads glue ``value[k]`` directly (``_item_read``): the same objects the
+    interpreter's op gives, and when the read fails, the interpreter's own error."""
+    from walkserve.capture.interpret import Interpreter
+    from walkserve.runtime.runner import RunItem
+
+    captured, plan = setup()
+    runner = NodeRunner(captured, plan)
+    entry = runner._nodes[("recur", "think/cell")]
+    comp, first, second = entry.all_ops
+    assert set(entry.items) == {first, second}  # both getitems read directly
+    x, h = torch.randn(1, DIM), torch.randn(1, DIM)
+    item = RunItem(0, entry.all_ops, {}, (first, second))
+    got = runner._finish(entry, item, {comp: (x, h)})
+    assert got.values is not None and got.values[first] is x and got.values[second] is h
+    bad = runner._finish(entry, item, {comp: (x,)})  # one value where the op reads two
+    with pytest.raises(Exception) as want:
+        Interpreter(captured).op(entry.ops[second], {comp: (x,)})
+    assert bad.error == str(want.value) and second in str(bad.error)

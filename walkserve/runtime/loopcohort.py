@@ -157,7 +157,9 @@ class Cohort:
             return None
         out = self.spec.outputs[self.spec.accumulated[channel]]
         dim = self.spec.out_dims[out]
-        return pieces[-1] if dim is None else pieces[-1].narrow(dim, self.offsets[k], self.rows[k])
+        if dim is None or len(self.rows) == 1:  # one run holds every row
+            return pieces[-1]
+        return pieces[-1].narrow(dim, self.offsets[k], self.rows[k])
 
     def done(self) -> bool:
         return self.steps >= self.length

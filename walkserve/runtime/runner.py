@@ -87,6 +87,7 @@ class _Node:
     stateful: bool  # its component has a forward_batch: a failed batched call is not retried
     all_ops: tuple[str, ...]  # the node's ops, in order
     order: dict[str, int]  # op -> position
+    items: dict[str, Callable[[Mapping[str, Any]], Any]]  # glue ``x[k]`` ops, read directly
 
 
 class NodeRunner:
@@ -118,6 +119,7 @@ class NodeRunner:
                     call is not None and hasattr(call.fn, "forward_batch"),
                     tuple(node.ops),
                     {name: k for k, name in enumerate(node.ops)},
+                    {name: f for name in node.ops if (f := _item_read(ops[name])) is not None},
                 )
 
     def nodes(self) -> list[tuple[str, str]]:
@@ -263,16 +265,41 @@ class NodeRunner:
                 return ItemResult(item.id, error=f"node {entry.plan.name} makes no value {e}")
         env = dict(item.env)
         env.update(made)
+        items = entry.items
         try:
             for name in item.ops:
-                if name not in made:
-                    env[name] = self.interp.op(entry.ops[name], env)
+                if name in made:
+                    continue
+                read = items.get(name)
+                try:
+                    env[name] = (
+                        read(env) if read is not None else self.interp.op(entry.ops[name], env)
+                    )
+                except Exception:
+                    if read is None:
+                        raise
+                    env[name] = self.interp.op(entry.ops[name], env)  # its error, as ever
         except Exception as e:
             return ItemResult(item.id, error=str(e))
         try:
             return ItemResult(item.id, {name: env[name] for name in names})
         except KeyError as e:
             return ItemResult(item.id, error=f"node {entry.plan.name} makes no value {e}")
+
+
+def _item_read(op: ir.Op) -> Callable[[Mapping[str, Any]], Any] | None:
+    """``op`` as a direct read when it is glue ``value[k]`` with a constant ``k`` (how a
+    component's tuple of outputs is taken apart, every step of a loop that calls one): what the
+    interpreter computes for it, without its per-call lookups. None for any other op."""
+    if op.kind != "glue" or op.target != "function:operator.getitem" or op.kwargs:
+        return None
+    if len(op.args) != 2 or not isinstance(op.args[0], ir.Ref):
+        return None
+    source, key = op.args[0].name, op.args[1]
+    if not isinstance(key, ir.Const) or not isinstance(key.value, (int, str)):
+        return None
+    k = key.value
+    return lambda env: env[source][k]
 
 
 def _subsequence(ops: Sequence[str], order: Mapping[str, int]) -> bool:
