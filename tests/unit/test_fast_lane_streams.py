@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -109,6 +109,7 @@ def setup() -> tuple[capture.CapturedModel, Any]:
 
 
 @settings(max_examples=20, deadline=None)
+@example(lengths=[12, 10], arrive=[0, 0, 0, 0], lane=3, client=False, limit=64)  # lanes
 @given(
     lengths=st.lists(st.integers(1, 13), min_size=1, max_size=4),
     arrive=st.lists(st.integers(0, 6), min_size=4, max_size=4),
@@ -159,9 +160,11 @@ def test_a_producer_feeding_a_window_consumer_takes_the_lane_and_gives_the_inter
                 if item == k:
                     assert got_items == list(range(len(got_items)))
     assert sched.stats().live_values == 0 and sched.idle()
-    if not client and max(lengths) > HOP + 1 and len(set(arrive[: len(lengths)])) == 1:
+    if not client and min(lengths) > 2 * WINDOW and len(set(arrive[: len(lengths)])) == 1:
         # items only a window consumer reads: the lane stepped between windows (a client's
-        # stream item stops it at every step, so that the engine reports it at once)
+        # stream item stops it at every step, so that the engine reports it at once); with a
+        # run shorter than that, a window, an exit or a padded last window may follow every
+        # step (lengths [2, 4]: none is settled after any step)
         assert sched.loops.counters()["loop_stepper/lane_steps"] > 0
 
 
