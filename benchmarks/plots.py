@@ -39,6 +39,16 @@ def _generic(data: dict[str, Any]) -> tuple[str, str, Bars]:
     return "throughput-like figures", "value", bars[:24]
 
 
+def _rank(data: dict[str, Any]) -> tuple[str, str, Bars]:
+    bars = [
+        (f"{case} {scenario}", s["rank_over_eager"])
+        for case, r in data["results"].items()
+        for scenario, s in r.items()
+        if isinstance(s, dict)
+    ]
+    return "a rank's time over the eager batched loop (lower is better)", "x eager", bars
+
+
 def _text(data: dict[str, Any]) -> tuple[str, str, Bars]:
     bars = [(k, r["tokens_per_s"]) for k, r in data["results"].items() if "tokens_per_s" in r]
     return "useful output tokens/s (higher is better)", "tokens/s", bars
@@ -94,6 +104,7 @@ KNOWN = {
     "mixed": _mixed,
     "http": _http,
     "loadgen": _loadgen,
+    "rank": _rank,
 }
 
 
