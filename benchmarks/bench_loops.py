@@ -127,39 +127,38 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
         for seed in range(3):  # warm-up: first calls of every node, both ways
             server.run(inputs(seed), walk, timeout=600)
             eager(inputs(seed))
-        served_s: list[float] = []
-        eager_s: list[float] = []
-        served_cpu = eager_cpu = 0.0
         error = 0.0
-        for i in range(reps):
-            r = inputs(100 + i)
-            t0, c0 = time.perf_counter(), time.process_time()
-            want = eager(r)
-            eager_s.append(time.perf_counter() - t0)
-            eager_cpu += time.process_time() - c0
-            t0, c0 = time.perf_counter(), tree_cpu_seconds()
-            got = server.run(r, walk, timeout=600)
-            served_s.append(time.perf_counter() - t0)
-            c1 = tree_cpu_seconds()
-            served_cpu += c1 - c0 if c0 is not None and c1 is not None else float("nan")
-            error = max(error, check(got, want))
+        cpu = [0.0, 0.0]  # served, eager CPU seconds of the standard length's requests
+
+        def alternate(n: int, count: int, seed: int) -> tuple[list[float], list[float]]:
+            """``count`` requests of loop length ``n``, each eagerly then served: the wall
+            times (and, at the standard length, the CPU seconds in ``cpu``)."""
+            nonlocal error
+            served_t: list[float] = []
+            eager_t: list[float] = []
+            for i in range(count):
+                r = inputs(seed + i, n)
+                t0, c0 = time.perf_counter(), time.process_time()
+                want = eager(r)
+                eager_t.append(time.perf_counter() - t0)
+                if n == standard:
+                    cpu[1] += time.process_time() - c0
+                t0, c0 = time.perf_counter(), tree_cpu_seconds() if n == standard else 0.0
+                got = server.run(r, walk, timeout=600)
+                served_t.append(time.perf_counter() - t0)
+                if n == standard:
+                    c1 = tree_cpu_seconds()
+                    cpu[0] += c1 - c0 if c0 is not None and c1 is not None else float("nan")
+                error = max(error, check(got, want))
+            return served_t, eager_t
+
+        served_s, eager_s = alternate(standard, reps, 100)
+        served_cpu, eager_cpu = cpu
         # the same p50 pair at a short and a long length: fixed and per-step costs
         lengths: dict[int, tuple[float, float]] = {}
         for n in (short, long):
-            pairs = []
-            for i in range(max(5, reps // 3)):
-                r = inputs(200 + i, n)
-                t0 = time.perf_counter()
-                want = eager(r)
-                e_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                got = server.run(r, walk, timeout=600)
-                pairs.append((time.perf_counter() - t0, e_s))
-                error = max(error, check(got, want))
-            lengths[n] = (
-                statistics.median(p[0] for p in pairs),
-                statistics.median(p[1] for p in pairs),
-            )
+            served_n, eager_n = alternate(n, max(5, reps // 3), 200)
+            lengths[n] = (statistics.median(served_n), statistics.median(eager_n))
         ratios: list[tuple[float, float, float]] = []  # (eager / served, eager, served)
         for k in range(ROUNDS):  # each a new batch, eager then served
             batch = [inputs(1000 + 100 * k + i) for i in range(concurrent)]

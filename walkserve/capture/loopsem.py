@@ -34,9 +34,6 @@ class Steps:
     def __init__(self, block: torch.Tensor) -> None:
         self.block = block  # [steps, *piece]
 
-    def __len__(self) -> int:
-        return int(self.block.shape[0])
-
 
 def _joined(pieces: list[Any], mode: str, dim: int) -> torch.Tensor:
     """``torch.cat`` (``mode`` "cat") or ``torch.stack`` of ``pieces`` along ``dim``, where a

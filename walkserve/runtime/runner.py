@@ -265,20 +265,18 @@ class NodeRunner:
                 return ItemResult(item.id, error=f"node {entry.plan.name} makes no value {e}")
         env = dict(item.env)
         env.update(made)
-        items = entry.items
         try:
             for name in item.ops:
                 if name in made:
                     continue
-                read = items.get(name)
-                try:
-                    env[name] = (
-                        read(env) if read is not None else self.interp.op(entry.ops[name], env)
-                    )
-                except Exception:
-                    if read is None:
-                        raise
-                    env[name] = self.interp.op(entry.ops[name], env)  # its error, as ever
+                read = entry.items.get(name)
+                if read is not None:
+                    try:
+                        env[name] = read(env)
+                        continue
+                    except Exception:
+                        pass  # the interpreter runs it, and says why it fails
+                env[name] = self.interp.op(entry.ops[name], env)
         except Exception as e:
             return ItemResult(item.id, error=str(e))
         try:
