@@ -33,6 +33,7 @@ __all__ = [
     "SupervisionConfig",
     "WorkerConfig",
     "default_threads",
+    "idle_spin",
     "routing_id",
     "routing_rank",
 ]
@@ -40,6 +41,8 @@ __all__ = [
 KiB = 1 << 10
 MiB = 1 << 20
 INLINE_MAX_BYTES = 64 * KiB  # a tensor smaller than this travels inside its message
+IDLE_SPIN_S = 0.005  # a worker's default idle spin, where the cores allow it (``idle_spin``)
+MAX_IDLE_SPIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,11 @@ class PoolConfig:
     pickle raise inside the workers after their setup. ``shm`` configures this process's pool;
     ``worker_shm_slots_per_class`` the slots per size class of each worker's own pool (which
     holds every node output a worker sends until its reader acks it). ``supervision``: hang
-    deadlines and restarts of the spawned ranks."""
+    deadlines and restarts of the spawned ranks. ``idle_spin_s``: how long a worker's engine
+    polls its command socket without sleeping after its last work (``workerinbox``); None:
+    ``IDLE_SPIN_S`` when the host has a core for each rank's threads and one more for this
+    process, else 0 (a spinning rank must not take a core that another rank or the conductor
+    needs: ``idle_spin``)."""
 
     start_timeout_s: float = 120.0
     stop_timeout_s: float = 10.0
@@ -143,8 +150,13 @@ class PoolConfig:
     keys_dir: str | None = None
     remote_data: Literal["inline", "mooncake"] = "inline"
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    idle_spin_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.idle_spin_s is not None and not 0 <= self.idle_spin_s <= MAX_IDLE_SPIN_S:
+            raise ValueError(
+                f"idle_spin_s must be in [0, {MAX_IDLE_SPIN_S}] or None, got {self.idle_spin_s}"
+            )
         if self.kv_page_size is not None and self.kv_page_size < 1:
             raise ValueError(f"kv_page_size must be >= 1, got {self.kv_page_size}")
         if self.kv_step_tokens is not None and self.kv_step_tokens < 1:
@@ -188,11 +200,22 @@ def default_threads(ranks: int, reserved: int = 1) -> int:
     cores, a worker's 2 OpenMP threads beside the conductor's threads made a small model's
     served rollout 1.9x slower than 1 thread did, and the same loop run eagerly with 2 threads
     4.4x slower than with 1 (``bench_loops``)."""
+    return max(1, (_cores() - reserved) // max(1, ranks))
+
+
+def idle_spin(configured: float | None, ranks: int, threads: int) -> float:
+    """A worker's ``idle_spin_s``: ``configured``, or by default ``IDLE_SPIN_S`` when the
+    cores this process may use hold every rank's ``threads`` and one more (this process's
+    passes and io thread), else 0."""
+    if configured is not None:
+        return configured
+    return IDLE_SPIN_S if _cores() >= ranks * threads + 1 else 0.0
+
+
+def _cores() -> int:
     if hasattr(os, "sched_getaffinity"):
-        cores = len(os.sched_getaffinity(0))
-    else:
-        cores = os.cpu_count() or 1
-    return max(1, (cores - reserved) // max(1, ranks))
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def routing_id(rank: int, generation: int = 0) -> bytes:
@@ -230,6 +253,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     curve_public_key: str = ""
     curve_secret_key: str = ""
     generation: int = 0  # restarts of this rank before this process (its routing id)
+    idle_spin_s: float = 0.0  # the engine polls without sleeping this long after its work
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -239,6 +263,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("heartbeat_s", "setup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.idle_spin_s <= MAX_IDLE_SPIN_S:
+            raise ValueError(
+                f"idle_spin_s must be in [0, {MAX_IDLE_SPIN_S}], got {self.idle_spin_s}"
+            )
         if self.inline_max_bytes < 0:
             raise ValueError(f"inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
         if self.shm_slots_per_class < 1:

@@ -70,7 +70,13 @@ import zmq
 from walkserve.capture.model import CapturedModel
 from walkserve.capture.serialize import to_json as ir_to_json
 from walkserve.lowering.plan import ExecutablePlan
-from walkserve.runtime.config import PoolConfig, WorkerConfig, default_threads, routing_id
+from walkserve.runtime.config import (
+    PoolConfig,
+    WorkerConfig,
+    default_threads,
+    idle_spin,
+    routing_id,
+)
 from walkserve.runtime.messages import (
     Ack,
     AttachPools,
@@ -244,6 +250,9 @@ class WorkerPool(RankLife):
             curve_server_key=curve[0],
             curve_public_key=curve[1],
             curve_secret_key=curve[2],
+            idle_spin_s=idle_spin(
+                self.config.idle_spin_s, ranks - len(self.config.remote_ranks), self.threads
+            ),
         )
         self._wake_rx = self._ctx.socket(zmq.PULL)  # close() stops the io thread through it
         self._wake_rx.bind("inproc://wake")

@@ -286,7 +286,10 @@ class RankScheduler:
         conductor's node batches."""
         groups: dict[tuple[str, str, str], list[Runnable]] = {}
         ready = self.conductor.ready()
-        self._settled = not ready
+        # settled unless a ready item runs as a step of this pass: its results reach the inner
+        # conductor (``update``). A loop item goes to the stepper, whose reports unsettle it
+        # (``_loop_reports``), so that a loop just started may take the fast lane at once
+        self._settled = all(it.kind == "loop" for it in ready)
         for it in ready:
             if it.kind == "loop":
                 self.loops.start(it)

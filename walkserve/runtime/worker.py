@@ -139,6 +139,7 @@ class Worker(WorkerInbox):
         self.rank = rank
         self.address = address
         self.config = config
+        self.idle_spin_s = config.idle_spin_s
         self._stopping = threading.Event()
         self._ppid = os.getppid()
         self._tx_lock = threading.Lock()
