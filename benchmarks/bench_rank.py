@@ -14,7 +14,8 @@ recurrent LM streamed into a window decoder), p50 wall time of a batch of reques
                   after another do (each arrival joins the running cohort; they end one by one)
 
 each against the same requests as one batch through the eager loop in this process (same torch
-threads: 1). Reports the time per request over eager's. Writes
+threads: 1), run before each of the rank's batches (alternated, so that a change of the host's
+speed during the run moves both). Reports the time per request over eager's. Writes
 ``benchmarks/results/rank.json``.
 """
 
@@ -54,9 +55,12 @@ class Feed:
     """The engine's inbox: the next batch of ``StartRun``s once the last batch is done (all at
     once, or one per ``read`` when ``staggered``), each request's ``Cancel`` after its exit."""
 
-    def __init__(self, make: Any, n: int, staggered: bool, batches: int) -> None:
+    def __init__(
+        self, make: Any, n: int, staggered: bool, batches: int, between: Any = None
+    ) -> None:
         self.engine: Any = None  # the loop it feeds, set once made
         self.make, self.n, self.staggered = make, n, staggered
+        self.between = between  # run before each batch, outside its time (the eager one)
         self.batches = batches
         self.started = self.done = 0
         self.pending: list[Any] = []
@@ -82,6 +86,8 @@ class Feed:
         if len(self.times) >= self.batches:
             self.stopping.set()
             return
+        if self.between is not None:
+            self.between()
         runs = [self.make(self.started + k) for k in range(self.n)]
         self.started += self.n
         self.t0 = time.perf_counter()
@@ -125,7 +131,19 @@ def bench(name: str, batches: int) -> dict[str, Any]:
         def make(i: int) -> StartRun:
             return StartRun(i, f"q{i}", walk, region, reqs[i % 16], False)
 
-        feed = Feed(make, n, staggered, batches + 3)  # 3 warm-up batches
+        joint = {
+            k: torch.cat([r[k] for r in reqs[:n]]) if isinstance(v, torch.Tensor) else v
+            for k, v in reqs[0].items()
+        }
+        eager: list[float] = []
+
+        def run_eager(joint: dict[str, Any] = joint, eager: list[float] = eager) -> None:
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                getattr(model, walk)(**joint)
+                eager.append(time.perf_counter() - t0)
+
+        feed = Feed(make, n, staggered, batches + 3, run_eager)  # 3 warm-up batches
 
         def send(msg: Any, feed: Feed = feed) -> None:
             m.encode(msg)  # what a worker's send costs before the socket
@@ -137,16 +155,6 @@ def bench(name: str, batches: int) -> dict[str, Any]:
             engine.run(feed.stopping, inbox=feed)
         finally:
             pool.close()
-        joint = {
-            k: torch.cat([r[k] for r in reqs[:n]]) if isinstance(v, torch.Tensor) else v
-            for k, v in reqs[0].items()
-        }
-        eager: list[float] = []
-        with torch.no_grad():
-            for _ in range(batches + 3):
-                t0 = time.perf_counter()
-                getattr(model, walk)(**joint)
-                eager.append(time.perf_counter() - t0)
         rank_s, eager_s = statistics.median(feed.times[3:]), statistics.median(eager[3:])
         out[scenario] = {
             "requests": n,

@@ -179,3 +179,42 @@ def sched_outputs(region_out: dict[str, Any], want: dict[str, Any]) -> dict[str,
         got[name] = value
     assert set(got) == set(want)
     return got
+
+
+@pytest.mark.parametrize("client", [False, True])
+def test_the_windows_of_a_request_that_streams_nothing_out_wait_for_the_producer(
+    client: bool,
+) -> None:
+    """A request whose client reads only the final outputs: the windows its producer forms
+    are not urgent (nothing of the consumer leaves the rank before the exit), so the lane steps
+    the producer back to back to its end and the consumer's steps follow, instead of the rank
+    switching models at every window. A client's stream stops the lane at each item, as it
+    did. Outputs are the interpreter's either way."""
+    captured, plan = setup()
+    (region,) = [r.name for r in plan.regions["speak"]]
+    runner = NodeRunner(captured, plan, 0)
+    sched = RankScheduler(region_walks(captured, plan, 0), joins=runner.joinable())
+    steps = 13  # 6 windows form while it runs
+    r = inputs(3, steps)
+    sched.start(0, "q0", "speak", region, r, client)
+    for s in sched.schedule():  # its first step
+        sched.update(s, runner.run(s.walk, s.node, s.items))
+    lane = testing.lane_steps(sched, runner, 100)
+    assert lane == (0 if client else steps - 1)  # a client's item: no lane after its step
+    done: dict[str, Any] = {}
+    early: dict[str, Any] = {}
+    for _ in range(100):
+        for s in sched.schedule():
+            sched.update(s, runner.run(s.walk, s.node, s.items))
+        testing.lane_steps(sched, runner, 100)
+        for rep in sched.reports():
+            assert not isinstance(rep, RegionFailed), rep
+            if isinstance(rep, RegionOutput):
+                early.update(rep.outputs)
+            if isinstance(rep, RegionDone):
+                done = early | rep.outputs
+        if done:
+            break
+    want = captured.run(r, "speak")
+    testing.assert_outputs_match(sched_outputs(done, want), want)
+    assert sched.stats().live_values == 0 and sched.idle()

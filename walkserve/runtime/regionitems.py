@@ -59,7 +59,9 @@ class RegionItems(LoopDriver):
         walk-level client outputs stream it). Items no longer wanted: ignored. Returns whether
         anything changed that the caller must look at (an event, a feed, items ready, a
         failure): False for an item that only joined a stream buffer without forming a chunk,
-        after which ``ready()``, ``events()`` and ``feeds()`` have nothing new."""
+        after which ``ready()``, ``events()`` and ``feeds()`` have nothing new, and for one that
+        formed a chunk of a request that streams nothing out (``RequestState.stream`` empty),
+        when its advance made no event: its consumer's step is then ready, but not urgent."""
         p = self._items.get(item_id)
         if p is None or p.region is None:
             return False
@@ -96,8 +98,14 @@ class RegionItems(LoopDriver):
                 self._fail_request(req, str(e))
                 return True
             if formed:
+                said = len(self._events)
                 self._advance(req)
-                changed = True
+                # The consumer's step this chunk readied is urgent only where something of it
+                # leaves the rank before the region's exit (a client's or a forwarded stream)
+                # or the advance said something; else it may wait until the producer stops
+                # (its end, its credit): the rank steps the producer back to back, then the
+                # consumer's steps, instead of switching models every chunk (``RankScheduler``)
+                changed = changed or bool(req.stream) or len(self._events) != said
         return changed
 
     def consumed(self, item_id: int, stream: str, base: int, received: int, closed: bool) -> None:
