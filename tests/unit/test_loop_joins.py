@@ -333,6 +333,64 @@ def test_a_lane_step_that_raises_fails_only_the_request_that_made_it() -> None:
     assert sched.idle() and sched.stats().live_values == 0
 
 
+@pytest.mark.parametrize("bad_at", [None, 0, 3])
+def test_runs_that_arrive_one_by_one_join_the_running_cohort(bad_at: int | None) -> None:
+    """Requests arriving one per round join the cohort that runs (``extend``: no re-forming
+    it), and at its length the runs with iterations left go on as one (``shrink``); every
+    request gets the interpreter's outputs. ``bad_at``: the iteration at which the last
+    arrival's action is past the embedding, so that the joint call raises (at 0: in the very
+    step after it joined, before the runs already there took a step in the new cohort; their
+    state is then the joint one): it fails alone and the others go on."""
+    from walkserve.runtime import loopshare
+    from walkserve.runtime.rankscheduler import RankScheduler, RegionDone, RegionFailed
+    from walkserve.runtime.regionwalk import region_walks
+
+    captured, plan = setup()
+    runner = NodeRunner(captured, plan, 0)
+    sched = RankScheduler(region_walks(captured, plan, 0), joins=runner.joinable())
+    region = plan.regions["rollout"][0].name
+    reqs = {k: rollout_inputs(k, n) for k, n in enumerate([7, 9, 4, 8])}
+    last = len(reqs) - 1
+    if bad_at is not None:
+        reqs[last]["actions"][0, bad_at] = 7
+    calls = {"extend": 0, "shrink": 0}
+
+    def counted(name: str) -> Any:
+        real = getattr(loopshare, name)
+
+        def call(*args: Any) -> Any:
+            out = real(*args)
+            calls[name] += out is not None
+            return out
+
+        return call
+
+    done: dict[int, Any] = {}
+    failed: dict[int, str] = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in calls:
+            mp.setattr(loopshare, name, counted(name))
+        for step in range(60):
+            if step in reqs:
+                sched.start(step, f"q{step}", "rollout", region, reqs[step], False)
+            for s in sched.schedule():
+                sched.update(s, runner.run(s.walk, s.node, s.items))
+            for rep in sched.reports():
+                if isinstance(rep, RegionDone):
+                    done[rep.item] = rep.outputs
+                if isinstance(rep, RegionFailed):
+                    failed[rep.item] = rep.error
+            if len(done) + len(failed) == len(reqs):
+                break
+    assert calls["extend"] >= 1 and calls["shrink"] >= 1
+    assert set(failed) == ({last} if bad_at is not None else set())
+    for k, r in reqs.items():
+        if k not in failed:
+            want = captured.run(r, "rollout")
+            testing.assert_outputs_match({"states": done[k]["step.state.all"]}, want)
+    assert sched.idle() and sched.stats().live_values == 0
+
+
 def test_a_tuple_item_read_gives_the_interpreters_value_and_error() -> None:
     """The runner reads glue ``value[k]`` directly (``_item_read``): the same objects the
     interpreter's op gives, and when the read fails, the interpreter's own error."""

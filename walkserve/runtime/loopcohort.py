@@ -12,11 +12,19 @@ when the cohort dissolves (vLLM's persistent batch, for a captured loop)::
     call = cohort.call()                          # this step's joint arguments
     ok = cohort.advance(values)                   # False: values not batched as captured
     states = cohort.dissolve()                    # per run: carried, last, pieces, steps
+    joined = extend(cohort, [Member(...), ...])   # newcomers after its runs (None: cannot)
+    rest = shrink(cohort, keep, [Member(...), ...])  # at its length: the runs that go on
+    pieces = cohort.seal()                        # per run: its pieces so far
 
 A cohort lives for at most ``length`` steps: the fewest iterations any of its runs has left
 (its bound, or the last index its per-step slices reach). It dissolves then, when a run of it
-is cancelled, when a new run of the loop could join it, and when its call raises; after
-dissolving, each run goes on as the loop stepper's own (its commit rules, its failure rule).
+is cancelled, and when its call raises; after dissolving, each run goes on as the loop
+stepper's own (its commit rules, its failure rule). A new run of the loop whose call shares the
+cohort's join key joins it between two steps (``extend``): its values are concatenated after the
+cohort's, with no per-run cut of the runs already in it (they keep the steps they took so far
+as their pieces, ``seal``, and go on from there), so that requests arriving one by one do not
+re-form the cohort each time. At its length, the runs with iterations left go on in a cohort of
+their rows (``shrink``) and only the others leave.
 
 A loop keeps cohorts when its one body node is joinable, every argument of its component is a
 constant or a parameter (invariant, carried or a per-step slice: no iteration index, no table),
@@ -42,7 +50,7 @@ from walkserve.lowering.plan import NodePlan
 from walkserve.runtime.loopjoin import Join
 from walkserve.runtime.workitem import LoopStart
 
-__all__ = ["Cohort", "CohortSpec", "Member", "cohort_spec", "form"]
+__all__ = ["Cohort", "CohortSpec", "Member", "cohort_spec", "extend", "form", "shrink"]
 
 # An argument of the component: ("const", value) or ("param", name).
 _Arg = tuple[str, Any]
@@ -103,6 +111,9 @@ class Cohort:
     total: int = 0  # rows of every run
     last: list[Any] | None = None
     pieces: dict[str, list[Any]] = field(default_factory=dict)
+    # runs (the first ``rebased``) that an ``extend`` took in from an earlier cohort: their
+    # carried values are the joint ones even before this cohort's first step
+    rebased: int = 0
     _steps: dict[str, Sequence[torch.Tensor]] | None = None
 
     def call(self) -> tuple[list[Any], dict[str, Any]]:
@@ -168,39 +179,52 @@ class Cohort:
         return len(self.carried) + len(self.fixed) + sum(len(v) for v in self.pieces.values())
 
     def dissolve(self) -> list[Left]:
-        """Each run's rows of the cohort's state, in the order the runs joined."""
+        """Each run's rows of the cohort's state, in the order the runs joined (a run taken
+        in by ``extend`` that has taken no step here: its carried rows, no last outputs)."""
+        return [self.left(k, pieces) for k, pieces in enumerate(self.seal())]
+
+    def left(self, k: int, pieces: dict[str, list[Any]]) -> Left:
+        """Run ``k``'s rows of the cohort's state, with its ``pieces`` (``seal``'s)."""
         spec = self.spec
-        dims = {p: spec.out_dims[spec.outputs[k]] for p, k in spec.carried}
+        whole = len(self.rows) == 1  # one run holds every row: its values are the joint ones
+        at, n = self.offsets[k], self.rows[k]
+
+        def rows(v: Any, dim: int | None) -> Any:
+            return v if dim is None or whole else v.narrow(dim, at, n)
+
+        last = None
+        if self.last is not None:
+            last = [rows(v, spec.out_dims[o]) for v, o in zip(self.last, spec.outputs)]
+        carried = {
+            p: rows(self.carried[p], spec.out_dims[spec.outputs[j]]) for p, j in spec.carried
+        }
+        return Left(carried, last, pieces, self.steps)
+
+    def seal(self) -> list[dict[str, list[Any]]]:
+        """Each run's accumulated pieces of the steps taken so far (by channel, in step order;
+        the steps of a cohort of several runs are one ``Steps``), in the order the runs
+        joined."""
+        spec = self.spec
         out_dims = [spec.out_dims[o] for o in spec.outputs]
         acc_dims = {ch: out_dims[k] for ch, k in spec.accumulated.items()}
-        left: list[Left] = []
-        whole = len(self.rows) == 1  # one run holds every row: its values are the joint ones
+        whole = len(self.rows) == 1
         stacked = (
             {} if whole else {ch: _stacked(vs, acc_dims[ch]) for ch, vs in self.pieces.items()}
         )
+        out: list[dict[str, list[Any]]] = []
         for at, n in zip(self.offsets, self.rows):
 
-            def rows(v: Any, dim: int | None, a: int = at, n: int = n) -> Any:
-                return v if dim is None or whole else v.narrow(dim, a, n)
-
             def pieces(ch: str, vs: list[Any], a: int = at, n: int = n) -> list[Any]:
-                block = stacked.get(ch)
-                if block is None:  # one narrow per piece (shapes differ, or no batch dim)
-                    return [rows(v, acc_dims[ch]) for v in vs]
                 dim = acc_dims[ch]
-                assert dim is not None
+                if whole or dim is None:
+                    return list(vs)
+                block = stacked.get(ch)
+                if block is None:  # one narrow per piece (shapes differ, or one piece)
+                    return [v.narrow(dim, a, n) for v in vs]
                 return [Steps(block.narrow(dim + 1, a, n))]  # the run's rows of every step
 
-            last = None if self.last is None else [rows(v, d) for v, d in zip(self.last, out_dims)]
-            left.append(
-                Left(
-                    {p: rows(v, dims[p]) for p, v in self.carried.items()},
-                    last,
-                    {ch: pieces(ch, vs) for ch, vs in self.pieces.items()},
-                    self.steps,
-                )
-            )
-        return left
+            out.append({ch: pieces(ch, vs) for ch, vs in self.pieces.items()})
+        return out
 
 
 def cohort_spec(
@@ -295,6 +319,119 @@ def form(spec: CohortSpec, members: Sequence[Member]) -> Cohort | None:
     rows = [m.rows for m in members]
     offsets = [sum(rows[:k]) for k in range(len(rows))]
     return Cohort(spec, rows, length, fixed, carried, slabs, offsets=offsets, total=sum(rows))
+
+
+def extend(cohort: Cohort, members: Sequence[Member]) -> Cohort | None:
+    """``cohort``'s runs at their next step with ``members`` after them (whose first calls
+    share its join key): the carried and invariant values of ``members`` concatenated after
+    the cohort's, the per-step slices from its next step on; or None when one of them has
+    nothing left to run or a value the cohort cannot join (as ``form``). ``cohort`` is left as
+    it is: its runs' pieces so far are its ``seal()``, and their iterations go on from its
+    ``steps``."""
+    spec, at = cohort.spec, cohort.steps
+    length = min(cohort.length - at, *(_left(spec, m) for m in members))
+    if length < 1:
+        return None
+    fixed: dict[str, Any] = {}
+    carried: dict[str, Any] = {}
+    slabs: dict[str, torch.Tensor] = {}
+    try:
+        for p, dim in spec.param_dims.items():
+            if p in spec.select:
+                sdim, first, step = spec.select[p]
+                cat_at = dim if dim is None or dim < sdim else dim + 1  # in the source's dims
+                parts = [cohort.slabs[p].narrow(sdim, at, length)]
+                parts += [
+                    _slab(m.start.sources[p], sdim, first + m.i * step, step, length)
+                    for m in members
+                ]
+                slabs[p] = _cat(parts, cat_at)
+            elif p in cohort.carried:
+                carried[p] = _cat([cohort.carried[p], *(m.carried[p] for m in members)], dim)
+            else:
+                fixed[p] = _cat([cohort.fixed[p], *(m.start.fixed[p] for m in members)], dim)
+        for p, k in spec.carried:
+            if p not in carried:
+                out = spec.out_dims[spec.outputs[k]]
+                carried[p] = _cat([cohort.carried[p], *(m.carried[p] for m in members)], out)
+    except (KeyError, IndexError, RuntimeError, TypeError, AttributeError):
+        return None
+    rows = [*cohort.rows, *(m.rows for m in members)]
+    offsets = [sum(rows[:k]) for k in range(len(rows))]
+    return Cohort(
+        spec,
+        rows,
+        length,
+        fixed,
+        carried,
+        slabs,
+        offsets=offsets,
+        total=sum(rows),
+        rebased=len(cohort.rows),
+    )
+
+
+def shrink(cohort: Cohort, keep: Sequence[int], members: Sequence[Member]) -> Cohort | None:
+    """A cohort of the runs of ``cohort`` at positions ``keep`` (``members``: each of them at
+    its next iteration, its rows), once ``cohort`` took its ``length`` steps and the others
+    leave: their carried and invariant rows cut from the joint values, their per-step slices
+    from their next iteration on; None when one has nothing left to run or a value cannot be
+    cut (as ``form``). ``cohort`` is left as it is."""
+    spec = cohort.spec
+    length = min(_left(spec, m) for m in members)
+    if length < 1:
+        return None
+    spans = _spans([(cohort.offsets[k], cohort.rows[k]) for k in keep])
+    fixed: dict[str, Any] = {}
+    carried: dict[str, Any] = {}
+    slabs: dict[str, torch.Tensor] = {}
+    try:
+        for p, dim in spec.param_dims.items():
+            if p in spec.select:
+                sdim, first, step = spec.select[p]
+                cat_at = dim if dim is None or dim < sdim else dim + 1  # in the source's dims
+                parts = [
+                    _slab(m.start.sources[p], sdim, first + m.i * step, step, length)
+                    for m in members
+                ]
+                slabs[p] = _cat(parts, cat_at)
+            elif p not in cohort.carried:
+                fixed[p] = _cut(cohort.fixed[p], dim, spans)
+        for p, j in spec.carried:
+            carried[p] = _cut(cohort.carried[p], spec.out_dims[spec.outputs[j]], spans)
+    except (KeyError, IndexError, RuntimeError, TypeError, AttributeError):
+        return None
+    rows = [m.rows for m in members]
+    offsets = [sum(rows[:k]) for k in range(len(rows))]
+    return Cohort(
+        spec,
+        rows,
+        length,
+        fixed,
+        carried,
+        slabs,
+        offsets=offsets,
+        total=sum(rows),
+        rebased=len(rows),
+    )
+
+
+def _spans(blocks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Row blocks (offset, rows) in order, adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    for at, n in blocks:
+        if out and out[-1][0] + out[-1][1] == at:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((at, n))
+    return out
+
+
+def _cut(value: Any, dim: int | None, spans: list[tuple[int, int]]) -> Any:
+    """The rows of ``spans`` of a joint value (batched along ``dim``), in order."""
+    if dim is None:
+        return value
+    return _cat([value.narrow(dim, at, n) for at, n in spans], dim)
 
 
 def _stacked(pieces: list[Any], dim: int | None) -> torch.Tensor | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from walkserve.lowering.plan import NodePlan
 from walkserve.runtime.frames import piece_items
-from walkserve.runtime.loopcohort import Cohort, Member, form
+from walkserve.runtime.loopcohort import Cohort, Member, extend, form, shrink
 from walkserve.runtime.looprun import LoopReport, LoopRun, LoopStreamed, SimpleLoop
 from walkserve.runtime.runner import ItemResult, RunItem
 
@@ -38,11 +38,13 @@ class Band:
     cohort: Cohort
     runs: list[LoopRun]
     streaming: list[tuple[int, LoopRun]]  # (row block, run) of the runs with a client's stream
+    key: Any = None  # the join key of its runs' calls: a newcomer's must equal it to join
 
 
 class SharedSteps:
     """Joined items and cohorts of a ``LoopStepper`` (its base: the state below is its)."""
 
+    max_batch: int | None
     _runs: dict[int, LoopRun]
     _joined: dict[int, JoinedItem]
     _bands: list[Band]
@@ -103,19 +105,53 @@ class SharedSteps:
         )
 
     def _regroup(self) -> None:
-        """Dissolve the cohorts that lost a run (cancelled) or that a new run of their loop
-        could join (they form again with it in this step)."""
-        joining = {
-            id(r.loop) for r in self._runs.values() if r.band is None and self._cohort_ready(r)
-        }
+        """Dissolve the cohorts that lost a run (cancelled) or hold one that its consumers'
+        credit stops. (A new run of their loop joins them: ``_extend``.)"""
         for band in list(self._bands):
-            if id(band.loop) in joining or any(
-                r.item not in self._runs or not self._cohort_ready(r) for r in band.runs
-            ):
+            if any(r.item not in self._runs or not self._cohort_ready(r) for r in band.runs):
                 self._dissolve(band)
 
-    def _band(self, members: list[tuple[LoopRun, tuple[list[Any], dict[str, Any]]]]) -> bool:
-        """Form a cohort of ``members`` (their first calls share one join key); False when
+    def _extend_bands(
+        self, key: Any, members: list[tuple[LoopRun, Call]]
+    ) -> list[tuple[LoopRun, Call]]:
+        """Let the cohorts of ``members``' loop whose runs' calls share their join ``key``
+        take them in, as many as ``max_batch`` allows; the members none took."""
+        loop = members[0][0].loop
+        for band in self._bands:
+            if not members:
+                break
+            if band.loop is not loop or band.key != key:
+                continue
+            room = len(members) if self.max_batch is None else self.max_batch - len(band.runs)
+            if room > 0 and self._extend(band, members[:room]):
+                members = members[room:]
+        return members
+
+    def _extend(self, band: Band, members: list[tuple[LoopRun, Call]]) -> bool:
+        """``band``'s cohort with ``members`` joined after its runs (``loopcohort.extend``);
+        its runs keep the pieces of the steps they took so far and count them. False (nothing
+        changed) when one of them cannot be held."""
+        join = band.loop.join
+        if join is None or not all(self._cohort_ready(r) for r, _ in members):
+            return False
+        old = band.cohort
+        cohort = extend(old, [Member(r.start, r.i, r.carried, join._rows(c)) for r, c in members])
+        if cohort is None:
+            return False
+        if old.steps:
+            for run, pieces in zip(band.runs, old.seal()):
+                for ch, collected in run.collected.items():
+                    collected.extend(pieces.get(ch, ()))
+                run.i += old.steps
+        band.cohort = cohort
+        for run, _ in members:
+            run.band = band
+            band.runs.append(run)
+        band.streaming = [(k, r) for k, r in enumerate(band.runs) if r.start.streams]
+        return True
+
+    def _band(self, members: list[tuple[LoopRun, Call]], key: Any = None) -> bool:
+        """Form a cohort of ``members`` (their first calls share one join ``key``); False when
         their loop keeps none or one of them cannot be held (then they join call by call)."""
         loop = members[0][0].loop
         if loop.cohort is None or loop.join is None:
@@ -131,7 +167,8 @@ class SharedSteps:
                 run.solo = True
             return False
         runs = [r for r, _ in members]
-        band = Band(loop, cohort, runs, [(k, r) for k, r in enumerate(runs) if r.start.streams])
+        streaming = [(k, r) for k, r in enumerate(runs) if r.start.streams]
+        band = Band(loop, cohort, runs, streaming, key)
         for run in band.runs:
             run.band = band
         self._bands.append(band)
@@ -171,18 +208,56 @@ class SharedSteps:
                         acc = band.loop.node.accumulated[ch]
                         self._produced[key] = self._produced.get(key, 0) + piece_items(piece, acc)
         if cohort.done():
+            self._shrink(band)
+
+    def _shrink(self, band: Band) -> None:
+        """``band`` at its length: the runs with iterations left go on as a cohort of their
+        rows (``loopcohort.shrink``), the others leave as ``_dissolve`` lets them; all of it
+        dissolves where that cohort cannot be made."""
+        old = band.cohort
+        going = {
+            k: Member(r.start, r.i + old.steps, {}, old.rows[k])
+            for k, r in enumerate(band.runs)
+            if r.item in self._runs and r.i + old.steps < r.start.bound
+        }
+        rest = None
+        if 0 < len(going) < len(band.runs):
+            rest = shrink(old, list(going), list(going.values()))
+        if rest is None:
             self._dissolve(band)
+            return
+        runs, band.runs = band.runs, [band.runs[k] for k in going]
+        band.cohort = rest
+        band.streaming = [(k, r) for k, r in enumerate(band.runs) if r.start.streams]
+        for k, (run, pieces) in enumerate(zip(runs, old.seal())):
+            for ch, collected in run.collected.items():
+                collected.extend(pieces.get(ch, ()))
+            if k in going:
+                run.i += old.steps
+                continue
+            run.band = None
+            if run.item not in self._runs:
+                continue
+            left = old.left(k, {})
+            run.carried, run.last, run.i = left.carried, left.last, run.i + old.steps
+            if self._begin(run) is False:
+                self._finish(run)
 
     def _dissolve(self, band: Band, alone: bool = False) -> None:
         """Give each run of ``band`` its rows of the cohort's state; those at their bound
         finish, the others go on as the stepper's own runs."""
         self._bands.remove(band)
-        for run, left in zip(band.runs, band.cohort.dissolve()):
+        rebased = band.cohort.rebased  # runs whose carried values are the cohort's already
+        for k, (run, left) in enumerate(zip(band.runs, band.cohort.dissolve())):
             run.band = None
             if run.item not in self._runs:
                 continue
             run.alone = alone
             if not left.steps:
+                if k < rebased:  # it took its steps in the cohort it was rebased from
+                    run.carried = left.carried
+                    if self._begin(run) is False:
+                        self._finish(run)
                 continue
             for ch, pieces in run.collected.items():
                 pieces.extend(left.pieces.get(ch, ()))

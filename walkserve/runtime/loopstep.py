@@ -202,11 +202,12 @@ class LoopStepper(SharedSteps):
                         continue
                     run.solo = True  # a call no cohort can hold: it must not dissolve others
             self._item(groups, run, node, call)
-        for (walk, _node, _key), members in joins.items():
-            size = self.max_batch or len(members)
+        for (walk, _node, key), members in joins.items():
+            members = self._extend_bands(key, members)
+            size = self.max_batch or len(members) or 1
             for k in range(0, len(members), size):
                 part = members[k : k + size]
-                if not self._band(part):
+                if not self._band(part, key):
                     self._join(groups, walk, part)
         for band in self._bands:
             self._band_item(groups, band)
