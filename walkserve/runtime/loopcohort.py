@@ -17,14 +17,14 @@ when the cohort dissolves (vLLM's persistent batch, for a captured loop)::
     pieces = cohort.seal()                        # per run: its pieces so far
 
 A cohort lives for at most ``length`` steps: the fewest iterations any of its runs has left
-(its bound, or the last index its per-step slices reach). It dissolves then, when a run of it
-is cancelled, and when its call raises; after dissolving, each run goes on as the loop
-stepper's own (its commit rules, its failure rule). A new run of the loop whose call shares the
-cohort's join key joins it between two steps (``extend``): its values are concatenated after the
-cohort's, with no per-run cut of the runs already in it (they keep the steps they took so far
-as their pieces, ``seal``, and go on from there), so that requests arriving one by one do not
-re-form the cohort each time. At its length, the runs with iterations left go on in a cohort of
-their rows (``shrink``) and only the others leave.
+(its bound, or the last index its per-step slices reach). Then the runs with iterations left go
+on in a cohort of their rows (``shrink``) and only the others leave. It dissolves when a run of
+it is cancelled, when its call raises, and where no such cohort can be made; after dissolving,
+each run goes on as the loop stepper's own (its commit rules, its failure rule). A new run of
+the loop whose call shares the cohort's join key joins it between two steps (``extend``): its
+values are concatenated after the cohort's, with no per-run cut of the runs already in it (they
+keep the steps they took so far as their pieces, ``seal``, and go on from there), so that
+requests arriving one by one do not re-form the cohort each time.
 
 A loop keeps cohorts when its one body node is joinable, every argument of its component is a
 constant or a parameter (invariant, carried or a per-step slice: no iteration index, no table),
