@@ -218,3 +218,43 @@ def test_the_windows_of_a_request_that_streams_nothing_out_wait_for_the_producer
     want = captured.run(r, "speak")
     testing.assert_outputs_match(sched_outputs(done, want), want)
     assert sched.stats().live_values == 0 and sched.idle()
+
+
+def test_a_map_over_chunks_runs_the_ready_chunks_as_one_call() -> None:
+    """The window decoder carries nothing and has no stop: its iterations depend on nothing of
+    each other, so up to ``MAP_AHEAD`` of them are in flight and the windows that are ready
+    run as one batched call (a producer with a carried state keeps two). Outputs are the
+    interpreter's."""
+    from walkserve.runtime.walkspec import MAP_AHEAD
+
+    captured, plan = setup()
+    (region,) = [r.name for r in plan.regions["speak"]]
+    runner = NodeRunner(captured, plan, 0)
+    sched = RankScheduler(region_walks(captured, plan, 0), joins=runner.joinable())
+    specs = {
+        ls.node.name: ls.ahead for spec in sched.conductor._walks.values() for ls in spec.loops
+    }
+    assert specs == {"think": 2, "decode": MAP_AHEAD}
+    r = inputs(5, 13)  # 6 windows, all formed before the consumer runs (nothing streams out)
+    sched.start(0, "q0", "speak", region, r, False)
+    sizes: list[int] = []
+    done: dict[str, Any] = {}
+    early: dict[str, Any] = {}
+    for _ in range(100):
+        for s in sched.schedule():
+            if s.node.startswith("decode"):
+                sizes.append(len(s.items))
+            sched.update(s, runner.run(s.walk, s.node, s.items))
+        testing.lane_steps(sched, runner, 100)
+        for rep in sched.reports():
+            assert not isinstance(rep, RegionFailed), rep
+            if isinstance(rep, RegionOutput):
+                early.update(rep.outputs)
+            if isinstance(rep, RegionDone):
+                done = early | rep.outputs
+        if done:
+            break
+    assert max(sizes) > 2, sizes
+    want = captured.run(r, "speak")
+    testing.assert_outputs_match(sched_outputs(done, want), want)
+    assert sched.stats().live_values == 0 and sched.idle()

@@ -163,7 +163,8 @@ class Frame:
 @dataclass(eq=False)
 class LoopRun:
     """One execution of a loop inside ``parent``. Iterations ``< committed`` are done;
-    ``frames`` holds the live ones (at most two); stops are known false below ``known``."""
+    ``frames`` holds the live ones (at most ``LoopSpec.ahead``); stops are known false below
+    ``known``."""
 
     spec: LoopSpec
     parent: Frame

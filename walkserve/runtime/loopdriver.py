@@ -226,7 +226,7 @@ class LoopDriver:
 
     def _can_start(self, req: RequestState, run: LoopRun) -> bool:
         ls, i = run.spec, run.started
-        if run.stop_at is not None or len(run.frames) >= 2:
+        if run.stop_at is not None or len(run.frames) >= ls.ahead:
             return False
         if (run.bound is not None and i >= run.bound) or (run.cap is not None and i >= run.cap):
             return False

@@ -10,6 +10,7 @@ its ``ExecutablePlan``; read-only afterwards.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import msgspec
@@ -18,6 +19,8 @@ from walkserve.capture import ir
 from walkserve.capture.chunk import ChunkPolicy, FixedChunk, LeftContext, SlidingWindow
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.plan import BlockPlan, ExecutablePlan, NodePlan, RegionPlan
+
+MAP_AHEAD = 8  # iterations in flight of a loop whose iterations depend on nothing of each other
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,17 @@ class LoopSpec:
     feeds: tuple[tuple[str, str], ...]  # (stream, channel) pairs this loop produces into
     emit: dict[str, tuple[str, ...]]  # accumulated channel -> client outputs (walk level)
     fast: bool = False  # handed to the runner whole (``fast_loops``): a simple loop
+
+    @functools.cached_property
+    def ahead(self) -> int:
+        """Iterations it may have started and not committed: ``MAP_AHEAD`` for a map over its
+        per-step inputs (no carried value, no stop, every component of it speculative, so
+        that no iteration depends on another: a window decoder over a stream's chunks), so
+        that the chunks that are ready run as one batched call; else 2 (the next iteration
+        prepared, or speculated, while the current one runs)."""
+        node = self.node
+        carried = any(isinstance(p.role, ir.Carried) for p in node.params)
+        return MAP_AHEAD if self.speculative and not carried and node.stop is None else 2
 
 
 @dataclass(eq=False)
