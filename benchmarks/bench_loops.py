@@ -14,7 +14,10 @@ torch's own default of 2 makes the eager loops 2x-4x slower, which would flatter
 ratio); ``BENCH_THREADS`` sets another. For each: latency at batch 1 (p50 of ``--reps``
 requests, served and eager alternating so load drift hits both; ratio served / eager, target <=
 1.2; and the CPU seconds the server process and its worker spent per request over the eager
-loop's, which other load on a small host disturbs less than wall time), and 16 concurrent
+loop's, which other load on a small host disturbs less than wall time), the same in blocks of
+``BLOCK`` requests each way, back to back (a steady client's view: alternating request by
+request leaves the worker idle while the eager loop runs, so that each served request finds
+it asleep, which costs it more than the eager one), and 16 concurrent
 requests served vs the same 16 run eagerly one after another (throughput ratio, target >= 4;
 the median of ``ROUNDS`` rounds), beside the bound batching alone gives (the 16 as one batch
 through the eager loop). Where batch-1 time goes: p50 pairs at a short and a long loop length
@@ -51,6 +54,7 @@ from walkserve.benchmarking import tree_cpu_seconds, write_result
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = int(os.environ.get("BENCH_THREADS", "0")) or None  # None: default_threads(1)
 ROUNDS = 5  # rounds of the concurrent measurement: the median's figures are reported
+BLOCK = 10  # requests per block of the back-to-back measurement
 # factory, walk, inputs(seed, loop length), (short, standard, long) loop lengths: the standard
 # one is the measurement, the other two place it on the overhead model
 CASES: dict[str, tuple[str, str, Any, tuple[int, int, int]]] = {
@@ -143,13 +147,16 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
                 eager_t.append(time.perf_counter() - t0)
                 if n == standard:
                     cpu[1] += time.process_time() - c0
-                c0 = tree_cpu_seconds() if n == standard else 0.0  # outside the wall time
+                tree0 = tree_cpu_seconds() if n == standard else 0.0  # outside the wall time
                 t0 = time.perf_counter()
                 got = server.run(r, walk, timeout=600)
                 served_t.append(time.perf_counter() - t0)
                 if n == standard:
-                    c1 = tree_cpu_seconds()
-                    cpu[0] += c1 - c0 if c0 is not None and c1 is not None else float("nan")
+                    tree1 = tree_cpu_seconds()
+                    if tree0 is None or tree1 is None:  # no /proc here
+                        cpu[0] = float("nan")
+                    else:
+                        cpu[0] += tree1 - tree0
                 error = max(error, check(got, want))
             return served_t, eager_t
 
@@ -160,6 +167,23 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
         for n in (short, long):
             served_n, eager_n = alternate(n, max(5, reps // 3), 200)
             lengths[n] = (statistics.median(served_n), statistics.median(eager_n))
+        # a steady client's view: blocks of requests, each side back to back (the alternation
+        # above leaves the worker idle while the eager loop runs, and each request then finds
+        # it asleep), the blocks alternating so that drift still hits both
+        steady_served: list[float] = []
+        steady_eager: list[float] = []
+        for b in range(max(2, reps // BLOCK)):
+            block = [inputs(500 + BLOCK * b + i) for i in range(BLOCK)]
+            wants = []
+            for r in block:
+                t0 = time.perf_counter()
+                wants.append(eager(r))
+                steady_eager.append(time.perf_counter() - t0)
+            for r, want in zip(block, wants):
+                t0 = time.perf_counter()
+                got = server.run(r, walk, timeout=600)
+                steady_served.append(time.perf_counter() - t0)
+                error = max(error, check(got, want))
         ratios: list[tuple[float, float, float]] = []  # (eager / served, eager, served)
         for k in range(ROUNDS):  # each a new batch, eager then served
             batch = [inputs(1000 + 100 * k + i) for i in range(concurrent)]
@@ -197,6 +221,10 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
         "served_p50_s": served,
         "eager_p50_s": eager_p50,
         "served_over_eager": served / eager_p50,
+        "steady_served_p50_s": statistics.median(steady_served),
+        "steady_eager_p50_s": statistics.median(steady_eager),
+        "steady_served_over_eager": statistics.median(steady_served)
+        / statistics.median(steady_eager),
         # CPU seconds of the server process and its workers per request over the eager
         # loop's (clock ticks: meaningful over many reps only)
         "cpu_served_over_eager": served_cpu / eager_cpu if eager_cpu > 0 else None,
@@ -236,6 +264,11 @@ def main() -> None:
             f"(largest batch {r['largest_batch']}, max rel error {r['max_rel_error']:.1e}); "
             f"the same batch eagerly {r['batched_throughput_ratio']:.2f}x (served reaches "
             f"{r['served_over_batched']:.2f} of it)"
+        )
+        print(
+            f"{'':8} back to back (blocks of {BLOCK} each way): served "
+            f"{r['steady_served_p50_s'] * 1e3:.2f} ms vs eager "
+            f"{r['steady_eager_p50_s'] * 1e3:.2f} ms ({r['steady_served_over_eager']:.2f}x)"
         )
         o = r["overhead"]
         reach = o["length_for_1_2x"]

@@ -460,7 +460,14 @@ def _loops(data: dict[str, Any], src: str) -> list[Row]:
             f"{name}: batch 1 served {_secs(r['served_p50_s'])} vs eager {_secs(r['eager_p50_s'])}"
             f" ({_x(r['served_over_eager'])}, target 1.2x"
             + (f"; CPU {_x(r['cpu_served_over_eager'])}" if r.get("cpu_served_over_eager") else "")
-            + f"); {r['concurrent']} concurrent"
+            + ")"
+            + (
+                f"; back to back {_secs(r['steady_served_p50_s'])} vs"
+                f" {_secs(r['steady_eager_p50_s'])} ({_x(r['steady_served_over_eager'])})"
+                if r.get("steady_served_p50_s")
+                else ""
+            )
+            + f"; {r['concurrent']} concurrent"
             f" {_x(r['throughput_ratio'])} the eager one-by-one throughput (target 4x)"
             + (
                 f", the same batch run eagerly {_x(r['batched_throughput_ratio'])}"
