@@ -201,20 +201,7 @@ def test_the_windows_of_a_request_that_streams_nothing_out_wait_for_the_producer
         sched.update(s, runner.run(s.walk, s.node, s.items))
     lane = testing.lane_steps(sched, runner, 100)
     assert lane == (0 if client else steps - 1)  # a client's item: no lane after its step
-    done: dict[str, Any] = {}
-    early: dict[str, Any] = {}
-    for _ in range(100):
-        for s in sched.schedule():
-            sched.update(s, runner.run(s.walk, s.node, s.items))
-        testing.lane_steps(sched, runner, 100)
-        for rep in sched.reports():
-            assert not isinstance(rep, RegionFailed), rep
-            if isinstance(rep, RegionOutput):
-                early.update(rep.outputs)
-            if isinstance(rep, RegionDone):
-                done = early | rep.outputs
-        if done:
-            break
+    done = run_to_exit(sched, runner)
     want = captured.run(r, "speak")
     testing.assert_outputs_match(sched_outputs(done, want), want)
     assert sched.stats().live_values == 0 and sched.idle()
@@ -237,13 +224,26 @@ def test_a_map_over_chunks_runs_the_ready_chunks_as_one_call() -> None:
     assert specs == {"think": 2, "decode": MAP_AHEAD}
     r = inputs(5, 13)  # 6 windows, all formed before the consumer runs (nothing streams out)
     sched.start(0, "q0", "speak", region, r, False)
-    sizes: list[int] = []
-    done: dict[str, Any] = {}
+    sizes: dict[str, list[int]] = {}
+    done = run_to_exit(sched, runner, sizes)
+    decoder = [n for node, ns in sizes.items() if node.startswith("decode") for n in ns]
+    assert max(decoder) > 2, sizes
+    want = captured.run(r, "speak")
+    testing.assert_outputs_match(sched_outputs(done, want), want)
+    assert sched.stats().live_values == 0 and sched.idle()
+
+
+def run_to_exit(
+    sched: RankScheduler, runner: NodeRunner, sizes: dict[str, list[int]] | None = None
+) -> dict[str, Any]:
+    """Schedule passes, each followed by the fast lane as far as it goes, until the one region
+    run started on ``sched`` exits; its outputs (those reported early too). ``sizes``: each
+    node's scheduled steps, by how many items each held."""
     early: dict[str, Any] = {}
     for _ in range(100):
         for s in sched.schedule():
-            if s.node.startswith("decode"):
-                sizes.append(len(s.items))
+            if sizes is not None:
+                sizes.setdefault(s.node, []).append(len(s.items))
             sched.update(s, runner.run(s.walk, s.node, s.items))
         testing.lane_steps(sched, runner, 100)
         for rep in sched.reports():
@@ -251,10 +251,5 @@ def test_a_map_over_chunks_runs_the_ready_chunks_as_one_call() -> None:
             if isinstance(rep, RegionOutput):
                 early.update(rep.outputs)
             if isinstance(rep, RegionDone):
-                done = early | rep.outputs
-        if done:
-            break
-    assert max(sizes) > 2, sizes
-    want = captured.run(r, "speak")
-    testing.assert_outputs_match(sched_outputs(done, want), want)
-    assert sched.stats().live_values == 0 and sched.idle()
+                return early | rep.outputs
+    raise AssertionError("the region run did not exit in 100 passes")

@@ -298,7 +298,7 @@ def test_a_lane_step_that_raises_fails_only_the_request_that_made_it() -> None:
     """A cohort in the engine's fast lane whose call raises (one request's action at step 5 is
     past the embedding): its runs go on one by one, that request fails alone, the others get
     the interpreter's outputs, and nothing is held."""
-    from walkserve.runtime.rankscheduler import RankScheduler, RegionDone, RegionFailed
+    from walkserve.runtime.rankscheduler import RankScheduler
     from walkserve.runtime.regionwalk import region_walks
 
     captured, plan = setup()
@@ -318,11 +318,7 @@ def test_a_lane_step_that_raises_fails_only_the_request_that_made_it() -> None:
         for s in sched.schedule():
             sched.update(s, runner.run(s.walk, s.node, s.items))
         lane += testing.lane_steps(sched, runner, 100)
-        for rep in sched.reports():
-            if isinstance(rep, RegionDone):
-                done[rep.item] = rep.outputs
-            if isinstance(rep, RegionFailed):
-                failed[rep.item] = rep.error
+        take_exits(sched, done, failed)
         if len(done) + len(failed) == len(reqs):
             break
     assert set(failed) == {1} and "index" in failed[1]
@@ -342,7 +338,7 @@ def test_runs_that_arrive_one_by_one_join_the_running_cohort(bad_at: int | None)
     step after it joined, before the runs already there took a step in the new cohort; their
     state is then the joint one): it fails alone and the others go on."""
     from walkserve.runtime import loopshare
-    from walkserve.runtime.rankscheduler import RankScheduler, RegionDone, RegionFailed
+    from walkserve.runtime.rankscheduler import RankScheduler
     from walkserve.runtime.regionwalk import region_walks
 
     captured, plan = setup()
@@ -375,11 +371,7 @@ def test_runs_that_arrive_one_by_one_join_the_running_cohort(bad_at: int | None)
                 sched.start(step, f"q{step}", "rollout", region, reqs[step], False)
             for s in sched.schedule():
                 sched.update(s, runner.run(s.walk, s.node, s.items))
-            for rep in sched.reports():
-                if isinstance(rep, RegionDone):
-                    done[rep.item] = rep.outputs
-                if isinstance(rep, RegionFailed):
-                    failed[rep.item] = rep.error
+            take_exits(sched, done, failed)
             if len(done) + len(failed) == len(reqs):
                 break
     assert calls["extend"] >= 1 and calls["shrink"] >= 1
@@ -410,3 +402,15 @@ def test_a_tuple_item_read_gives_the_interpreters_value_and_error() -> None:
     with pytest.raises(Exception) as want:
         Interpreter(captured).op(entry.ops[second], {comp: (x,)})
     assert bad.error == str(want.value) and second in str(bad.error)
+
+
+def take_exits(sched: Any, done: dict[int, Any], failed: dict[int, str]) -> None:
+    """The region runs whose exit ``sched`` reported since: outputs in ``done``, errors in
+    ``failed``, by item."""
+    from walkserve.runtime.rankscheduler import RegionDone, RegionFailed
+
+    for rep in sched.reports():
+        if isinstance(rep, RegionDone):
+            done[rep.item] = rep.outputs
+        if isinstance(rep, RegionFailed):
+            failed[rep.item] = rep.error

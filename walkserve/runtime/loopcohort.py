@@ -75,6 +75,21 @@ class CohortSpec:
         """(value, batch dim) of the body node's batched values."""
         return tuple((n, d) for n, d in self.out_dims.items() if d is not None)
 
+    @functools.cached_property
+    def carried_dims(self) -> dict[str, int | None]:
+        """The batch dim of each carried parameter: that of the output it takes its next
+        value from (``cohort_spec`` checked it is the parameter's own where it reads one)."""
+        return {p: self.out_dims[self.outputs[k]] for p, k in self.carried}
+
+    @functools.cached_property
+    def fixed_dims(self) -> dict[str, int | None]:
+        """The batch dim of each invariant parameter (neither carried nor a per-step slice)."""
+        return {
+            p: d
+            for p, d in self.param_dims.items()
+            if p not in self.select and p not in self.carried_dims
+        }
+
 
 @dataclass(frozen=True)
 class Member:
@@ -195,9 +210,7 @@ class Cohort:
         last = None
         if self.last is not None:
             last = [rows(v, spec.out_dims[o]) for v, o in zip(self.last, spec.outputs)]
-        carried = {
-            p: rows(self.carried[p], spec.out_dims[spec.outputs[j]]) for p, j in spec.carried
-        }
+        carried = {p: rows(self.carried[p], d) for p, d in spec.carried_dims.items()}
         return Left(carried, last, pieces, self.steps)
 
     def seal(self) -> list[dict[str, list[Any]]]:
@@ -293,32 +306,17 @@ def form(spec: CohortSpec, members: Sequence[Member]) -> Cohort | None:
     length = min(_left(spec, m) for m in members)
     if length < 1:
         return None
-    fixed: dict[str, Any] = {}
-    carried: dict[str, Any] = {}
-    slabs: dict[str, torch.Tensor] = {}
     try:
-        for p, dim in spec.param_dims.items():
-            if p in spec.select:
-                sdim, first, step = spec.select[p]
-                at = dim if dim is None or dim < sdim else dim + 1  # in the source's dims
-                parts = [
-                    _slab(m.start.sources[p], sdim, first + m.i * step, step, length)
-                    for m in members
-                ]
-                slabs[p] = _cat(parts, at)
-            elif any(p == c for c, _ in spec.carried):
-                carried[p] = _cat([m.carried[p] for m in members], dim)
-            else:
-                fixed[p] = _cat([m.start.fixed[p] for m in members], dim)
-        for p, _ in spec.carried:
-            if p not in carried:
-                out = spec.out_dims[spec.outputs[dict(spec.carried)[p]]]
-                carried[p] = _cat([m.carried[p] for m in members], out)
-    except (KeyError, IndexError, RuntimeError, TypeError, AttributeError):
+        slabs = _slabs(spec, members, length)
+        carried = {
+            p: _cat([m.carried[p] for m in members], d) for p, d in spec.carried_dims.items()
+        }
+        fixed = {
+            p: _cat([m.start.fixed[p] for m in members], d) for p, d in spec.fixed_dims.items()
+        }
+    except _CANNOT:
         return None
-    rows = [m.rows for m in members]
-    offsets = [sum(rows[:k]) for k in range(len(rows))]
-    return Cohort(spec, rows, length, fixed, carried, slabs, offsets=offsets, total=sum(rows))
+    return _cohort(spec, [m.rows for m in members], length, fixed, carried, slabs)
 
 
 def extend(cohort: Cohort, members: Sequence[Member]) -> Cohort | None:
@@ -328,47 +326,24 @@ def extend(cohort: Cohort, members: Sequence[Member]) -> Cohort | None:
     nothing left to run or a value the cohort cannot join (as ``form``). ``cohort`` is left as
     it is: its runs' pieces so far are its ``seal()``, and their iterations go on from its
     ``steps``."""
-    spec, at = cohort.spec, cohort.steps
-    length = min(cohort.length - at, *(_left(spec, m) for m in members))
+    spec = cohort.spec
+    length = min(cohort.length - cohort.steps, *(_left(spec, m) for m in members))
     if length < 1:
         return None
-    fixed: dict[str, Any] = {}
-    carried: dict[str, Any] = {}
-    slabs: dict[str, torch.Tensor] = {}
     try:
-        for p, dim in spec.param_dims.items():
-            if p in spec.select:
-                sdim, first, step = spec.select[p]
-                cat_at = dim if dim is None or dim < sdim else dim + 1  # in the source's dims
-                parts = [cohort.slabs[p].narrow(sdim, at, length)]
-                parts += [
-                    _slab(m.start.sources[p], sdim, first + m.i * step, step, length)
-                    for m in members
-                ]
-                slabs[p] = _cat(parts, cat_at)
-            elif p in cohort.carried:
-                carried[p] = _cat([cohort.carried[p], *(m.carried[p] for m in members)], dim)
-            else:
-                fixed[p] = _cat([cohort.fixed[p], *(m.start.fixed[p] for m in members)], dim)
-        for p, k in spec.carried:
-            if p not in carried:
-                out = spec.out_dims[spec.outputs[k]]
-                carried[p] = _cat([cohort.carried[p], *(m.carried[p] for m in members)], out)
-    except (KeyError, IndexError, RuntimeError, TypeError, AttributeError):
+        slabs = _slabs(spec, members, length, cohort)
+        carried = {
+            p: _cat([cohort.carried[p], *(m.carried[p] for m in members)], d)
+            for p, d in spec.carried_dims.items()
+        }
+        fixed = {
+            p: _cat([cohort.fixed[p], *(m.start.fixed[p] for m in members)], d)
+            for p, d in spec.fixed_dims.items()
+        }
+    except _CANNOT:
         return None
     rows = [*cohort.rows, *(m.rows for m in members)]
-    offsets = [sum(rows[:k]) for k in range(len(rows))]
-    return Cohort(
-        spec,
-        rows,
-        length,
-        fixed,
-        carried,
-        slabs,
-        offsets=offsets,
-        total=sum(rows),
-        rebased=len(cohort.rows),
-    )
+    return _cohort(spec, rows, length, fixed, carried, slabs, rebased=len(cohort.rows))
 
 
 def shrink(cohort: Cohort, keep: Sequence[int], members: Sequence[Member]) -> Cohort | None:
@@ -382,37 +357,50 @@ def shrink(cohort: Cohort, keep: Sequence[int], members: Sequence[Member]) -> Co
     if length < 1:
         return None
     spans = _spans([(cohort.offsets[k], cohort.rows[k]) for k in keep])
-    fixed: dict[str, Any] = {}
-    carried: dict[str, Any] = {}
-    slabs: dict[str, torch.Tensor] = {}
     try:
-        for p, dim in spec.param_dims.items():
-            if p in spec.select:
-                sdim, first, step = spec.select[p]
-                cat_at = dim if dim is None or dim < sdim else dim + 1  # in the source's dims
-                parts = [
-                    _slab(m.start.sources[p], sdim, first + m.i * step, step, length)
-                    for m in members
-                ]
-                slabs[p] = _cat(parts, cat_at)
-            elif p not in cohort.carried:
-                fixed[p] = _cut(cohort.fixed[p], dim, spans)
-        for p, j in spec.carried:
-            carried[p] = _cut(cohort.carried[p], spec.out_dims[spec.outputs[j]], spans)
-    except (KeyError, IndexError, RuntimeError, TypeError, AttributeError):
+        slabs = _slabs(spec, members, length)
+        carried = {p: _cut(cohort.carried[p], d, spans) for p, d in spec.carried_dims.items()}
+        fixed = {p: _cut(cohort.fixed[p], d, spans) for p, d in spec.fixed_dims.items()}
+    except _CANNOT:
         return None
     rows = [m.rows for m in members]
+    return _cohort(spec, rows, length, fixed, carried, slabs, rebased=len(rows))
+
+
+# what a value that cannot be joined or cut raises (a cohort is then not made)
+_CANNOT = (KeyError, IndexError, RuntimeError, TypeError, AttributeError)
+
+
+def _slabs(
+    spec: CohortSpec, members: Sequence[Member], length: int, before: Cohort | None = None
+) -> dict[str, torch.Tensor]:
+    """Each per-step parameter's slices of ``members`` for ``length`` steps from each one's
+    next iteration, joined along its batch dim after those of ``before`` (a cohort's own, from
+    its next step)."""
+    slabs: dict[str, torch.Tensor] = {}
+    for p, (sdim, first, step) in spec.select.items():
+        dim = spec.param_dims[p]
+        at = dim if dim is None or dim < sdim else dim + 1  # in the source's dims
+        parts = [] if before is None else [before.slabs[p].narrow(sdim, before.steps, length)]
+        parts += [
+            _slab(m.start.sources[p], sdim, first + m.i * step, step, length) for m in members
+        ]
+        slabs[p] = _cat(parts, at)
+    return slabs
+
+
+def _cohort(
+    spec: CohortSpec,
+    rows: list[int],
+    length: int,
+    fixed: dict[str, Any],
+    carried: dict[str, Any],
+    slabs: dict[str, torch.Tensor],
+    rebased: int = 0,
+) -> Cohort:
     offsets = [sum(rows[:k]) for k in range(len(rows))]
     return Cohort(
-        spec,
-        rows,
-        length,
-        fixed,
-        carried,
-        slabs,
-        offsets=offsets,
-        total=sum(rows),
-        rebased=len(rows),
+        spec, rows, length, fixed, carried, slabs, offsets=offsets, total=sum(rows), rebased=rebased
     )
 
 

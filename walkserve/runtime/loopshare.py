@@ -12,7 +12,7 @@ from typing import Any
 
 from walkserve.lowering.plan import NodePlan
 from walkserve.runtime.frames import piece_items
-from walkserve.runtime.loopcohort import Cohort, Member, extend, form, shrink
+from walkserve.runtime.loopcohort import Cohort, Left, Member, extend, form, shrink
 from walkserve.runtime.looprun import LoopReport, LoopRun, LoopStreamed, SimpleLoop
 from walkserve.runtime.runner import ItemResult, RunItem
 
@@ -140,9 +140,7 @@ class SharedSteps:
             return False
         if old.steps:
             for run, pieces in zip(band.runs, old.seal()):
-                for ch, collected in run.collected.items():
-                    collected.extend(pieces.get(ch, ()))
-                run.i += old.steps
+                _stays(run, pieces, old.steps)
         band.cohort = cohort
         for run, _ in members:
             run.band = band
@@ -230,18 +228,12 @@ class SharedSteps:
         band.cohort = rest
         band.streaming = [(k, r) for k, r in enumerate(band.runs) if r.start.streams]
         for k, (run, pieces) in enumerate(zip(runs, old.seal())):
-            for ch, collected in run.collected.items():
-                collected.extend(pieces.get(ch, ()))
             if k in going:
-                run.i += old.steps
+                _stays(run, pieces, old.steps)
                 continue
             run.band = None
-            if run.item not in self._runs:
-                continue
-            left = old.left(k, {})
-            run.carried, run.last, run.i = left.carried, left.last, run.i + old.steps
-            if self._begin(run) is False:
-                self._finish(run)
+            if run.item in self._runs:
+                self._leave(run, old.left(k, pieces))
 
     def _dissolve(self, band: Band, alone: bool = False) -> None:
         """Give each run of ``band`` its rows of the cohort's state; those at their bound
@@ -253,17 +245,21 @@ class SharedSteps:
             if run.item not in self._runs:
                 continue
             run.alone = alone
-            if not left.steps:
-                if k < rebased:  # it took its steps in the cohort it was rebased from
-                    run.carried = left.carried
-                    if self._begin(run) is False:
-                        self._finish(run)
-                continue
-            for ch, pieces in run.collected.items():
-                pieces.extend(left.pieces.get(ch, ()))
-            run.carried, run.last, run.i = left.carried, left.last, run.i + left.steps
-            if self._begin(run) is False:
-                self._finish(run)
+            # a run that took no step here keeps its own state, unless it took its steps in
+            # the cohort this one was extended from (its carried values are the joint ones)
+            if left.steps or k < rebased:
+                self._leave(run, left)
+
+    def _leave(self, run: LoopRun, left: Left) -> None:
+        """``run`` out of its cohort with ``left``, its rows of the cohort's state: it keeps
+        its pieces and goes on by itself from its next iteration, or finishes at its bound."""
+        for ch, pieces in run.collected.items():
+            pieces.extend(left.pieces.get(ch, ()))
+        run.carried, run.i = left.carried, run.i + left.steps
+        if left.last is not None:  # None: no step taken here (its own last outputs stand)
+            run.last = left.last
+        if self._begin(run) is False:
+            self._finish(run)
 
     def _update_joined(self, joined: JoinedItem, r: ItemResult) -> None:
         runs = [run for run in joined.runs if run.item in self._runs and run.pos == joined.pos]
@@ -288,3 +284,11 @@ class SharedSteps:
             run.pos += 1
             if run.pos == len(run.loop.body):
                 self._commit(run)
+
+
+def _stays(run: LoopRun, pieces: dict[str, list[Any]], steps: int) -> None:
+    """``run`` stays in its cohort as the cohort changes its rows: it keeps the ``pieces`` of
+    the ``steps`` it took so far and counts them."""
+    for ch, collected in run.collected.items():
+        collected.extend(pieces.get(ch, ()))
+    run.i += steps
