@@ -181,19 +181,32 @@ def sched_outputs(region_out: dict[str, Any], want: dict[str, Any]) -> dict[str,
     return got
 
 
-@pytest.mark.parametrize("client", [False, True])
+@pytest.mark.parametrize("client, limit", [(False, 64), (False, WINDOW + 1), (True, 64)])
 def test_the_windows_of_a_request_that_streams_nothing_out_wait_for_the_producer(
-    client: bool,
+    client: bool, limit: int
 ) -> None:
     """A request whose client reads only the final outputs: the windows its producer forms
     are not urgent (nothing of the consumer leaves the rank before the exit), so the lane steps
     the producer back to back to its end and the consumer's steps follow, instead of the rank
-    switching models at every window. A client's stream stops the lane at each item, as it
-    did. Outputs are the interpreter's either way."""
+    switching models at every window. Its items wait in the lane and reach the inner conductor
+    in one call when it ends, or when the stream's credit stops the producer (``limit``: the
+    buffer; the consumer's iterations start on them, which frees the buffer, and the lane goes
+    on). A client's stream stops the lane at each item, as it did. Outputs are the
+    interpreter's either way."""
     captured, plan = setup()
     (region,) = [r.name for r in plan.regions["speak"]]
     runner = NodeRunner(captured, plan, 0)
-    sched = RankScheduler(region_walks(captured, plan, 0), joins=runner.joinable())
+    sched = RankScheduler(
+        region_walks(captured, plan, 0), joins=runner.joinable(), stream_buffer_limit=limit
+    )
+    given: list[int] = []  # items per call of the inner conductor's streamed_run
+    streamed_run = sched.conductor.streamed_run
+
+    def spy(item: int, channel: str, index: int, values: Any) -> bool:
+        given.append(len(values))
+        return streamed_run(item, channel, index, values)
+
+    sched.conductor.streamed_run = spy  # type: ignore[method-assign]
     steps = 13  # 6 windows form while it runs
     r = inputs(3, steps)
     sched.start(0, "q0", "speak", region, r, client)
@@ -201,6 +214,10 @@ def test_the_windows_of_a_request_that_streams_nothing_out_wait_for_the_producer
         sched.update(s, runner.run(s.walk, s.node, s.items))
     lane = testing.lane_steps(sched, runner, 100)
     assert lane == (0 if client else steps - 1)  # a client's item: no lane after its step
+    if client:
+        assert given == [1]  # its first step's item, at once
+    else:  # its first step's, then the lane's all at once, or a buffer's worth at a time
+        assert given[0] == 1 and sum(given) == steps and max(given) >= min(limit, steps) - 2
     done = run_to_exit(sched, runner)
     want = captured.run(r, "speak")
     testing.assert_outputs_match(sched_outputs(done, want), want)

@@ -241,6 +241,11 @@ class LoopStepper(SharedSteps):
         self.cohort_steps += 1
         self.lane_steps += 1
         self._update_band(band, result)
+        return self.lane_open(band)
+
+    def lane_open(self, band: Band) -> bool:
+        """Whether the lane may step ``band`` on: still the lone cohort, no run of it stopped
+        by credit."""
         if len(self._bands) != 1 or self._bands[0] is not band:
             return False  # dissolved: at its length, or a failed or unbatched step
         return not self._credit or not any(map(self._blocked, band.runs))
@@ -248,6 +253,18 @@ class LoopStepper(SharedSteps):
     def reporting(self) -> bool:
         """Whether reports wait (``reports``)."""
         return bool(self._reports)
+
+    def waiting_reports(self) -> int:
+        """How many reports wait (``reports``)."""
+        return len(self._reports)
+
+    def urgent(self, since: int, held: Collection[tuple[int, str]]) -> bool:
+        """Whether a report waits, from the ``since``-th on, that is not a streamed item of a
+        (run, channel) in ``held`` (which may wait for a later ``reports``)."""
+        return any(
+            not isinstance(rep, LoopStreamed) or (rep.item, rep.channel) not in held
+            for rep in self._reports[since:]
+        )
 
     def _item(
         self,

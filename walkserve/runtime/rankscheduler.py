@@ -28,12 +28,13 @@ discarded iteration is counted in ``stats().wasted_steps``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from walkserve.runtime.conductor import Conductor, Failed, Finished, Output, StreamItem
-from walkserve.runtime.loopstep import LoopDone, LoopStepper, LoopStreamed
+from walkserve.runtime.loopstep import LoopDone, LoopFailed, LoopStepper, LoopStreamed
 from walkserve.runtime.regionwalk import RegionWalks, region_walk_name
 from walkserve.runtime.runner import ItemResult, RunItem, Runnable
 
@@ -285,6 +286,8 @@ class RankScheduler:
         """Every ready item of every run, one step per node (split at ``max_batch``), and the
         conductor's node batches."""
         groups: dict[tuple[str, str, str], list[Runnable]] = {}
+        if self.loops.reporting():  # streamed items the fast lane held (``lane``)
+            self._loop_reports()
         ready = self.conductor.ready()
         # settled unless a ready item runs as a step of this pass: its results reach the inner
         # conductor (``update``). A loop item goes to the stepper, whose reports unsettle it
@@ -325,13 +328,26 @@ class RankScheduler:
             return None
         item = self.loops.lane_item(band)
         sizes, n, loops = self.batch_sizes, item.joined, self.loops
+        # streamed items that may wait until the lane ends (``RegionItems.deferrable``): given
+        # to the inner conductor then, all at once, not one call and chunk advance per step
+        held = {
+            (run.item, ch)
+            for _, run in band.streaming
+            for ch in run.start.streams
+            if self.conductor.deferrable(run.item, ch)
+        }
 
         def commit(result: ItemResult) -> bool:
             sizes[n] = sizes.get(n, 0) + 1
+            since = loops.waiting_reports()
             more = loops.lane_step(band, result)
-            if loops.reporting():  # what its step committed may concern the inner conductor
+            # what its step committed may concern the inner conductor; held items too when
+            # the lane stops (its credit may be what they bring: consumers start on them)
+            if loops.reporting() and (not held or not more or loops.urgent(since, held)):
                 self._loop_reports()
                 self._collect()
+                if not more and self._settled:
+                    more = loops.lane_open(band)
             return more and self._settled
 
         return Lane(band.loop.walk, band.loop.body[0].name, item, band.cohort.call, commit)
@@ -388,18 +404,37 @@ class RankScheduler:
         """Hand the loop stepper's reports to the inner conductor (which may then have items
         ready: the rank is not settled, unless all it was told is stream items that formed no
         chunk and reach no client)."""
-        for rep in self.loops.reports():
-            if isinstance(rep, LoopStreamed):
-                # an item that only joined a stream buffer leaves the rank settled: the fast
-                # lane steps a producer feeding a windowed consumer until a window forms
-                if self.conductor.streamed(rep.item, rep.channel, rep.index, rep.value):
+        for streamed, reps in itertools.groupby(
+            self.loops.reports(), lambda r: isinstance(r, LoopStreamed)
+        ):
+            if not streamed:
+                for rep in reps:
                     self._settled = False
-            elif isinstance(rep, LoopDone):
-                self._settled = False
-                self.conductor.complete(rep.item, rep.channels)
-            else:
-                self._settled = False
-                self.conductor.fail(rep.item, rep.error)
+                    if isinstance(rep, LoopDone):
+                        self.conductor.complete(rep.item, rep.channels)
+                    else:
+                        assert isinstance(rep, LoopFailed)
+                        self.conductor.fail(rep.item, rep.error)
+                continue
+            # each run's channel's items at once (the fast lane's held ones: many steps')
+            runs: dict[tuple[int, str], tuple[int, list[Any]]] = {}
+            for rep in reps:
+                assert isinstance(rep, LoopStreamed)
+                at = runs.get((rep.item, rep.channel))
+                if at is not None and at[0] + len(at[1]) == rep.index:
+                    at[1].append(rep.value)
+                    continue
+                if at is not None:
+                    self._streamed(rep.item, rep.channel, *at)
+                runs[(rep.item, rep.channel)] = (rep.index, [rep.value])
+            for (item, channel), at in runs.items():
+                self._streamed(item, channel, *at)
+
+    def _streamed(self, item: int, channel: str, index: int, values: list[Any]) -> None:
+        # items that only joined a stream buffer leave the rank settled: the fast lane steps
+        # a producer feeding a windowed consumer until a window forms
+        if self.conductor.streamed_run(item, channel, index, values):
+            self._settled = False
 
     def reports(self) -> list[Report]:
         out, self._reports = self._reports, []

@@ -56,12 +56,32 @@ class RegionItems(LoopDriver):
 
     def streamed(self, item_id: int, channel: str, index: int, value: Any) -> bool:
         """Iteration ``index`` of a region item's streamed channel ``channel`` committed (its
-        walk-level client outputs stream it). Items no longer wanted: ignored. Returns whether
-        anything changed that the caller must look at (an event, a feed, items ready, a
-        failure): False for an item that only joined a stream buffer without forming a chunk,
-        after which ``ready()``, ``events()`` and ``feeds()`` have nothing new, and for one that
-        formed a chunk of a request that streams nothing out (``RequestState.stream`` empty),
-        when its advance made no event: its consumer's step is then ready, but not urgent."""
+        walk-level client outputs stream it): ``streamed_run`` of one value."""
+        return self.streamed_run(item_id, channel, index, (value,))
+
+    def deferrable(self, item_id: int, channel: str) -> bool:
+        """Whether a region item's committed items of ``channel`` may wait while its producer
+        steps on, to be given to ``streamed_run`` several at once: its request streams
+        nothing out and the channel goes to no other region, so that they feed only
+        consumers in its frame, whose steps they ready are not urgent (see
+        ``streamed_run``)."""
+        p = self._items.get(item_id)
+        if p is None or p.region is None or p.request.stream:
+            return False
+        if p.region.forwards.get(channel):
+            return False
+        return channel in p.region.emit or any(ch == channel for _, ch in p.region.feeds)
+
+    def streamed_run(self, item_id: int, channel: str, index: int, values: Sequence[Any]) -> bool:
+        """Iterations ``index, index + 1, ...`` of a region item's streamed channel
+        ``channel`` committed, one of ``values`` each (its walk-level client outputs stream
+        it); the state machine advances once for all of them. Items no longer wanted:
+        ignored. Returns whether anything changed that the caller must look at (an event, a
+        feed, items ready, a failure): False for items that only joined a stream buffer
+        without forming a chunk, after which ``ready()``, ``events()`` and ``feeds()`` have
+        nothing new, and for ones that formed a chunk of a request that streams nothing out
+        (``RequestState.stream`` empty), when its advance made no event: its consumer's step
+        is then ready, but not urgent."""
         p = self._items.get(item_id)
         if p is None or p.region is None:
             return False
@@ -75,11 +95,11 @@ class RegionItems(LoopDriver):
         changed = False
         for out in [o for o in outs or () if req.streams(o)]:
             self._send_ready_outputs(req)
-            self._events.append(StreamItem(req.id, out, index, value))
+            self._events += [StreamItem(req.id, out, index + k, v) for k, v in enumerate(values)]
             changed = True
         for stream in streams or ():
             fwd = p.frame.forwards[stream]
-            fwd.pending.append(value)
+            fwd.pending += values
             self._flush(req, fwd)
             changed = True
         if feeds:
@@ -92,7 +112,8 @@ class RegionItems(LoopDriver):
                 for stream in feeds:
                     s = p.frame.streams[stream]
                     before = s.ready()
-                    s.append(value)
+                    for value in values:
+                        s.append(value)
                     formed = formed or s.ready() != before
             except LoopError as e:
                 self._fail_request(req, str(e))
