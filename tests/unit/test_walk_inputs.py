@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from walkserve import capture
@@ -209,6 +211,42 @@ def test_invalid_requests_name_the_input_and_rule(
     assert isinstance(err, ValueError)
     assert (err.input, err.rule) == (name, rule), str(err)
     assert words in str(err) and f"input {name!r}" in str(err), str(err)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    frames=st.lists(
+        st.sampled_from(
+            [0.0, -1.5, 3.0e38, -3.0e38, 1e-45, float("nan"), float("inf"), -float("inf")]
+        ),
+        min_size=8,
+        max_size=8,
+    ),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+    ids=st.lists(st.integers(-3, VOCAB + 2), min_size=1, max_size=6),
+)
+def test_the_finite_and_range_rules_refuse_exactly_what_they_say(
+    captured: capture.CapturedModel, frames: list[float], dtype: torch.dtype, ids: list[int]
+) -> None:
+    """Both rules read one reduction (the smallest and largest values): a tensor is refused as
+    not finite exactly when one of its numbers is NaN or infinite (as ``torch.isfinite`` says,
+    in its own dtype: 3e38 overflows float16), and ids exactly when one is outside the
+    vocabulary; a valid pair passes."""
+    values = torch.tensor(frames).to(dtype).reshape(1, 2, 4)
+    finite = bool(torch.isfinite(values).all())
+    try:
+        check_inputs(captured.walk("run"), dict(SAMPLE, frames=values.float()))
+    except InputError as e:
+        assert (e.input, e.rule) == ("frames", "finite") and not finite, str(e)
+    else:
+        assert finite
+    try:
+        check_inputs(captured.walk("run"), dict(SAMPLE, ids=torch.tensor([ids])))
+    except InputError as e:
+        assert (e.input, e.rule) == ("ids", "vocabulary"), str(e)
+        assert min(ids) < 0 or max(ids) >= VOCAB
+    else:
+        assert min(ids) >= 0 and max(ids) < VOCAB
 
 
 def test_declared_vocabulary_and_batch_range() -> None:
