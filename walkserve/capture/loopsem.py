@@ -42,16 +42,25 @@ def _joined(pieces: list[Any], mode: str, dim: int) -> torch.Tensor:
     if not any(isinstance(p, Steps) for p in pieces):
         return join(pieces, dim=dim)
     parts: list[torch.Tensor] = []
+    plain: list[torch.Tensor] = []  # consecutive pieces: joined by one op, not one op each
+
+    def flush() -> None:
+        if plain:
+            parts.append(join(plain, dim=dim))
+            plain.clear()
+
     for p in pieces:
         if not isinstance(p, Steps):
-            parts.append(p if mode == "cat" else p.unsqueeze(dim))
+            plain.append(p)
             continue
+        flush()
         ndim = p.block.dim() - 1  # a piece's
         if mode == "cat":  # [steps, .., n at d, ..] -> [.., steps * n at d, ..]
             d = dim % ndim
             parts.append(p.block.movedim(0, d).flatten(d, d + 1))
         else:  # stacked at d: the steps axis moved there
             parts.append(p.block.movedim(0, dim % (ndim + 1)))
+    flush()
     return torch.cat(parts, dim=dim)  # a new tensor, even of one part (as cat and stack make)
 
 
