@@ -64,25 +64,30 @@ class Feed:
         self.batches = batches
         self.started = self.done = 0
         self.pending: list[Any] = []
+        self.cancels: list[Any] = []  # releases of the requests that exited, not yet read
         self.t0 = 0.0
         self.times: list[float] = []
         self.stopping = threading.Event()
 
-    def ended(self, count: int) -> None:
-        self.done += count
-
-    def read(self, wait: bool) -> None:
+    def ended(self, items: list[int]) -> None:
+        """Region runs ``items`` exited: their requests' releases reach the rank at its next
+        read, as the server sends each once the pass that saw its exit is over."""
         from walkserve.runtime.engine import CancelRequest
 
+        self.done += len(items)
+        self.cancels += [CancelRequest(f"q{i}") for i in items]
+
+    def read(self, wait: bool) -> None:
+        commands, self.cancels = self.cancels, []
         if self.pending:  # the rest of a staggered batch: one per pass
-            self.engine.put_all([self.pending.pop(0)])
+            commands.append(self.pending.pop(0))
+        if commands:
+            self.engine.put_all(commands)
             return
         if self.done < self.started:
             return
         if self.started:
             self.times.append(time.perf_counter() - self.t0)
-            first = self.started - self.n
-            self.engine.put_all([CancelRequest(f"q{i}") for i in range(first, self.started)])
         if len(self.times) >= self.batches:
             self.stopping.set()
             return
@@ -97,7 +102,7 @@ class Feed:
         self.engine.put_all(runs)
 
     def waiting(self) -> bool:
-        return bool(self.pending)
+        return bool(self.pending or self.cancels)
 
 
 def bench(name: str, batches: int) -> dict[str, Any]:
@@ -148,7 +153,7 @@ def bench(name: str, batches: int) -> dict[str, Any]:
         def send(msg: Any, feed: Feed = feed) -> None:
             m.encode(msg)  # what a worker's send costs before the socket
             if isinstance(msg, m.RegionEvents):
-                feed.ended(sum(isinstance(e, m.RegionDone) for e in msg.events))
+                feed.ended([e.item for e in msg.events if isinstance(e, m.RegionDone)])
 
         engine = feed.engine = EngineLoop(0, plan, runner, scheduler, transport, objects, send)
         try:
