@@ -224,6 +224,31 @@ def test_the_windows_of_a_request_that_streams_nothing_out_wait_for_the_producer
     assert sched.stats().live_values == 0 and sched.idle()
 
 
+def test_a_request_cancelled_while_the_lane_holds_its_items_leaves_nothing_behind() -> None:
+    """Items the lane held for a request that streams nothing out (``RegionItems.deferrable``)
+    die with it when it is cancelled mid-lane: the next pass gives them to no one, nothing is
+    held after it, and a request started after it gets the interpreter's outputs."""
+    captured, plan = setup()
+    (region,) = [r.name for r in plan.regions["speak"]]
+    runner = NodeRunner(captured, plan, 0)
+    sched = RankScheduler(region_walks(captured, plan, 0), joins=runner.joinable())
+    sched.start(0, "q0", "speak", region, inputs(3, 13), False)
+    for s in sched.schedule():
+        sched.update(s, runner.run(s.walk, s.node, s.items))
+    assert testing.lane_steps(sched, runner, 5) == 5
+    assert sched.loops.reporting()  # its 5 lane steps' items, held
+    sched.cancel("q0")
+    assert sched.schedule() == []
+    assert not sched.loops.reporting() and not sched.reports()
+    assert sched.stats().live_values == 0 and sched.idle()
+    r = inputs(4, 13)
+    sched.start(1, "q1", "speak", region, r, False)
+    done = run_to_exit(sched, runner)
+    want = captured.run(r, "speak")
+    testing.assert_outputs_match(sched_outputs(done, want), want)
+    assert sched.stats().live_values == 0 and sched.idle()
+
+
 def test_a_map_over_chunks_runs_the_ready_chunks_as_one_call() -> None:
     """The window decoder carries nothing and has no stop: its iterations depend on nothing of
     each other, so up to ``MAP_AHEAD`` of them are in flight and the windows that are ready
