@@ -160,3 +160,18 @@ def lane_steps(scheduler: Any, runner: Any, limit: int) -> int:
             if not lane.commit(run(lane.call())):
                 break
     return taken
+
+
+def accumulation_layouts() -> Any:
+    """A hypothesis strategy of ``(mode, ndim, dim)``: a loop channel accumulated with ``cat``
+    or ``stack``, its pieces' number of dims (1-3), and any dim valid for it, negative ones
+    too (hypothesis is imported here: a test dependency)."""
+    from hypothesis import strategies as st
+
+    def layout(mode: str, ndim: int, pick: int) -> tuple[str, int, int]:
+        span = ndim if mode == "cat" else ndim + 1
+        return mode, ndim, pick % (2 * span) - span
+
+    return st.builds(
+        layout, st.sampled_from(["cat", "stack"]), st.integers(1, 3), st.integers(0, 7)
+    )

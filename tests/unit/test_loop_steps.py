@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from walkserve import testing
 from walkserve.capture import ir
 from walkserve.capture.loopsem import Steps, loop_channels
 
@@ -26,18 +27,15 @@ def _node(mode: str, dim: int) -> ir.LoopNode:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    mode=st.sampled_from(["cat", "stack"]),
-    ndim=st.integers(1, 3),
-    dim_pick=st.integers(0, 7),
+    layout=testing.accumulation_layouts(),
     runs=st.lists(st.integers(1, 4), min_size=1, max_size=5),  # pieces per segment
     blocks=st.lists(st.booleans(), min_size=5, max_size=5),  # which segments are Steps
     seed=st.integers(0, 2**16),
 )
 def test_steps_join_as_the_pieces_they_stand_for(
-    mode: str, ndim: int, dim_pick: int, runs: list[int], blocks: list[bool], seed: int
+    layout: tuple[str, int, int], runs: list[int], blocks: list[bool], seed: int
 ) -> None:
-    span = ndim if mode == "cat" else ndim + 1
-    dim = dim_pick % (2 * span) - span  # every valid dim, negative ones too
+    mode, ndim, dim = layout
     g = torch.Generator().manual_seed(seed)
     shape = [2, 3, 4][:ndim]
     pieces = [torch.randn(shape, generator=g) for _ in range(sum(runs))]

@@ -10,6 +10,7 @@ does.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,28 @@ class Stream:
         self.pieces.append(piece)
         self.sizes.append(int(piece.shape[dim]))
         self.n += int(piece.shape[dim])
+
+    def extend(self, pieces: Sequence[Any]) -> None:
+        """``append`` of each of ``pieces`` in order (a producer's items a rank held: several
+        steps'), the layout checks made once where they all have the first's number of dims."""
+        if not pieces:
+            return
+        first = pieces[0]
+        self.append(first)
+        rest = pieces[1:]
+        if self.closed or not rest:
+            return
+        if not all(isinstance(p, torch.Tensor) and p.dim() == first.dim() for p in rest):
+            for piece in rest:
+                self.append(piece)  # each checked (and the first that is wrong said)
+            return
+        acc = self.spec.acc
+        if acc is not None and acc.mode == "stack":
+            rest = [p.unsqueeze(acc.dim if acc.dim >= 0 else acc.dim + p.dim() + 1) for p in rest]
+        sizes = [int(p.shape[self.dim]) for p in rest]
+        self.pieces.extend(rest)
+        self.sizes.extend(sizes)
+        self.n += sum(sizes)
 
     def ready(self) -> int:
         return self.spec.policy.ready(self.n, self.finished)

@@ -112,8 +112,7 @@ class RegionItems(LoopDriver):
                 for stream in feeds:
                     s = p.frame.streams[stream]
                     before = s.ready()
-                    for value in values:
-                        s.append(value)
+                    s.extend(values)
                     formed = formed or s.ready() != before
             except LoopError as e:
                 self._fail_request(req, str(e))

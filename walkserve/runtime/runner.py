@@ -194,11 +194,49 @@ class NodeRunner:
             raise ValueError(f"node {walk}:{node}: a lane steps a joined call of its component")
         if item.ops != entry.all_ops and not _subsequence(item.ops, entry.order):
             raise ValueError(f"ops {list(item.ops)} are not a subsequence of node {walk}:{node}")
-        joined = self._joined
         with torch.no_grad():
-            yield lambda call: joined(entry, item, call)
+            yield self._lane_step(entry, item)
 
     # ------------------------------------------------------------------ internals
+
+    def _lane_step(
+        self, entry: _Node, item: RunItem
+    ) -> Callable[[tuple[list[Any], dict[str, Any]]], ItemResult]:
+        """``_joined`` of ``item`` with each step's arguments, for the fast lane: where the
+        item's other ops are reads of the component's output (a tuple taken apart) and it
+        makes nothing else, the checks and lookups ``_joined`` and ``_finish`` make per call
+        are made once here; anything out of the way (a failure, ``DEFER``, a read that
+        raises) goes through ``_finish``, which says what ``run`` would."""
+        joined = self._joined
+        op = entry.ops[entry.plan.ops[0]]
+        comp = op.name
+        names = item.outputs or item.ops
+        if entry.call is None or item.ops[:1] != (comp,) or not set(names) <= set(item.ops):
+            return lambda call: joined(entry, item, call)
+        reads: list[tuple[str, Callable[[Mapping[str, Any]], Any]]] = []
+        for name in item.ops[1:]:
+            read = entry.items.get(name)
+            if read is None:  # glue the interpreter runs
+                return lambda call: joined(entry, item, call)
+            reads.append((name, read))
+        call_joined, count, item_id, finish = entry.call.joined, item.joined, item.id, self._finish
+
+        def step(call: tuple[list[Any], dict[str, Any]]) -> ItemResult:
+            try:
+                out = call_joined(call, count)
+            except Exception as e:
+                return ItemResult(item_id, error=_joined_error(op, count, e))
+            if out is DEFER or isinstance(out, _Failure):
+                return finish(entry, item, {comp: out})
+            env = {comp: out}
+            try:
+                for name, read in reads:
+                    env[name] = read(env)
+            except Exception:
+                return finish(entry, item, {comp: out})  # the interpreter says why
+            return ItemResult(item_id, {name: env[name] for name in names})
+
+        return step
 
     def _component(self, entry: _Node, items: Sequence[Runnable]) -> list[ItemResult]:
         assert entry.call is not None
@@ -241,9 +279,7 @@ class NodeRunner:
         try:
             out = entry.call.joined(call, count)
         except Exception as e:
-            where = f" ({op.source})" if op.source else ""
-            error = f"node {op.name} ({op.target}){where} failed (a joined call of {count}): {e}"
-            return ItemResult(item.id, error=error)
+            return ItemResult(item.id, error=_joined_error(op, count, e))
         return self._finish(entry, item, {op.name: out})
 
     def _call(self, op: ir.Op, env: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
@@ -298,6 +334,11 @@ def _item_read(op: ir.Op) -> Callable[[Mapping[str, Any]], Any] | None:
         return None
     k = key.value
     return lambda env: env[source][k]
+
+
+def _joined_error(op: ir.Op, count: int, e: Exception) -> str:
+    where = f" ({op.source})" if op.source else ""
+    return f"node {op.name} ({op.target}){where} failed (a joined call of {count}): {e}"
 
 
 def _subsequence(ops: Sequence[str], order: Mapping[str, int]) -> bool:
