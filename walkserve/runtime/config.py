@@ -272,6 +272,30 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.shm_slots_per_class < 1:
             raise ValueError(f"shm_slots_per_class must be >= 1, got {self.shm_slots_per_class}")
 
+    @staticmethod
+    def of_pool(
+        pool: PoolConfig, threads: int, commands: str, curve: tuple[str, str, str], ranks: int
+    ) -> WorkerConfig:
+        """What each worker of a pool set up with ``pool`` gets: ``commands``, the command
+        socket's address; ``curve``, the server's public key and the workers' key pair (Z85;
+        empty: none); ``ranks``, the pool's ranks (remote ones included)."""
+        return WorkerConfig(
+            threads=threads,
+            commands_addr=commands,
+            heartbeat_s=pool.heartbeat_s,
+            setup_timeout_s=pool.start_timeout_s,
+            inline_max_bytes=pool.inline_max_bytes,
+            shm_slots_per_class=pool.worker_shm_slots_per_class,
+            forbid_pickle=pool.forbid_pickle,
+            kv_pool_tokens=pool.kv_pool_tokens,
+            kv_page_size=pool.kv_page_size,
+            kv_step_tokens=pool.kv_step_tokens,
+            curve_server_key=curve[0],
+            curve_public_key=curve[1],
+            curve_secret_key=curve[2],
+            idle_spin_s=idle_spin(pool.idle_spin_s, ranks - len(pool.remote_ranks), threads),
+        )
+
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()
 

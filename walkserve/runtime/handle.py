@@ -45,6 +45,8 @@ class RequestHandle:
     _waiters_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
+        if not self._done.is_set():
+            self._server.admit_waiting()  # a burst's submissions queued behind this one
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} did not finish in {timeout} s")
         if self._error is not None:
@@ -53,6 +55,7 @@ class RequestHandle:
 
     def stream(self, timeout: float | None = None) -> Iterator[StreamItem]:
         """Stream items in commit order until the request ends."""
+        self._server.admit_waiting()
         while True:
             item = self._items.get(timeout=timeout)
             if item is _END:

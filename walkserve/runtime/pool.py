@@ -74,7 +74,6 @@ from walkserve.runtime.config import (
     PoolConfig,
     WorkerConfig,
     default_threads,
-    idle_spin,
     routing_id,
 )
 from walkserve.runtime.messages import (
@@ -188,6 +187,7 @@ class WorkerPool(RankLife):
         # what wakes that thread for it from any other (``nudge``): a pipe, thread-safe
         self.on_io_pass: Callable[[], None] = lambda: None
         self._nudge = WakePipe()
+        self._pass_by = float("inf")  # an on_io_pass is due by then at the latest (``nudge``)
         self._lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
         self._handle_batch: dict[Token, int] = {}
@@ -236,24 +236,7 @@ class WorkerPool(RankLife):
             self.address = f"tcp://127.0.0.1:{port}"
             port = self._commands.bind_to_random_port("tcp://127.0.0.1")
             commands = f"tcp://127.0.0.1:{port}"
-        worker_config = WorkerConfig(
-            threads=self.threads,
-            commands_addr=commands,
-            heartbeat_s=self.config.heartbeat_s,
-            setup_timeout_s=self.config.start_timeout_s,
-            inline_max_bytes=self.config.inline_max_bytes,
-            shm_slots_per_class=self.config.worker_shm_slots_per_class,
-            forbid_pickle=self.config.forbid_pickle,
-            kv_pool_tokens=self.config.kv_pool_tokens,
-            kv_page_size=self.config.kv_page_size,
-            kv_step_tokens=self.config.kv_step_tokens,
-            curve_server_key=curve[0],
-            curve_public_key=curve[1],
-            curve_secret_key=curve[2],
-            idle_spin_s=idle_spin(
-                self.config.idle_spin_s, ranks - len(self.config.remote_ranks), self.threads
-            ),
-        )
+        worker_config = WorkerConfig.of_pool(self.config, self.threads, commands, curve, ranks)
         self._wake_rx = self._ctx.socket(zmq.PULL)  # close() stops the io thread through it
         self._wake_rx.bind("inproc://wake")
         self._wake = self._ctx.socket(zmq.PUSH)
@@ -492,7 +475,10 @@ class WorkerPool(RankLife):
         deadline = self.config.supervision.hang_deadline_s
         tick = 1000 if deadline is None else max(10, min(1000, int(deadline * 250)))
         while True:
-            for sock, _ in poller.poll(5 if self._setups_due or self.supervision.due else tick):
+            wait = 5 if self._setups_due or self.supervision.due else tick
+            if self._pass_by < float("inf"):
+                wait = min(wait, max(0, int((self._pass_by - time.monotonic()) * 1000) + 1))
+            for sock, _ in poller.poll(wait):
                 if sock is self._reports:
                     while (frames := recv_multipart(self._reports)) is not None:
                         self._dispatch(frames)
@@ -506,12 +492,17 @@ class WorkerPool(RankLife):
                     self._on_exit(sentinels.pop(sock), closing=self._closed)
             for rank, setup in list(self._setups_due.items()):
                 self._send_setup(self._ranks[rank], setup)
+            if time.monotonic() >= self._pass_by:
+                self._pass_by = float("inf")
             self.on_io_pass()
             self.regions.flush()
             self.supervision.tick()
 
-    def nudge(self) -> None:
-        """Wake the io thread for an ``on_io_pass`` (any thread)."""
+    def nudge(self, within_s: float | None = None) -> None:
+        """Wake the io thread for an ``on_io_pass`` (any thread); ``within_s``: for one within
+        that time at the latest (it wakes now, and polls no longer than that)."""
+        if within_s is not None:
+            self._pass_by = min(self._pass_by, time.monotonic() + within_s)
         self._nudge.set()
 
     def on_io_thread(self) -> bool:

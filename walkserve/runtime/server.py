@@ -9,9 +9,10 @@ process per rank, requests in, outputs and streamed items out.
     server.health(); server.stats(); server.close()        # also a context manager
     server.drain(grace_s=30)                               # stop admitting, let requests end
 
-A conductor pass (one at a time, under ``_pass_lock``; no thread of its own: the thread that
-posts a task (a submit, a cancel) makes one pass itself, and the pool's io thread makes one
-after every batch of replies it reads, so a reply reaches the conductor with no hand-off)::
+A conductor pass (one at a time; no thread of its own: the thread that posts a task (a
+submit, a cancel) makes one pass itself, a burst of submissions at its caller's first wait, and
+the pool's io thread makes one after every batch of replies it reads, so a reply reaches the
+conductor with no hand-off: ``runtime/passes.py``)::
 
     items   = conductor.ready()                  schedule: ready work of every request
     batches = group(items)                       by (walk, plan node, ops, rank)
@@ -32,11 +33,9 @@ layer answers 503 with Retry-After then.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -67,6 +66,7 @@ from walkserve.runtime.messages import (
     RegionOutput,
     RegionStreamed,
 )
+from walkserve.runtime.passes import Admission, Passes
 from walkserve.runtime.pool import BatchResult, RankHealth, WorkerPool
 
 log = logging.getLogger("walkserve.server")
@@ -123,9 +123,7 @@ class Server:
             for w in captured.graph.walks.values()
         }
         # what the conductor is to do, run in order by whichever thread makes the next pass
-        self._tasks: collections.deque[Callable[[], None]] = collections.deque()
-        self._pass_lock = threading.Lock()  # one pass at a time: the conductor is not shared
-        self._stopped = False  # closed, or stopped by faults: no pass runs any more
+        self._passes = Passes(self._pass, pool)
         self._faults: list[float] = []  # when passes failed unexpectedly, within FAULT_WINDOW_S
         self._admitted: list[Callable[[], None]] = []  # callers to wake after this dispatch
         self._handles: dict[str, RequestHandle] = {}
@@ -146,7 +144,7 @@ class Server:
         self.max_inflight = max_inflight
         self._region_rank: dict[int, int] = {}  # region items out -> their rank
         pool.regions.on_regions = self._region_events
-        pool.on_io_pass = self._pump
+        pool.on_io_pass = self._passes.pump
         self._closed = False
         self.fatal: str | None = None  # why the conductor stopped, if it did
         self.draining: str | None = None  # why new requests are refused (``drain``)
@@ -172,7 +170,8 @@ class Server:
         stream: bool = True,
     ) -> RequestHandle:
         """``submit`` for asyncio code: waits for admission without holding a thread."""
-        return await asyncio.wrap_future(self.submit_future(inputs, walk, request_id, stream))
+        admitted = self._submit(inputs, walk, request_id, stream, burst=False)[1]
+        return await asyncio.wrap_future(admitted)
 
     def submit_future(
         self,
@@ -193,9 +192,12 @@ class Server:
         walk: str | None,
         request_id: str | None,
         stream: bool,
+        burst: bool = True,
     ) -> tuple[RequestHandle, Future[RequestHandle]]:
         """``submit_future``, and the handle the future will hold (finished as failed when
-        the request is refused, so that a wait on it ends either way)."""
+        the request is refused, so that a wait on it ends either way). ``burst``: it may wait
+        for the pass of a burst it is part of (``passes``), which its caller's first wait (on
+        the future or the handle) makes."""
         if self._closed:
             raise RuntimeError("the server is closed")
         if self.fatal is not None:
@@ -208,7 +210,7 @@ class Server:
             check_limits(graph, start, inputs, self.limits)
         rid = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(rid, self)
-        done: Future[RequestHandle] = Future()
+        done: Future[RequestHandle] = Admission(self._passes)
 
         def admit() -> None:
             try:
@@ -222,7 +224,7 @@ class Server:
             # its thread must not take the GIL from the dispatch that its request waits for
             self._admitted.append(lambda: done.set_result(handle))
 
-        self._post(admit)
+        self._passes.post(admit, submission=burst)
         return handle, done
 
     def run(
@@ -232,6 +234,7 @@ class Server:
         covers its admission too. The caller waits once, for the end (not also for the
         admission, a second wake of its thread per request)."""
         handle, admitted = self._submit(inputs, walk, None, False)
+        self.admit_waiting()
         if not handle._done.wait(timeout):
             raise TimeoutError(f"request {handle.request_id} did not finish in {timeout} s")
         refused = admitted.exception() if admitted.done() else None
@@ -247,7 +250,7 @@ class Server:
             if handle is not None:
                 handle._finish("cancelled")
 
-        self._post(drop)
+        self._passes.post(drop)
 
     def health(self) -> dict[int, RankHealth]:
         return self.pool.health()
@@ -272,7 +275,7 @@ class Server:
         to finish; True if they all did. ``close()`` then fails whatever is left."""
         self.draining = self.draining or "the server is shutting down"
         deadline = time.monotonic() + grace_s
-        while self._handles or self._tasks:
+        while self._handles or self._passes.tasks:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)
@@ -287,7 +290,7 @@ class Server:
         rank's own). Live values count what the conductor holds and what the ranks' region
         runs and object stores hold."""
         result: Future[ConductorStats] = Future()
-        self._post(lambda: result.set_result(self.conductor.stats()))
+        self._passes.post(lambda: result.set_result(self.conductor.stats()))
         outer = result.result(timeout)
         ranks = self.pool.regions.stats(timeout)
         return RuntimeStats(
@@ -317,8 +320,8 @@ class Server:
         if self._closed:
             return
         self._closed = True
-        with self._pass_lock:  # a pass under way ends first; none runs after it
-            self._stopped = True
+        with self._passes.lock:  # a pass under way ends first; none runs after it
+            self._passes.stopped = True
         self.pool.close()
         for closer in self.closers:
             closer()
@@ -333,31 +336,9 @@ class Server:
 
     # ---------------------------------------------------------------- the passes
 
-    def _post(self, task: Callable[[], None]) -> None:
-        """Queue ``task`` for the next pass. A caller's thread makes that pass itself when no
-        other thread is in one (no hand-off to wait for); the pool's io thread, whose
-        callbacks post the workers' replies, makes its pass once it has read them all."""
-        self._tasks.append(task)
-        if not self.pool.on_io_thread():
-            self._pump(once=True)
-
-    def _pump(self, once: bool = False) -> None:
-        """Make passes while tasks wait and no other thread is in one (that one sees them:
-        it makes another pass, or, ``once``, a caller's thread making one pass, wakes the io
-        thread for the rest). ``once``: so that a caller (the HTTP event loop) is not kept
-        on the conductor's work by a stream of replies."""
-        while self._tasks and not self._stopped:
-            if not self._pass_lock.acquire(blocking=False):
-                return
-            try:
-                if not self._stopped:
-                    self._pass()
-            finally:
-                self._pass_lock.release()
-            if once:
-                if self._tasks:
-                    self.pool.nudge()
-                return
+    def admit_waiting(self) -> None:
+        """Admit the submissions still queued (a burst's: ``passes``), if a pass is due."""
+        self._passes.admit_waiting()
 
     def _pass(self) -> None:
         """One pass: run the queued tasks, dispatch what is ready, route the events. It never
@@ -366,8 +347,7 @@ class Server:
         within ``FAULT_WINDOW_S`` stop the server, ``fatal`` saying why (``/health`` answers
         503, ``walkserve serve`` exits)."""
         try:
-            while self._tasks:
-                self._tasks.popleft()()
+            self._passes.run_tasks()
             self._dispatch(self.conductor.ready())
             self._wake_admitted()
             self._route(self.conductor.events())
@@ -380,7 +360,7 @@ class Server:
                 self.fatal = f"{type(e).__name__}: {e}"
                 log.critical("%d conductor passes failed in a row; stopping", len(self._faults))
                 self._fail_all(f"the server stopped: {self.fatal}")
-                self._stopped = True
+                self._passes.stopped = True
 
     def _wake_admitted(self) -> None:
         admitted, self._admitted = self._admitted, []
@@ -469,7 +449,7 @@ class Server:
                 self.batcher.returned(batch)
                 self._finished(future, list(batch.items))
 
-            self._post(finished)
+            self._passes.post(finished)
 
         return on_reply
 
@@ -493,7 +473,7 @@ class Server:
                     self._region_over(event.item)
                     self.conductor.fail(event.item, event.error)
 
-        self._post(apply)
+        self._passes.post(apply)
 
     def _inputs(self, item: WorkItem) -> dict[str, Any]:
         """The item's inputs by value name: the component op's argument values (from the

@@ -1,0 +1,65 @@
+"""Admission of a burst with a real worker: submissions that follow one another within
+``BURST_S`` are admitted together, by the pass their caller's first wait makes, and reach
+their rank in one message after the first; a burst no caller waits on is admitted by the io
+thread within ``BURST_WAIT_S``, and one whose future gets a callback (``asyncio.wrap_future``)
+at once. Every request gets the reference interpreter's outputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from waiting import settled, wait_for
+
+from walkserve.adapters.registry import capture_model
+from walkserve.runtime import passes
+from walkserve.runtime.server import serve
+from walkserve.testing import assert_outputs_match
+
+
+def test_a_burst_is_admitted_in_one_pass_by_its_callers_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # every submission after the first is one of the burst, however slow this host is
+    monkeypatch.setattr(passes, "BURST_S", 60.0)
+    captured = capture_model("rank_local_models:long")
+    reqs = [{"h": torch.randn(1, 8), "steps": 6 + k, "fail_at": -1} for k in range(6)]
+    with serve(captured) as server:
+        server.run(reqs[0], "spin", timeout=120)  # warm
+        assert wait_for(lambda: settled(server)), server.stats()  # the io thread is idle
+        starts: list[int] = []  # region starts per message to the rank
+        regions = server.pool.regions
+        start = regions.start
+
+        def spy(rank: int, batch: Any) -> None:
+            batch = list(batch)
+            starts.append(len(batch))
+            start(rank, batch)
+
+        monkeypatch.setattr(regions, "start", spy)
+        server._passes.submitted_at = -1.0  # the run() above is not part of the burst
+        futures = [server.submit_future(r, "spin", stream=False) for r in reqs]
+        assert sum(starts) <= 1  # the first at once, the others queued behind it
+        handles = [f.result(timeout=120) for f in futures]  # the first wait admits them
+        assert starts == [1, 5]
+        for r, h in zip(reqs, handles):
+            assert_outputs_match(h.result(timeout=120), captured.run(r, "spin"))
+
+        # no caller waits: the io thread admits the burst within BURST_WAIT_S
+        starts.clear()
+        server._passes.submitted_at = -1.0
+        futures = [server.submit_future(r, "spin", stream=False) for r in reqs[:3]]
+        assert wait_for(lambda: all(f.done() for f in futures), timeout=30)
+        assert starts == [1, 2]
+        # a callback on the future (asyncio.wrap_future's) admits what is queued at once
+        starts.clear()
+        server._passes.submitted_at = -1.0
+        futures = [server.submit_future(r, "spin", stream=False) for r in reqs[:2]]
+        called: list[Any] = []
+        futures[1].add_done_callback(called.append)
+        assert wait_for(lambda: bool(called), timeout=30)
+        assert starts == [1, 1]
+        for f in futures:
+            f.result(timeout=120).result(timeout=120)
+        assert wait_for(lambda: settled(server)), server.stats()
