@@ -99,7 +99,7 @@ def test_region_runs_that_arrive_together_step_together_from_their_first_step() 
     captured = capture_model("rank_local_models:drift")
     with serve(captured) as server:
         requests = [{"h": torch.randn(1, 4, 8), "steps": 40} for _ in range(8)]
-        with server._pass_lock:  # no pass until all eight wait: one pass admits them all
+        with server._passes.lock:  # no pass until all eight wait: one pass admits them all
             futures = [server.submit_future(r, "drift", stream=False) for r in requests]
         server.pool.nudge()  # the io thread makes that pass: one StartRegions of 8 runs
         for r, f in zip(requests, futures):
