@@ -600,11 +600,13 @@ def test_a_failed_speculative_step_fails_only_if_it_runs() -> None:
     ),
     speculate=st.booleans(),
     seed=st.integers(0, 2**16),
+    together=st.booleans(),
 )
 def test_speculation_wastes_at_most_one_step_per_stop(
-    plans: list[tuple[int, int | None]], speculate: bool, seed: int
+    plans: list[tuple[int, int | None]], speculate: bool, seed: int, together: bool
 ) -> None:
-    """Random stop points, results completed in random subsets and orders."""
+    """Random stop points, results completed in random subsets and orders, one by one or
+    each subset at once (``complete_all``: one advance per request)."""
     captured, plan, _ = setup("example-text", glue="predicate_apart")
     conductor = Conductor(captured, plan, speculate=speculate)
     rng = random.Random(seed)
@@ -621,9 +623,11 @@ def test_speculation_wastes_at_most_one_step_per_stop(
         rng.shuffle(pending)
         cut = rng.randint(1, len(pending))
         done, pending = pending[:cut], pending[cut:]
-        for it in done:
-            stop_at = stops[it.request]
-            conductor.complete(it.id, decode_values(stop_at)(it))
+        results = [(it.id, decode_values(stops[it.request])(it)) for it in done]
+        if together:
+            conductor.complete_all(results)
+        for item, value in [] if together else results:
+            conductor.complete(item, value)
     events = conductor.events()
     terminations = 0
     for k, (max_new, stop_at) in enumerate(plans):

@@ -153,7 +153,7 @@ def test_a_step_whose_update_raised_fails_its_runs_and_the_rank_serves_on(
 
     # the engine loop's case: update raises part way (in the commit, or in the conductor)
     target = scheduler.loops if fast_loops else scheduler.conductor
-    name = "_commit" if fast_loops else "complete"
+    name = "_commit" if fast_loops else "complete_all"
     setattr(target, name, boom)
     with pytest.raises(RuntimeError, match="boom"):
         scheduler.update(step, fabricated(scheduler, step.items, stop_at=2))

@@ -56,7 +56,7 @@ cancelled. Results of items of released frames are ignored.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from walkserve.capture import ir
@@ -232,14 +232,34 @@ class Conductor(RegionItems):
     def complete(self, item_id: int, value: Any) -> None:
         """``value``: ``{op: result}`` for every op of the item. Results of items of released
         requests or discarded iterations are ignored."""
+        req = self._bind_item(item_id, value)
+        if req is not None:
+            self._advance(req)
+
+    def complete_all(self, results: Sequence[tuple[int, Any]]) -> None:
+        """``complete`` of each ``(item, value)``, every result bound before each request's
+        state machine advances, once: a step's results for several iterations of one request
+        (a window decoder's windows) cost one advance, not one each. The state reached is the
+        same (an advance runs to its fixed point)."""
+        touched: dict[str, RequestState] = {}
+        for item_id, value in results:
+            req = self._bind_item(item_id, value)
+            if req is not None:
+                touched[req.id] = req
+        for req in touched.values():
+            self._advance(req)
+
+    def _bind_item(self, item_id: int, value: Any) -> RequestState | None:
+        """An item's results bound in its frame; its request, to advance (None: ignored or
+        failed)."""
         p = self._take(item_id)
         if p is None:
-            return
+            return None
         need = [op for op in p.item.outputs if op not in p.delivered]
         missing = [op for op in need if op not in value] if isinstance(value, Mapping) else need
         if missing:
             self._node_failed(p, f"result has no value for ops {list(missing)}")
-            return
+            return None
         self._bind_results(p, value)
         if p.region is not None:
             for stream, _ in p.region.feeds:  # a fast producer loop is done
@@ -249,7 +269,7 @@ class Conductor(RegionItems):
                     fwd = p.frame.forwards[stream]
                     fwd.finished = True
                     self._flush(p.request, fwd)
-        self._advance(p.request)
+        return p.request
 
     def _bind_results(self, p: Pending, value: Mapping[str, Any]) -> None:
         frame = p.frame

@@ -1,12 +1,15 @@
 """A simple loop as the loop stepper runs it: the loop compiled once (``SimpleLoop``, by
 ``LoopCompiler``), one request's run of it (``LoopRun``), and what the stepper reports
-(``LoopStreamed`` per commit of a client's stream, ``LoopDone``, ``LoopFailed``)."""
+(``LoopStreamed`` per commit of a client's stream, ``LoopStreamedRows`` for a cohort's runs at
+once, ``LoopDone``, ``LoopFailed``)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from walkserve.capture import ir
 from walkserve.capture.interpret import Interpreter
@@ -26,7 +29,9 @@ __all__ = [
     "LoopReport",
     "LoopRun",
     "LoopStreamed",
+    "LoopStreamedRows",
     "SimpleLoop",
+    "streamed_items",
     "loop_plans",
 ]
 
@@ -37,6 +42,73 @@ class LoopStreamed:
     channel: str
     index: int
     value: Any
+
+
+@dataclass(frozen=True)
+class LoopStreamedRows:
+    """One cohort step's committed piece of ``channel`` for several runs at once: ``runs``
+    holds ``(item, first, offset, rows)``, the ``LoopStreamed`` of run ``item`` being
+    iteration ``first + step``, its ``rows`` rows of ``piece`` from ``offset`` along ``dim``
+    (``split``). A cohort's steps share one ``runs`` object while its runs stay, so that the
+    rank cuts many steps' rows with one call per run (``RankScheduler``), not one per step."""
+
+    channel: str
+    dim: int
+    runs: tuple[tuple[int, int, int, int], ...]
+    step: int
+    piece: Any
+
+    def split(self) -> list[LoopStreamed]:
+        return [
+            LoopStreamed(item, self.channel, first + self.step, self.piece.narrow(self.dim, at, n))
+            for item, first, at, n in self.runs
+        ]
+
+    def follows(self, other: LoopStreamedRows) -> bool:
+        """Whether this is the step after ``other``, of the same runs' rows, of one shape."""
+        return (
+            self.runs is other.runs
+            and self.step == other.step + 1
+            and self.dim == other.dim
+            and isinstance(self.piece, torch.Tensor)
+            and isinstance(other.piece, torch.Tensor)
+            and self.piece.shape == other.piece.shape
+            and self.piece.dtype == other.piece.dtype
+        )
+
+
+def streamed_items(
+    reports: Iterable[LoopStreamed | LoopStreamedRows],
+) -> Iterator[tuple[int, str, int, Sequence[Any]]]:
+    """``(item, channel, first index, values)`` of streamed loop reports, in each run's
+    channel's order: the rows of consecutive steps of one cohort (``LoopStreamedRows.follows``)
+    cut with one stack and one cut per run, not one cut per run and step."""
+    by_channel: dict[str, list[LoopStreamed | LoopStreamedRows]] = {}
+    for rep in reports:
+        by_channel.setdefault(rep.channel, []).append(rep)
+    for reps in by_channel.values():
+        k = 0
+        while k < len(reps):
+            rep = reps[k]
+            k += 1
+            if isinstance(rep, LoopStreamed):
+                yield rep.item, rep.channel, rep.index, (rep.value,)
+                continue
+            block = [rep]
+            while k < len(reps):
+                after = reps[k]
+                if not isinstance(after, LoopStreamedRows) or not after.follows(block[-1]):
+                    break
+                block.append(after)
+                k += 1
+            if len(block) == 1:
+                for one in rep.split():
+                    yield one.item, one.channel, one.index, (one.value,)
+                continue
+            joint = torch.stack([b.piece for b in block])  # [steps, ...the piece]
+            for item, first, at, n in rep.runs:
+                cut = joint.narrow(rep.dim + 1, at, n).unbind(0)
+                yield item, rep.channel, first + rep.step, cut
 
 
 @dataclass(frozen=True)
@@ -51,7 +123,7 @@ class LoopFailed:
     error: str
 
 
-LoopReport = LoopStreamed | LoopDone | LoopFailed
+LoopReport = LoopStreamed | LoopStreamedRows | LoopDone | LoopFailed
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,21 @@ dissolves them; the stepper keeps the runs and the loop semantics."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from walkserve.lowering.plan import NodePlan
 from walkserve.runtime.frames import piece_items
 from walkserve.runtime.loopcohort import Cohort, Left, Member, extend, form, shrink
-from walkserve.runtime.looprun import LoopReport, LoopRun, LoopStreamed, SimpleLoop
+from walkserve.runtime.looprun import (
+    LoopReport,
+    LoopRun,
+    LoopStreamed,
+    LoopStreamedRows,
+    SimpleLoop,
+)
 from walkserve.runtime.runner import ItemResult, RunItem
 
 __all__ = ["Band", "JoinedItem", "SharedSteps"]
@@ -39,6 +47,8 @@ class Band:
     runs: list[LoopRun]
     streaming: list[tuple[int, LoopRun]]  # (row block, run) of the runs with a client's stream
     key: Any = None  # the join key of its runs' calls: a newcomer's must equal it to join
+    # per channel, the last LoopStreamedRows' runs (kept while they are the same)
+    layouts: dict[str, tuple[tuple[int, int, int, int], ...]] = field(default_factory=dict)
 
 
 class SharedSteps:
@@ -194,19 +204,62 @@ class SharedSteps:
         if not cohort.advance(r.values):
             self._dissolve(band, alone=True)  # not batched as captured: each run by itself
             return
-        for k, run in band.streaming:
-            for ch in run.start.streams:  # a client's stream: each commit's piece, as it is made
-                piece = cohort.piece(ch, k)
-                if piece is not None and run.item in self._runs:
-                    self._reports.append(
-                        LoopStreamed(run.item, ch, run.i + cohort.steps - 1, piece)
-                    )
-                    key = (run.request, ch)
-                    if key in self._credit:  # counted as the stepper's own runs count it
-                        acc = band.loop.node.accumulated[ch]
-                        self._produced[key] = self._produced.get(key, 0) + piece_items(piece, acc)
+        if band.streaming:
+            self._band_streamed(band)
         if cohort.done():
             self._shrink(band)
+
+    def _band_streamed(self, band: Band) -> None:
+        """Each streaming run's piece of its streams' channels from the step just committed:
+        one ``LoopStreamedRows`` per channel when the runs' rows are cut out of one joint
+        piece (cut later, many steps at once), else a ``LoopStreamed`` each."""
+        cohort = band.cohort
+        step = cohort.steps - 1
+        by_channel: dict[str, list[tuple[int, int, int, int]]] = {}
+        for k, run in band.streaming:
+            if run.item not in self._runs:
+                continue
+            for ch in run.start.streams:  # a client's stream: each commit's piece, as it is made
+                rows = by_channel.get(ch)
+                if rows is None:
+                    rows = by_channel[ch] = []
+                rows.append((run.item, run.i, cohort.offsets[k], cohort.rows[k]))
+        for ch, runs in by_channel.items():
+            pieces = cohort.pieces.get(ch)
+            if not pieces:
+                continue
+            dim = cohort.spec.out_dims[cohort.spec.outputs[cohort.spec.accumulated[ch]]]
+            if dim is None or len(cohort.rows) == 1:  # one piece for all: the joint one
+                self._reports += [
+                    LoopStreamed(it, ch, i + step, pieces[-1]) for it, i, _, _ in runs
+                ]
+                continue
+            layout = tuple(runs)
+            if band.layouts.get(ch) == layout:  # the last step's: one object for all steps
+                layout = band.layouts[ch]
+            band.layouts[ch] = layout
+            self._reports.append(LoopStreamedRows(ch, dim, layout, step, pieces[-1]))
+        if self._credit:  # counted as the stepper's own runs count it
+            self._count_produced(band)
+
+    def _count_produced(self, band: Band) -> None:
+        """Add the items each credited run's piece of the last step holds (``piece_items`` of
+        its rows, read off the joint piece's shape: no cut)."""
+        cohort, spec = band.cohort, band.cohort.spec
+        whole = len(cohort.rows) == 1
+        for k, run in band.streaming:
+            for ch in run.start.streams:
+                key = (run.request, ch)
+                pieces = cohort.pieces.get(ch)
+                if key not in self._credit or not pieces or run.item not in self._runs:
+                    continue
+                acc, piece = band.loop.node.accumulated[ch], pieces[-1]
+                n = piece_items(piece, acc)
+                if acc.mode == "cat" and isinstance(piece, torch.Tensor) and not whole:
+                    dim = spec.out_dims[spec.outputs[spec.accumulated[ch]]]
+                    if dim is not None and dim == (acc.dim % piece.dim()):  # its rows are cut
+                        n = cohort.rows[k]  # along the dim the items are counted along
+                self._produced[key] = self._produced.get(key, 0) + n
 
     def _shrink(self, band: Band) -> None:
         """``band`` at its length: the runs with iterations left go on as a cohort of their

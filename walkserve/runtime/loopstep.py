@@ -10,7 +10,7 @@ iteration index, carried values, accumulations, the stop)::
     stepper.start(item)                  # a loop item of the rank's conductor
     for step in stepper.schedule():      # every run at each body node, one step per node
         stepper.update(step, runner.run(step.walk, step.node, step.items))
-    stepper.reports()                    # LoopStreamed (per commit), LoopDone, LoopFailed
+    stepper.reports()                    # LoopStreamed(Rows) (per commit), LoopDone, LoopFailed
 
 Runs at different iterations share a step (continuous batching); a run leaves when its bound
 or its stop says so, and its stop is read the moment its step's values exist, so nothing is
@@ -46,13 +46,23 @@ from walkserve.runtime.looprun import (
     LoopReport,
     LoopRun,
     LoopStreamed,
+    LoopStreamedRows,
     loop_plans,
+    streamed_items,
 )
 from walkserve.runtime.loopshare import Band, JoinedItem, SharedSteps
 from walkserve.runtime.regionwalk import RegionWalks
 from walkserve.runtime.runner import ItemResult, RunItem
 
-__all__ = ["LoopDone", "LoopFailed", "LoopStepper", "LoopStreamed", "loop_plans"]
+__all__ = [
+    "LoopDone",
+    "LoopFailed",
+    "LoopStepper",
+    "LoopStreamed",
+    "LoopStreamedRows",
+    "loop_plans",
+    "streamed_items",
+]
 
 
 class LoopStepper(SharedSteps):
@@ -261,10 +271,16 @@ class LoopStepper(SharedSteps):
     def urgent(self, since: int, held: Collection[tuple[int, str]]) -> bool:
         """Whether a report waits, from the ``since``-th on, that is not a streamed item of a
         (run, channel) in ``held`` (which may wait for a later ``reports``)."""
-        return any(
-            not isinstance(rep, LoopStreamed) or (rep.item, rep.channel) not in held
-            for rep in self._reports[since:]
-        )
+        for rep in self._reports[since:]:
+            if isinstance(rep, LoopStreamed):
+                items = [rep.item]
+            elif isinstance(rep, LoopStreamedRows):
+                items = [item for item, _, _, _ in rep.runs]
+            else:
+                return True
+            if any((item, rep.channel) not in held for item in items):
+                return True
+        return False
 
     def _item(
         self,

@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from walkserve.runtime.conductor import Conductor, Failed, Finished, Output, StreamItem
-from walkserve.runtime.loopstep import LoopDone, LoopFailed, LoopStepper, LoopStreamed
+from walkserve.runtime.loopstep import (
+    LoopDone,
+    LoopFailed,
+    LoopStepper,
+    LoopStreamed,
+    LoopStreamedRows,
+    streamed_items,
+)
 from walkserve.runtime.regionwalk import RegionWalks, region_walk_name
 from walkserve.runtime.runner import ItemResult, RunItem, Runnable
 
@@ -368,13 +375,18 @@ class RankScheduler:
             self._collect()
             return
         self._settled = False
+        done: list[tuple[int, Any]] = []  # completed together: one advance per request
         for r in results:
+            if r.error is None and not r.deferred:
+                done.append((r.item, r.values))
+                continue
+            self.conductor.complete_all(done)  # in order with the failures
+            done = []
             if r.error is not None:
                 self.conductor.fail(r.item, r.error)
-            elif r.deferred:
-                self.conductor.defer(r.item)
             else:
-                self.conductor.complete(r.item, r.values)
+                self.conductor.defer(r.item)
+        self.conductor.complete_all(done)
         self._collect()
 
     def fail_step(self, step: Step, error: str) -> None:
@@ -405,7 +417,7 @@ class RankScheduler:
         ready: the rank is not settled, unless all it was told is stream items that formed no
         chunk and reach no client)."""
         for streamed, reps in itertools.groupby(
-            self.loops.reports(), lambda r: isinstance(r, LoopStreamed)
+            self.loops.reports(), lambda r: isinstance(r, (LoopStreamed, LoopStreamedRows))
         ):
             if not streamed:
                 for rep in reps:
@@ -418,15 +430,15 @@ class RankScheduler:
                 continue
             # each run's channel's items at once (the fast lane's held ones: many steps')
             runs: dict[tuple[int, str], tuple[int, list[Any]]] = {}
-            for rep in reps:
-                assert isinstance(rep, LoopStreamed)
-                at = runs.get((rep.item, rep.channel))
-                if at is not None and at[0] + len(at[1]) == rep.index:
-                    at[1].append(rep.value)
+            streamed_reps = (r for r in reps if isinstance(r, (LoopStreamed, LoopStreamedRows)))
+            for item, channel, index, values in streamed_items(streamed_reps):
+                at = runs.get((item, channel))
+                if at is not None and at[0] + len(at[1]) == index:
+                    at[1].extend(values)
                     continue
                 if at is not None:
-                    self._streamed(rep.item, rep.channel, *at)
-                runs[(rep.item, rep.channel)] = (rep.index, [rep.value])
+                    self._streamed(item, channel, *at)
+                runs[(item, channel)] = (index, list(values))
             for (item, channel), at in runs.items():
                 self._streamed(item, channel, *at)
 
