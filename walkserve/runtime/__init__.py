@@ -50,8 +50,9 @@ Modules, by role:
     supervisor    when a silent rank is hung, restarts of dead ranks, crash loops (pure)
     worker        a worker process: sockets, setup, the watch thread; workerinbox: the
                   command socket read by the engine's thread; engine: its engine loop
-    rankscheduler what a rank runs next (pure); regionwalk: regions as walks; loopstep: the
-                  fast path for simple loops (pure); runner: runs a batch of one node
+    rankscheduler what a rank runs next (pure); rankreports: its steps and reports;
+                  regionwalk: regions as walks; loopstep: the fast path for simple loops
+                  (pure); runner: runs a batch of one node
     messages      every message on a socket (msgspec structs, never pickle)
     transport, shm, tensorcodec, peers   how values move: inline, shared memory, rank to rank
     local         the same path in one process (tests, reference runs)

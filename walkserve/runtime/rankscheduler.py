@@ -29,7 +29,7 @@ discarded iteration is counted in ``stats().wasted_steps``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +42,20 @@ from walkserve.runtime.loopstep import (
     LoopStreamedRows,
     streamed_items,
 )
+from walkserve.runtime.rankreports import (
+    Lane,
+    NodeBatchDone,
+    RankStats,
+    RegionConsumed,
+    RegionDone,
+    RegionFailed,
+    RegionOutput,
+    RegionStreamed,
+    Report,
+    Step,
+)
 from walkserve.runtime.regionwalk import RegionWalks, region_walk_name
-from walkserve.runtime.runner import ItemResult, RunItem, Runnable
+from walkserve.runtime.runner import ItemResult, Runnable
 
 __all__ = [
     "Lane",
@@ -56,101 +68,6 @@ __all__ = [
     "Report",
     "Step",
 ]
-
-
-@dataclass(frozen=True)
-class RegionStreamed:
-    """Iteration ``index`` of region item ``item``'s streamed channel ``channel`` committed."""
-
-    item: int
-    channel: str
-    index: int
-    value: Any
-
-
-@dataclass(frozen=True)
-class RegionOutput:
-    """Outputs of region item ``item`` known before its exit (sent as soon as they exist)."""
-
-    item: int
-    outputs: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class RegionDone:
-    """Region item ``item`` finished; ``outputs``: the outputs no ``RegionOutput`` brought."""
-
-    item: int
-    outputs: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class RegionFailed:
-    item: int
-    error: str
-
-
-@dataclass(frozen=True)
-class RegionConsumed:
-    """Region item ``item`` has received ``received`` pieces of fed stream ``stream`` and
-    released its items before ``base`` (``closed``: its consumer loop is done)."""
-
-    item: int
-    stream: str
-    base: int
-    received: int
-    closed: bool
-
-
-@dataclass(frozen=True)
-class NodeBatchDone:
-    """The conductor's node batch ``batch`` ran: one result per item, in the batch's order."""
-
-    batch: int
-    results: list[ItemResult]
-
-
-Report = RegionStreamed | RegionOutput | RegionDone | RegionFailed | RegionConsumed | NodeBatchDone
-
-
-@dataclass(frozen=True)
-class Lane:
-    """The engine's fast lane (``RankScheduler.lane``): one cohort's steps back to back, each
-    ``commit(result)`` of the runner's result for ``item`` with arguments ``call()``; a commit
-    that returns False ends the lane (call ``schedule``). What has to be reported is reported as
-    ``update`` reports it."""
-
-    walk: str
-    node: str
-    item: RunItem  # its ops, outputs and the runs it joins; no call (each step's is call())
-    call: Callable[[], tuple[list[Any], dict[str, Any]]]
-    commit: Callable[[ItemResult], bool]
-
-    def step(self) -> Step:
-        """The lane as a ``Step`` (``fail_step`` takes it)."""
-        return Step(self.walk, self.node, [self.item], None, True)
-
-
-@dataclass(frozen=True)
-class Step:
-    """Items of one node to run as one batch; ``external``: the conductor's batch id (a node
-    batch it sent), None for items of this rank's region runs; ``loops``: items of simple
-    loops the loop stepper runs."""
-
-    walk: str
-    node: str
-    items: Sequence[Runnable]
-    external: int | None = None
-    loops: bool = False
-
-
-@dataclass(frozen=True)
-class RankStats:
-    runs: int  # region runs live
-    live_values: int  # values the runs hold
-    speculated_steps: int
-    wasted_steps: int
-    batch_sizes: Mapping[int, int]  # items per step of region runs -> how many steps
 
 
 @dataclass(eq=False)
