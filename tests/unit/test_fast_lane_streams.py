@@ -23,13 +23,8 @@ from walkserve import capture, testing
 from walkserve.capture import component, iterations, loop, stream, walk
 from walkserve.capture.chunk import EndOfStream, SlidingWindow
 from walkserve.lowering.lower import lower
-from walkserve.runtime.rankscheduler import (
-    RankScheduler,
-    RegionDone,
-    RegionFailed,
-    RegionOutput,
-    RegionStreamed,
-)
+from walkserve.runtime.rankreports import RegionDone, RegionFailed, RegionOutput, RegionStreamed
+from walkserve.runtime.rankscheduler import RankScheduler
 from walkserve.runtime.regionwalk import region_walks
 from walkserve.runtime.runner import NodeRunner
 

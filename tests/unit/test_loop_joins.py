@@ -203,12 +203,8 @@ def test_cohorts_with_arrivals_and_cancels_give_the_interpreters_outputs(
     other run gets the interpreter's outputs (streamed pieces too, in order), the steps ran as
     cohorts, and nothing is held at the end. ``lane``: after each round, up to that many steps
     of the engine's fast lane (``lane()``), as the engine takes them while no command waits."""
-    from walkserve.runtime.rankscheduler import (
-        RankScheduler,
-        RegionDone,
-        RegionFailed,
-        RegionStreamed,
-    )
+    from walkserve.runtime.rankreports import RegionDone, RegionFailed, RegionStreamed
+    from walkserve.runtime.rankscheduler import RankScheduler
     from walkserve.runtime.regionwalk import region_walks
 
     captured, plan = setup()
@@ -260,7 +256,8 @@ def test_the_fast_lane_steps_a_lone_cohort_until_the_rank_is_told_something() ->
     run (a command) stops it until ``schedule`` has seen it; a loop that the last
     ``schedule`` started takes the lane right after its first step (its start left the
     rank settled); the outputs are the interpreter's either way."""
-    from walkserve.runtime.rankscheduler import RankScheduler, RegionDone
+    from walkserve.runtime.rankreports import RegionDone
+    from walkserve.runtime.rankscheduler import RankScheduler
     from walkserve.runtime.regionwalk import region_walks
 
     captured, plan = setup()
@@ -407,7 +404,7 @@ def test_a_tuple_item_read_gives_the_interpreters_value_and_error() -> None:
 def take_exits(sched: Any, done: dict[int, Any], failed: dict[int, str]) -> None:
     """The region runs whose exit ``sched`` reported since: outputs in ``done``, errors in
     ``failed``, by item."""
-    from walkserve.runtime.rankscheduler import RegionDone, RegionFailed
+    from walkserve.runtime.rankreports import RegionDone, RegionFailed
 
     for rep in sched.reports():
         if isinstance(rep, RegionDone):

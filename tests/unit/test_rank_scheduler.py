@@ -30,12 +30,8 @@ from walkserve.lowering.placement import Placement
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.runtime.conductor import Conductor, Failed, Output
 from walkserve.runtime.local import LocalExecutor
-from walkserve.runtime.rankscheduler import (
-    RankScheduler,
-    RegionDone,
-    RegionOutput,
-    RegionStreamed,
-)
+from walkserve.runtime.rankreports import RegionDone, RegionOutput, RegionStreamed
+from walkserve.runtime.rankscheduler import RankScheduler
 from walkserve.runtime.regionwalk import region_walks
 from walkserve.runtime.runner import ItemResult
 

@@ -44,9 +44,8 @@ import torch
 
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.runtime import messages as m
-from walkserve.runtime.rankscheduler import (
+from walkserve.runtime.rankreports import (
     NodeBatchDone,
-    RankScheduler,
     RegionConsumed,
     RegionDone,
     RegionFailed,
@@ -55,6 +54,7 @@ from walkserve.runtime.rankscheduler import (
     Report,
     Step,
 )
+from walkserve.runtime.rankscheduler import RankScheduler
 from walkserve.runtime.runner import ItemResult, NodeRunner, RunItem
 from walkserve.runtime.transport import ObjectStore, Token, Transport, shm_handles
 

@@ -37,9 +37,8 @@ from walkserve.runtime.conductor import (
     Output,
     WorkItem,
 )
-from walkserve.runtime.rankscheduler import (
+from walkserve.runtime.rankreports import (
     NodeBatchDone,
-    RankScheduler,
     RegionConsumed,
     RegionDone,
     RegionFailed,
@@ -48,6 +47,7 @@ from walkserve.runtime.rankscheduler import (
     Report,
     Step,
 )
+from walkserve.runtime.rankscheduler import RankScheduler
 from walkserve.runtime.regionwalk import region_walks
 from walkserve.runtime.runner import ItemResult, NodeRunner, Runnable
 

@@ -57,17 +57,7 @@ from walkserve.runtime.rankreports import (
 from walkserve.runtime.regionwalk import RegionWalks, region_walk_name
 from walkserve.runtime.runner import ItemResult, Runnable
 
-__all__ = [
-    "Lane",
-    "NodeBatchDone",
-    "RankScheduler",
-    "RankStats",
-    "RegionDone",
-    "RegionFailed",
-    "RegionStreamed",
-    "Report",
-    "Step",
-]
+__all__ = ["RankScheduler"]
 
 
 @dataclass(eq=False)
