@@ -7,7 +7,7 @@ dissolves them; the stepper keeps the runs and the loop semantics."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,8 +47,20 @@ class Band:
     runs: list[LoopRun]
     streaming: list[tuple[int, LoopRun]]  # (row block, run) of the runs with a client's stream
     key: Any = None  # the join key of its runs' calls: a newcomer's must equal it to join
-    # per channel, the last LoopStreamedRows' runs (kept while they are the same)
-    layouts: dict[str, tuple[tuple[int, int, int, int], ...]] = field(default_factory=dict)
+    streams: BandStreams | None = None  # how its steps' pieces are reported, while it holds
+
+
+@dataclass(eq=False)
+class BandStreams:
+    """How a cohort's committed pieces are reported and counted, made once per cohort and
+    set of live runs (``SharedSteps._band_streams``) instead of once per step: per channel,
+    the runs' ``(item, first iteration, offset, rows)`` and whether each gets the joint piece
+    whole; per credited run's channel, the items a step adds (None: the joint piece says)."""
+
+    cohort: Cohort
+    departed: int  # SharedSteps.departed when made: a run left since, it is made again
+    channels: list[tuple[str, int, tuple[tuple[int, int, int, int], ...], bool]]
+    counted: list[tuple[tuple[str, str], str, int | None]]
 
 
 class SharedSteps:
@@ -63,6 +75,7 @@ class SharedSteps:
     _produced: dict[tuple[str, str], int]
     _ids: itertools.count[int]
     _reports: list[LoopReport]
+    departed: int  # runs that left ``_runs`` (dropped, failed, finished): counted
 
     def _item(
         self,
@@ -212,54 +225,59 @@ class SharedSteps:
     def _band_streamed(self, band: Band) -> None:
         """Each streaming run's piece of its streams' channels from the step just committed:
         one ``LoopStreamedRows`` per channel when the runs' rows are cut out of one joint
-        piece (cut later, many steps at once), else a ``LoopStreamed`` each."""
+        piece (cut later, many steps at once), else a ``LoopStreamed`` each; and the items
+        each credited run produced."""
         cohort = band.cohort
-        step = cohort.steps - 1
+        plan = band.streams
+        if plan is None or plan.cohort is not cohort or plan.departed != self.departed:
+            plan = band.streams = self._band_streams(band)
+        step, pieces = cohort.steps - 1, cohort.pieces
+        for ch, dim, layout, whole in plan.channels:
+            last = pieces[ch][-1]
+            if whole:  # one piece for all: the joint one
+                self._reports += [LoopStreamed(it, ch, i + step, last) for it, i, _, _ in layout]
+            else:
+                self._reports.append(LoopStreamedRows(ch, dim, layout, step, last))
+        if not self._credit:
+            return
+        credit, produced, accumulated = self._credit, self._produced, band.loop.node.accumulated
+        for key, ch, n in plan.counted:  # counted as the stepper's own runs count it
+            if key in credit:
+                if n is None:
+                    n = piece_items(pieces[ch][-1], accumulated[ch])
+                produced[key] = produced.get(key, 0) + n
+
+    def _band_streams(self, band: Band) -> BandStreams:
+        cohort, spec = band.cohort, band.cohort.spec
+        whole = len(cohort.rows) == 1
         by_channel: dict[str, list[tuple[int, int, int, int]]] = {}
+        counted: list[tuple[tuple[str, str], str, int | None]] = []
         for k, run in band.streaming:
             if run.item not in self._runs:
                 continue
             for ch in run.start.streams:  # a client's stream: each commit's piece, as it is made
-                rows = by_channel.get(ch)
-                if rows is None:
-                    rows = by_channel[ch] = []
-                rows.append((run.item, run.i, cohort.offsets[k], cohort.rows[k]))
-        for ch, runs in by_channel.items():
-            pieces = cohort.pieces.get(ch)
-            if not pieces:
-                continue
-            dim = cohort.spec.out_dims[cohort.spec.outputs[cohort.spec.accumulated[ch]]]
-            if dim is None or len(cohort.rows) == 1:  # one piece for all: the joint one
-                self._reports += [
-                    LoopStreamed(it, ch, i + step, pieces[-1]) for it, i, _, _ in runs
-                ]
-                continue
-            layout = tuple(runs)
-            if band.layouts.get(ch) == layout:  # the last step's: one object for all steps
-                layout = band.layouts[ch]
-            band.layouts[ch] = layout
-            self._reports.append(LoopStreamedRows(ch, dim, layout, step, pieces[-1]))
-        if self._credit:  # counted as the stepper's own runs count it
-            self._count_produced(band)
-
-    def _count_produced(self, band: Band) -> None:
-        """Add the items each credited run's piece of the last step holds (``piece_items`` of
-        its rows, read off the joint piece's shape: no cut)."""
-        cohort, spec = band.cohort, band.cohort.spec
-        whole = len(cohort.rows) == 1
-        for k, run in band.streaming:
-            for ch in run.start.streams:
-                key = (run.request, ch)
-                pieces = cohort.pieces.get(ch)
-                if key not in self._credit or not pieces or run.item not in self._runs:
+                if ch not in spec.accumulated:
                     continue
-                acc, piece = band.loop.node.accumulated[ch], pieces[-1]
-                n = piece_items(piece, acc)
-                if acc.mode == "cat" and isinstance(piece, torch.Tensor) and not whole:
-                    dim = spec.out_dims[spec.outputs[spec.accumulated[ch]]]
-                    if dim is not None and dim == (acc.dim % piece.dim()):  # its rows are cut
-                        n = cohort.rows[k]  # along the dim the items are counted along
-                self._produced[key] = self._produced.get(key, 0) + n
+                rows = by_channel.setdefault(ch, [])
+                rows.append((run.item, run.i, cohort.offsets[k], cohort.rows[k]))
+                # the items of its rows of a piece: one (stack), or their length along the
+                # dim (cat): its rows' count where the rows are cut along it, else the joint
+                # piece's length there (None: read off each step's piece)
+                acc = band.loop.node.accumulated[ch]
+                dim = spec.out_dims[spec.outputs[spec.accumulated[ch]]]
+                last = cohort.pieces[ch][-1]
+                n: int | None = None
+                if acc.mode == "stack" or not isinstance(last, torch.Tensor):
+                    n = 1
+                elif not whole and dim is not None and dim == acc.dim % last.dim():
+                    n = cohort.rows[k]
+                counted.append(((run.request, ch), ch, n))
+        channels = []
+        for ch, runs in by_channel.items():
+            dim = spec.out_dims[spec.outputs[spec.accumulated[ch]]]
+            one = dim is None or whole
+            channels.append((ch, -1 if dim is None else dim, tuple(runs), one))
+        return BandStreams(cohort, self.departed, channels, counted)
 
     def _shrink(self, band: Band) -> None:
         """``band`` at its length: the runs with iterations left go on as a cohort of their
