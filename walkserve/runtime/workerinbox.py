@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,8 @@ class WorkerInbox:
     objects: Any  # transport.ObjectStore
     _rx: zmq.Socket[bytes]
     _poller: zmq.Poller
+    _signal: Any  # select.poll of the socket's fd (``waiting``)
+    _pending: bool = True  # a command was seen waiting since the last ``read``
     _handlers: dict[type, Callable[[Any], object]]
     _wakes: WakePipe | None = None
     idle_spin_s: float = 0.0  # poll without sleeping this long after the last work
@@ -89,6 +92,11 @@ class WorkerInbox:
         )
 
         self._rx = rx
+        # the socket's signal: readable once something reached it since its events were last
+        # read (``waiting``)
+        self._signal = select.poll()
+        self._signal.register(rx.get(zmq.FD), select.POLLIN)
+        self._pending = True  # until its events are read: what came before may wait
         self._wakes = WakePipe()
         self._poller = zmq.Poller()
         self._poller.register(rx, zmq.POLLIN)
@@ -129,6 +137,7 @@ class WorkerInbox:
             if self._wakes is not None:
                 self._wakes.clear()  # a wake, or a message: either way the wait is over
         handlers = self._handlers
+        self._pending = False  # every command is taken below (the events read last say so)
         while (data := _recv(self._rx)) is not None:
             try:
                 msg: Message = decode(data)
@@ -154,8 +163,17 @@ class WorkerInbox:
         return bool(poll(WAIT_MS))
 
     def waiting(self) -> bool:
-        """Whether a command waits on the socket (cheap: asked between fast-lane steps)."""
-        return _readable(self._rx)
+        """Whether a command waits on the socket (cheap: asked between fast-lane steps). The
+        socket's fd (its signal, as ``zmq_poll`` uses it) turns readable when something reaches
+        the socket after its events were last read, and reading them clears it; every read of
+        this socket, which only this thread reads, ends with such a read (``_recv`` reads until
+        the events say no message is left). So while the fd is not readable and no command
+        was seen waiting since the last ``read``, none can wait, and the events (a call into
+        the socket: ~2 us against ~0.5 us for the fd's poll on this VM) are read only when
+        it is."""
+        if self._pending or self._signal.poll(0):
+            self._pending = _readable(self._rx)  # a command waits until ``read`` takes it
+        return self._pending
 
     # ------------------------------------------------------------------ the handlers
 
