@@ -26,7 +26,6 @@ class Steps(SharedSteps):
         self._credit = dict.fromkeys(credited, 10**9)
         self._produced = {}
         self._reports = []
-        self.departed = 0
 
 
 @settings(max_examples=120, deadline=None)

@@ -53,12 +53,12 @@ class Band:
 @dataclass(eq=False)
 class BandStreams:
     """How a cohort's committed pieces are reported and counted, made once per cohort and
-    set of live runs (``SharedSteps._band_streams``) instead of once per step: per channel,
+    set of live runs (``SharedSteps._band_streams``; a run that leaves drops it:
+    ``_depart``) instead of once per step: per channel,
     the runs' ``(item, first iteration, offset, rows)`` and whether each gets the joint piece
     whole; per credited run's channel, the items a step adds (None: the joint piece says)."""
 
     cohort: Cohort
-    departed: int  # SharedSteps.departed when made: a run left since, it is made again
     channels: list[tuple[str, int, tuple[tuple[int, int, int, int], ...], bool]]
     counted: list[tuple[tuple[str, str], str, int | None]]
 
@@ -75,7 +75,6 @@ class SharedSteps:
     _produced: dict[tuple[str, str], int]
     _ids: itertools.count[int]
     _reports: list[LoopReport]
-    departed: int  # runs that left ``_runs`` (dropped, failed, finished): counted
 
     def _item(
         self,
@@ -229,7 +228,7 @@ class SharedSteps:
         each credited run produced."""
         cohort = band.cohort
         plan = band.streams
-        if plan is None or plan.cohort is not cohort or plan.departed != self.departed:
+        if plan is None or plan.cohort is not cohort:
             plan = band.streams = self._band_streams(band)
         step, pieces = cohort.steps - 1, cohort.pieces
         for ch, dim, layout, whole in plan.channels:
@@ -251,6 +250,7 @@ class SharedSteps:
         cohort, spec = band.cohort, band.cohort.spec
         whole = len(cohort.rows) == 1
         by_channel: dict[str, list[tuple[int, int, int, int]]] = {}
+        dims: dict[str, int | None] = {}
         counted: list[tuple[tuple[str, str], str, int | None]] = []
         for k, run in band.streaming:
             if run.item not in self._runs:
@@ -258,14 +258,16 @@ class SharedSteps:
             for ch in run.start.streams:  # a client's stream: each commit's piece, as it is made
                 if ch not in spec.accumulated:
                     continue
-                rows = by_channel.setdefault(ch, [])
-                rows.append((run.item, run.i, cohort.offsets[k], cohort.rows[k]))
+                if ch not in dims:
+                    dims[ch] = spec.out_dims[spec.outputs[spec.accumulated[ch]]]
+                dim = dims[ch]
+                by_channel.setdefault(ch, []).append(
+                    (run.item, run.i, cohort.offsets[k], cohort.rows[k])
+                )
                 # the items of its rows of a piece: one (stack), or their length along the
                 # dim (cat): its rows' count where the rows are cut along it, else the joint
                 # piece's length there (None: read off each step's piece)
-                acc = band.loop.node.accumulated[ch]
-                dim = spec.out_dims[spec.outputs[spec.accumulated[ch]]]
-                last = cohort.pieces[ch][-1]
+                acc, last = band.loop.node.accumulated[ch], cohort.pieces[ch][-1]
                 n: int | None = None
                 if acc.mode == "stack" or not isinstance(last, torch.Tensor):
                     n = 1
@@ -274,10 +276,16 @@ class SharedSteps:
                 counted.append(((run.request, ch), ch, n))
         channels = []
         for ch, runs in by_channel.items():
-            dim = spec.out_dims[spec.outputs[spec.accumulated[ch]]]
-            one = dim is None or whole
-            channels.append((ch, -1 if dim is None else dim, tuple(runs), one))
-        return BandStreams(cohort, self.departed, channels, counted)
+            dim = dims[ch]  # None: not batched, every run gets the joint piece whole
+            channels.append((ch, -1 if dim is None else dim, tuple(runs), dim is None or whole))
+        return BandStreams(cohort, channels, counted)
+
+    def _depart(self, item: int) -> None:
+        """Take run ``item`` out of the live runs (dropped, failed or finished); the cohort it
+        is in plans its streams again without it."""
+        run = self._runs.pop(item, None)
+        if run is not None and run.band is not None:
+            run.band.streams = None
 
     def _shrink(self, band: Band) -> None:
         """``band`` at its length: the runs with iterations left go on as a cohort of their

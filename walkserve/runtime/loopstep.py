@@ -95,7 +95,6 @@ class LoopStepper(SharedSteps):
         self.cohort_steps = 0  # runner items of cohorts (one per cohort per step)
         self.joined_steps = 0  # runner items of runs joined call by call
         self.lane_steps = 0  # cohort steps of the engine's fast lane (lane_step)
-        self.departed = 0  # runs that left (SharedSteps.departed)
 
     def start(self, item: WorkItem) -> None:
         assert item.loop is not None
@@ -152,8 +151,7 @@ class LoopStepper(SharedSteps):
 
     def drop(self, items: Sequence[int]) -> None:
         for item in items:
-            if self._runs.pop(item, None) is not None:
-                self.departed += 1
+            self._depart(item)
 
     def idle(self) -> bool:
         return not self._runs
@@ -374,8 +372,7 @@ class LoopStepper(SharedSteps):
 
     def _finish(self, run: LoopRun) -> None:
         node = run.loop.node
-        if self._runs.pop(run.item, None) is not None:
-            self.departed += 1
+        self._depart(run.item)
         if run.i == 0 and node.accumulated:  # as the interpreter and the conductor
             ch = next(iter(node.accumulated))
             self._reports.append(
@@ -396,6 +393,5 @@ class LoopStepper(SharedSteps):
         )
 
     def _fail(self, run: LoopRun, error: str) -> None:
-        if self._runs.pop(run.item, None) is not None:
-            self.departed += 1
+        self._depart(run.item)
         self._reports.append(LoopFailed(run.item, error))

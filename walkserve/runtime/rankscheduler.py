@@ -29,9 +29,9 @@ discarded iteration is counted in ``stats().wasted_steps``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from walkserve.runtime.conductor import Conductor, Failed, Finished, Output, StreamItem
 from walkserve.runtime.loopstep import (
@@ -337,8 +337,8 @@ class RankScheduler:
                 continue
             # each run's channel's items at once (the fast lane's held ones: many steps')
             runs: dict[tuple[int, str], tuple[int, list[Any]]] = {}
-            streamed_reps = (r for r in reps if isinstance(r, (LoopStreamed, LoopStreamedRows)))
-            for item, channel, index, values in streamed_items(streamed_reps):
+            group = cast("Iterator[LoopStreamed | LoopStreamedRows]", reps)  # the group's key
+            for item, channel, index, values in streamed_items(group):
                 at = runs.get((item, channel))
                 if at is not None and at[0] + len(at[1]) == index:
                     at[1].extend(values)

@@ -59,7 +59,7 @@ class WorkerInbox:
     _rx: zmq.Socket[bytes]
     _poller: zmq.Poller
     _signal: Any  # select.poll of the socket's fd (``waiting``)
-    _pending: bool = True  # a command was seen waiting since the last ``read``
+    _pending: bool  # a command was seen waiting since the last ``read`` (``waiting``)
     _handlers: dict[type, Callable[[Any], object]]
     _wakes: WakePipe | None = None
     idle_spin_s: float = 0.0  # poll without sleeping this long after the last work
