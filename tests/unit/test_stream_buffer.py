@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from walkserve import testing
 from walkserve.capture import ir
-from walkserve.capture.chunk import EndOfStream, SlidingWindow
+from walkserve.capture.chunk import (
+    ChunkPolicy,
+    EndOfStream,
+    FixedChunk,
+    LeftContext,
+    SlidingWindow,
+)
+from walkserve.capture.chunk import split as chunk_split
 from walkserve.capture.loopsem import LoopError
 from walkserve.runtime.frames import Stream
 from walkserve.runtime.walkspec import StreamSpec
@@ -70,3 +77,65 @@ def test_pieces_of_other_layouts_are_taken_one_by_one() -> None:
     with pytest.raises(LoopError, match="stream 's' carries list, not a tensor"):
         s.extend([torch.zeros(1, 2), [1, 2], torch.zeros(1, 2)])
     assert s.n == 2
+
+
+_POLICIES = st.one_of(
+    st.builds(
+        SlidingWindow, st.integers(1, 6), st.integers(1, 4), st.sampled_from(list(EndOfStream))
+    ),
+    st.builds(FixedChunk, st.integers(1, 5), st.sampled_from(list(EndOfStream))),
+    st.builds(
+        LeftContext, st.integers(0, 4), st.integers(1, 4), st.sampled_from(list(EndOfStream))
+    ),
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    policy=_POLICIES,
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=12),  # items per piece
+    takes=st.lists(st.integers(0, 3), min_size=12, max_size=12),  # chunks taken after each
+)
+def test_chunks_as_the_consumer_takes_them_are_the_whole_sequence_cut(
+    policy: ChunkPolicy, sizes: list[int], takes: list[int]
+) -> None:
+    """Pieces of random sizes arrive, the consumer takes chunks in between (and releases
+    what it no longer needs, as a loop iteration's start does): every chunk is what the policy
+    cuts from the whole sequence. A chunk that joins several pieces replaces them with the
+    joined tensor, so later chunks over those items read it: they must be the same."""
+    whole = torch.arange(sum(sizes), dtype=torch.float32).reshape(1, -1, 1).expand(2, -1, 3)
+    want = [x for x, _ in chunk_split(whole.contiguous(), policy, dim=1)]
+    edge = ir.StreamEdge("s", "loop.acc", "consumer", 1, policy.to_json())
+    s = Stream(StreamSpec(edge, policy, "loop", ir.Accumulated(0, "cat", 1), backpressure=True))
+    got: list[torch.Tensor] = []
+
+    def take(most: int) -> None:
+        while most and len(got) < s.ready():
+            x, _ = s.chunk(len(got))
+            got.append(x.clone())
+            s.release(policy.retain_from(len(got)))
+            most -= 1
+
+    at = 0
+    for k, n in enumerate(sizes):
+        s.append(whole[:, at : at + n].contiguous())
+        at += n
+        take(takes[k])
+    s.finished = True
+    take(-1)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), i
+
+
+def test_a_later_piece_that_does_not_join_fails_only_the_chunk_that_reads_it() -> None:
+    """A chunk joining pieces joins the later ones too where they fit; a later piece of
+    another shape leaves the chunk as it was, and fails the chunk that reads it."""
+    s = _stream("cat", 1)  # SlidingWindow(4, 2, PAD)
+    for p in [torch.zeros(1, 2), torch.ones(1, 2), torch.ones(2, 2)]:
+        s.append(p)
+    x, _ = s.chunk(0)
+    assert torch.equal(x, torch.tensor([[0.0, 0.0, 1.0, 1.0]]))
+    s.release(s.spec.policy.retain_from(1))
+    with pytest.raises(RuntimeError):
+        s.chunk(1)

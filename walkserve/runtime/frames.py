@@ -99,18 +99,40 @@ class Stream:
     def chunk(self, i: int) -> tuple[torch.Tensor, ChunkSpan]:
         """Chunk ``i`` cut from the retained pieces (``ready() > i``)."""
         span = self.spec.policy.span(i, self.n, self.finished)
+        first = -1  # the first piece the chunk reads
         parts: list[torch.Tensor] = []
         offset = pos = self.base
-        for piece, size in zip(self.pieces, self.sizes):
+        for k, (piece, size) in enumerate(zip(self.pieces, self.sizes)):
             if pos + size <= span.start:
                 offset = pos + size
             elif pos < span.stop:
+                first = k if first < 0 else first
                 parts.append(piece)
             pos += size
         if span.start < self.base or not parts:
             raise LoopError(f"stream {self.spec.edge.name!r} released chunk {i}'s items")
-        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+        if len(parts) == 1:
+            x = parts[0]
+        else:
+            x = self._join(first, parts)
         return take(x, span, self.dim, self.spec.policy.pad_value, offset), span
+
+    def _join(self, first: int, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The pieces from ``first`` on as one tensor, which replaces them (the chunks after
+        this one, which overlap it or lie in the pieces already here, are cut out of it
+        instead of joining single items again: a token stream's windows); where the later
+        pieces do not join, the chunk's ``parts`` alone."""
+        pieces = list(self.pieces)
+        try:
+            x = torch.cat(pieces[first:], dim=self.dim)
+            end = len(pieces)
+        except RuntimeError:  # a later piece of another shape: said when a chunk reads it
+            x = torch.cat(parts, dim=self.dim)
+            end = first + len(parts)
+        sizes = list(self.sizes)
+        self.pieces = deque([*pieces[:first], x, *pieces[end:]])
+        self.sizes = deque([*sizes[:first], sum(sizes[first:end]), *sizes[end:]])
+        return x
 
     def release(self, before: int) -> None:
         """Drop items ``< before``; a piece cut in two keeps a copy of its tail only."""
@@ -163,6 +185,7 @@ class Frame:
     alive: bool = True
     dispatched: int = 0
     error: str | None = None
+    quiet: bool = False  # nothing to pump until its items end (a flat loop's iteration)
 
     def done(self) -> bool:
         return not (

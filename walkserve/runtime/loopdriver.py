@@ -216,12 +216,15 @@ class LoopDriver:
         changed = self._settle(req, run)
         if run not in run.parent.runs:
             return changed
-        for sub in list(run.frames.values()):
-            if sub.alive:
-                changed |= self._pump(req, sub)
-        if self._can_start(req, run):
-            self._start_iteration(run)
+        flat = run.spec.flat
+        while self._can_start(req, run):  # every iteration that may start: a map's windows
+            frame = self._start_iteration(run)
+            if flat and self._pump(req, frame) and not any(frame.todo.values()):
+                frame.quiet = True  # its one node dispatched: nothing to pump until it ends
             changed = True
+        for sub in list(run.frames.values()):
+            if sub.alive and not sub.quiet:
+                changed |= self._pump(req, sub)
         return self._settle(req, run) or changed
 
     def _can_start(self, req: RequestState, run: LoopRun) -> bool:
@@ -256,7 +259,7 @@ class LoopDriver:
                     return False
         return True
 
-    def _start_iteration(self, run: LoopRun) -> None:
+    def _start_iteration(self, run: LoopRun) -> Frame:
         ls, i, parent = run.spec, run.started, run.parent
         node = ls.node
         prev = run.frames.get(i - 1)
@@ -291,6 +294,7 @@ class LoopDriver:
         frame.speculative = speculative
         run.frames[i] = frame
         run.started += 1
+        return frame
 
     def _settle(self, req: RequestState, run: LoopRun) -> bool:
         """Evaluate stops in order, commit complete iterations in order, finish the loop."""

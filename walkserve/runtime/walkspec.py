@@ -81,6 +81,14 @@ class LoopSpec:
         carried = any(isinstance(p.role, ir.Carried) for p in node.params)
         return MAP_AHEAD if self.speculative and not carried and node.stop is None else 2
 
+    @functools.cached_property
+    def flat(self) -> bool:
+        """Its body is one node and nothing else (no loop, region or stream inside): an
+        iteration's frame has all it reads when it starts, so its node is dispatched then, and
+        the frame has nothing more to do until the item completes (it is not pumped again)."""
+        body = self.body
+        return len(body.nodes) == 1 and not (body.loops or body.regions or body.streams)
+
 
 @dataclass(eq=False)
 class BlockSpec:
