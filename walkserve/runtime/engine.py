@@ -45,6 +45,7 @@ import torch
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.runtime import messages as m
 from walkserve.runtime.rankreports import (
+    Lane,
     NodeBatchDone,
     RegionConsumed,
     RegionDone,
@@ -300,20 +301,26 @@ class EngineLoop:
         """Run ``steps``, then the fast lane. (A method, so that no step outlives it: a
         finished step must not keep its values, such as a KV cache whose pages its release
         frees.)"""
+        if len(steps) == 1 and (lane := self.scheduler.lane_of(steps[0])) is not None:
+            self._lane(stopping, lane)  # a loop just started, alone: its first step too
+            return
         for step in steps:
             self._step(step)
         if steps:
             self._lane(stopping)
 
-    def _lane(self, stopping: threading.Event) -> None:
+    def _lane(self, stopping: threading.Event, lane: Lane | None = None) -> None:
         """The fast lane: a lone cohort steps back to back while no command waits, each step
-        one runner call and one commit (``RankScheduler.lane``)."""
+        one runner call and one commit (``RankScheduler.lane``); ``lane``: one that took over
+        the pass's step (``RankScheduler.lane_of``), whose first step is made whatever
+        waits."""
         commands, inbox = self._commands, self._inbox
-        lane = self.scheduler.lane()
-        if lane is None or not commands.empty() or stopping.is_set():
-            return
-        if inbox is not None and inbox.waiting():
-            return
+        if lane is None:
+            lane = self.scheduler.lane()
+            if lane is None or not commands.empty() or stopping.is_set():
+                return
+            if inbox is not None and inbox.waiting():
+                return
         commit, call = lane.commit, lane.call
         with self.runner.lane(lane.walk, lane.node, lane.item) as run:
             while True:

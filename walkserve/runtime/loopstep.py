@@ -238,6 +238,20 @@ class LoopStepper(SharedSteps):
             return None  # a run outside it, or one its consumers' credit now limits
         return band
 
+    def lane_of(self, item_id: int) -> Band | None:
+        """The lone cohort whose step ``schedule`` just handed out as runner item ``item_id``
+        (that step alone), taken back for the fast lane, which makes that step as its first
+        (and counts it); None, nothing taken back, where ``lane`` would not give it."""
+        band = self._banded.pop(item_id, None)
+        if band is None:
+            return None
+        if self.lane() is not band:
+            self._banded[item_id] = band
+            return None
+        self.steps -= 1  # schedule's count of it: lane_step counts it
+        self.cohort_steps -= 1
+        return band
+
     def lane_item(self, band: Band) -> RunItem:
         """The runner item of ``band``'s steps, less its call (each step's is
         ``band.cohort.call()``)."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from walkserve.runtime.conductor import Conductor, Failed, Finished, Output, StreamItem
+from walkserve.runtime.loopshare import Band
 from walkserve.runtime.loopstep import (
     LoopDone,
     LoopFailed,
@@ -238,8 +239,24 @@ class RankScheduler:
         if not self._settled or self._external:
             return None
         band = self.loops.lane()
+        return None if band is None else self._lane(band)
+
+    def lane_of(self, step: Step) -> Lane | None:
+        """``lane``, taking over ``step``: ``schedule``'s only step, a lone cohort's (its
+        first, as a loop just started makes it), which the lane then makes as its first
+        instead of the engine running it as a step; None (``step`` is to be run) otherwise."""
+        if not step.loops or len(step.items) != 1 or not self._settled or self._external:
+            return None
+        band = self.loops.lane_of(step.items[0].id)
         if band is None:
             return None
+        n = len(band.runs)  # schedule's count of it (``_count_batch``): each commit counts
+        self.batch_sizes[n] -= 1
+        if not self.batch_sizes[n]:
+            del self.batch_sizes[n]
+        return self._lane(band)
+
+    def _lane(self, band: Band) -> Lane:
         item = self.loops.lane_item(band)
         sizes, n, loops = self.batch_sizes, item.joined, self.loops
         # streamed items that may wait until the lane ends (``RegionItems.deferrable``): given
