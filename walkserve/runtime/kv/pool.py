@@ -1,8 +1,9 @@
 """The paged KV pool: one preallocated K and one V tensor, and the page bookkeeping over them.
 
-Owns the two tensors (allocated once, never reallocated), page reference counts, the free list,
-one block table per sequence, copy-on-write, and, through ``PrefixCache`` (``prefix.py``), the
-reuse of full pages across requests. It does no attention math and knows no model.
+Owns the two tensors (allocated once, never reallocated), one block table per sequence,
+copy-on-write, and, through ``PrefixCache`` (``prefix.py``), the reuse of full pages across
+requests; page reference counts and the free list are its ``PageAllocator``'s (``pages.py``). It
+does no attention math and knows no model.
 
 What crosses its boundary:
 
@@ -41,15 +42,8 @@ identity over the same pool ("cond", "uncond", "image" contexts of one guided wa
 labelled context gets paging, forking and prefix reuse instead of a dense per-context cache.
 ``free_request``/``preempt`` act on all labels of a request.
 
-Page lifecycle; ``ref`` counts the block-table entries naming a page::
-
-    free --take--> in use (ref >= 1) --last release, unregistered--> free
-                     ^        |
-          prefix hit |        | last release of a page registered in the prefix cache
-                     |        v
-                   cached, evictable (LRU) --evicted when no page is free--> taken again
-
-    pages_in_use + pages_free + pages_cached == num_pages, always.
+Pages are free, in use (named by block-table entries) or cached and evictable; ``pages.py``
+draws their lifecycle. ``pages_in_use + pages_free + pages_cached == num_pages``, always.
 
 Copy-on-write: ``fork`` shares every page (ref + 1). A page is written in place only while its
 one reference is the writer's and it is not registered in the prefix cache; otherwise the
@@ -78,10 +72,10 @@ from dataclasses import dataclass
 
 import torch
 
+from walkserve.runtime.kv.pages import PageAllocator
 from walkserve.runtime.kv.pool_types import (
     BlockTable,
     KVPoolConfig,
-    PoolExhausted,
     PoolStats,
     Positions,
     SeqId,
@@ -139,12 +133,10 @@ class KVPool:
         )
         self.k = torch.zeros(self.config.shape, dtype=dtype, device=device)  # [L, P, S, H, D]
         self.v = torch.zeros(self.config.v_shape, dtype=dtype, device=device)  # [L, P, S, H, Dv]
-        self._ref = [0] * num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest id pops first
-        self._in_use = 0
         self._seqs: dict[SeqId, _Seq] = {}
         self._labels: dict[str, list[str]] = {}  # request id -> its labels, in creation order
         self._prefix = PrefixCache()
+        self._pages = PageAllocator(num_pages, self._prefix)
         self._cow_copies = 0
 
     # ---------------------------------------------------------------------- sizes
@@ -170,22 +162,22 @@ class KVPool:
 
     @property
     def pages_in_use(self) -> int:
-        return self._in_use
+        return self._pages.num_in_use
 
     @property
     def pages_free(self) -> int:
         """Pages holding nothing; evictable cached pages are not counted (``pages_cached``)."""
-        return len(self._free)
+        return self._pages.num_free
 
     @property
     def pages_cached(self) -> int:
         """Pages nobody references, kept for prefix hits; reclaimed LRU when needed."""
-        return self._prefix.num_evictable
+        return self._pages.num_cached
 
     @property
     def pages_available(self) -> int:
         """Pages an allocation can get now: free plus evictable."""
-        return self.pages_free + self.pages_cached
+        return self._pages.num_available
 
     def can_allocate(self, n_pages: int) -> bool:
         """Admission check: would ``n_pages`` new pages fit (evicting cached pages if needed)?"""
@@ -197,7 +189,7 @@ class KVPool:
         return frozenset(p for lb in labels for p in self._seqs[SeqId(request_id, lb)].live())
 
     def ref_count(self, page: int) -> int:
-        return self._ref[page]
+        return self._pages.ref_count(page)
 
     def is_cached(self, page: int) -> bool:
         """Is ``page`` registered in the prefix cache (referenced or evictable)?"""
@@ -271,9 +263,10 @@ class KVPool:
         looked_up = keys[:limit]
         hits = self._prefix.lookup(looked_up)
         n_new = self.pages_for(len(ids)) - len(hits)
-        self._require(n_new, reviving=sum(1 for p in hits if self._ref[p] == 0))
+        reviving = sum(1 for p in hits if self._pages.ref_count(p) == 0)
+        self._pages.require(n_new, reviving=reviving)
         for page in hits:  # before taking: a revived page must not be evicted for ourselves
-            self._retain(page)
+            self._pages.retain(page)
         pages = hits + self._take(n_new)
         self._prefix.record(hits=len(hits), misses=len(looked_up) - len(hits))
         self._add(key, _Seq(pages, len(ids), [*keys]))
@@ -320,7 +313,7 @@ class KVPool:
         stop = min(n_pages, len(s.pages) - 1)
         released = 0
         for index in range(s.first, stop):
-            self._release(s.pages[index])
+            self._pages.release(s.pages[index])
             s.pages[index] = FREED
             released += 1
         s.first = max(s.first, stop)
@@ -344,7 +337,7 @@ class KVPool:
             return []
         cow = 1 if self._tail_needs_copy(s) else 0
         grow = self.pages_for(s.num_tokens + n_tokens) - len(s.pages)
-        self._require(cow + grow)
+        self._pages.require(cow + grow)
         if cow:
             self._copy_page(s, len(s.pages) - 1)
         s.pages += self._take(grow)
@@ -356,7 +349,7 @@ class KVPool:
         s = self._get(src)
         key = self._check_new(dst)
         for page in s.live():
-            self._retain(page)
+            self._pages.retain(page)
         self._add(key, _Seq(list(s.pages), s.num_tokens, list(s.keys), s.computed, s.first))
 
     def copy_on_write(self, seq: tuple[str, str]) -> list[tuple[int, int]]:
@@ -365,7 +358,7 @@ class KVPool:
         s = self._get(seq)
         if not self._tail_needs_copy(s):
             return []
-        self._require(1)
+        self._pages.require(1)
         return [self._copy_page(s, len(s.pages) - 1)]
 
     def free(self, seq: tuple[str, str]) -> None:
@@ -379,7 +372,7 @@ class KVPool:
         if not labels:
             del self._labels[key.request_id]
         for page in reversed(s.live()):  # the tail becomes least recently used: evicted first
-            self._release(page)
+            self._pages.release(page)
 
     def free_request(self, request_id: str) -> int:
         """Free every label of a request (idempotent: 0 when it holds nothing). Returns how
@@ -430,8 +423,8 @@ class KVPool:
                 f"{list(v.shape)}"
             )
         indices = sorted({p // self.page_size for p in pos})
-        to_copy = [i for i in indices if self._needs_copy(s.pages[i])]
-        self._require(len(to_copy))
+        to_copy = [i for i in indices if self._pages.needs_copy(s.pages[i])]
+        self._pages.require(len(to_copy))
         for index in to_copy:
             self._copy_page(s, index)
         for p in pos:  # K/V declared computed is being rewritten: never register that page
@@ -454,51 +447,21 @@ class KVPool:
 
     # ---------------------------------------------------------------------- pages
 
-    def _require(self, n_pages: int, reviving: int = 0) -> None:
-        """Raise unless ``n_pages`` can be taken after ``reviving`` evictable pages are
-        re-referenced (they stop being obtainable)."""
-        obtainable = self.pages_available - reviving
-        if n_pages > obtainable:
-            raise PoolExhausted(needed=n_pages, free=obtainable)
-
     def _take(self, n_pages: int) -> list[int]:
-        """``n_pages`` pages with ref 1: free ones first, then evicted cached ones (LRU).
-        Their K/V are zeroed (all layers): attention kernels may read a page's slots past the
-        sequence's end (masked), and those must never hold what an earlier owner left there
-        (a NaN of a broken request would poison masked sums)."""
-        self._require(n_pages)
-        pages = [self._free.pop() if self._free else self._prefix.evict() for _ in range(n_pages)]
-        for page in pages:
-            self._ref[page] = 1
-        self._in_use += n_pages
+        """``n_pages`` pages with ref 1 (``PageAllocator.take``). Their K/V are zeroed (all
+        layers): attention kernels may read a page's slots past the sequence's end (masked), and
+        those must never hold what an earlier owner left there (a NaN of a broken request would
+        poison masked sums)."""
+        pages = self._pages.take(n_pages)
         if pages:
             index = torch.tensor(pages, dtype=torch.int64, device=self.k.device)
             self.k.index_fill_(1, index, 0)
             self.v.index_fill_(1, index, 0)
         return pages
 
-    def _retain(self, page: int) -> None:
-        if self._ref[page] == 0:
-            self._prefix.unpark(page)
-            self._in_use += 1
-        self._ref[page] += 1
-
-    def _release(self, page: int) -> None:
-        self._ref[page] -= 1
-        if self._ref[page] > 0:
-            return
-        self._in_use -= 1
-        if self._prefix.is_registered(page):
-            self._prefix.park(page)
-        else:
-            self._free.append(page)
-
-    def _needs_copy(self, page: int) -> bool:
-        return self._ref[page] > 1 or self._prefix.is_registered(page)
-
     def _tail_needs_copy(self, s: _Seq) -> bool:
         partial = s.num_tokens % self.page_size != 0
-        return partial and self._needs_copy(s.pages[-1])
+        return partial and self._pages.needs_copy(s.pages[-1])
 
     def _copy_page(self, s: _Seq, index: int) -> tuple[int, int]:
         """Give ``s`` a private copy of its page ``index`` (caller checked one page is free)."""
@@ -509,7 +472,7 @@ class KVPool:
         s.pages[index] = dst
         if index < len(s.keys):
             s.keys[index] = None  # conservative: a private copy is never registered
-        self._release(src)
+        self._pages.release(src)
         self._cow_copies += 1
         return src, dst
 
