@@ -1,9 +1,9 @@
-"""The paged KV pool: one preallocated K and one V tensor, and the page bookkeeping over them.
+"""The paged KV pool: block tables of sequences over one preallocated set of K/V pages.
 
-Owns the two tensors (allocated once, never reallocated), one block table per sequence,
-copy-on-write, and, through ``PrefixCache`` (``prefix.py``), the reuse of full pages across
-requests; page reference counts and the free list are its ``PageAllocator``'s (``pages.py``). It
-does no attention math and knows no model.
+Owns one block table per sequence, copy-on-write, and, through ``PrefixCache`` (``prefix.py``),
+the reuse of full pages across requests. Page reference counts and the free list are its
+``PageAllocator``'s (``pages.py``); the K and V tensors, their layout and the index math into
+them are its ``PageTensors``' (``page_tensors.py``). It does no attention math and knows no model.
 
 What crosses its boundary:
 
@@ -15,22 +15,10 @@ What crosses its boundary:
 - tensors only through ``write``/``gather`` (tests and the CPU attention reference); engines
   index ``pool.k``/``pool.v`` with slots themselves.
 
-Layout (S = page_size, P = num_pages, L = num_layers)::
-
-    k: [L, P, S, kv_heads, head_dim]      v: [L, P, S, kv_heads, v_head_dim]
-
-             page 0               page 1               page P-1
-    layer 0  [s0|s1|...|s(S-1)]   [s0|s1|...|s(S-1)]   ...  [s0|...|s(S-1)]
-    layer 1  [s0|s1|...|s(S-1)]   [s0|s1|...|s(S-1)]   ...
-    ...                           each slot s: [kv_heads, head_dim]
-
-    token t of a sequence with block table pages=[7, 2, 9] (S = 4, 10 tokens):
-        page = pages[t // S], offset = t % S, flat slot = page * S + offset
-        tokens 0-3 -> page 7, 4-7 -> page 2, 8-9 -> page 9 offsets 0-1 (offsets 2-3 unused)
-
-A page id means the same slots in every layer, so one block table serves all layers. Layers
-whose pages live differently (sliding-window layers next to full ones) get pools of their own
-(``layer_groups.GroupedKVPool``).
+Token t of a sequence is at ``Slot(pages[t // page_size], t % page_size)`` of its block table
+(``page_tensors.py`` draws the layout). A page id means the same slots in every layer, so one
+block table serves all layers. Layers whose pages live differently (sliding-window layers next
+to full ones) get pools of their own (``layer_groups.GroupedKVPool``).
 
 Freeing leading pages (sliding windows): ``release_leading(seq, n)`` drops a sequence's first
 ``n`` logical pages, which no query will read again; its block table then starts at logical page
@@ -72,6 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
+from walkserve.runtime.kv.page_tensors import PageTensors
 from walkserve.runtime.kv.pages import PageAllocator
 from walkserve.runtime.kv.pool_types import (
     BlockTable,
@@ -131,8 +120,9 @@ class KVPool:
             torch.device(device),
             v_head_dim,
         )
-        self.k = torch.zeros(self.config.shape, dtype=dtype, device=device)  # [L, P, S, H, D]
-        self.v = torch.zeros(self.config.v_shape, dtype=dtype, device=device)  # [L, P, S, H, Dv]
+        self._tensors = PageTensors(self.config, device)
+        self.k = self._tensors.k  # [L, P, S, kv_heads, head_dim]
+        self.v = self._tensors.v  # [L, P, S, kv_heads, v_head_dim]
         self._seqs: dict[SeqId, _Seq] = {}
         self._labels: dict[str, list[str]] = {}  # request id -> its labels, in creation order
         self._prefix = PrefixCache()
@@ -152,7 +142,7 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         """Bytes of K and V: ``2 * layers * pages * page_size * heads * dim * itemsize``."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return self._tensors.nbytes
 
     def pages_for(self, n_tokens: int) -> int:
         """Pages that hold ``n_tokens`` tokens."""
@@ -414,14 +404,8 @@ class KVPool:
         that are shared or cached are copied first, so no other sequence sees the write."""
         s = self._get(seq)
         pos = self._check_positions(s, positions)
-        self._check_layer(layer)
-        want_k = (len(pos), self.config.kv_heads, self.config.head_dim)
-        want_v = (len(pos), self.config.kv_heads, self.config.value_dim)
-        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
-            raise ValueError(
-                f"k and v must be {list(want_k)}, {list(want_v)}, got {list(k.shape)}, "
-                f"{list(v.shape)}"
-            )
+        self._tensors.check_layer(layer)
+        self._tensors.check_kv(len(pos), k, v)
         indices = sorted({p // self.page_size for p in pos})
         to_copy = [i for i in indices if self._pages.needs_copy(s.pages[i])]
         self._pages.require(len(to_copy))
@@ -430,19 +414,15 @@ class KVPool:
         for p in pos:  # K/V declared computed is being rewritten: never register that page
             if p < s.computed and p // self.page_size < len(s.keys):
                 s.keys[p // self.page_size] = None
-        flat = self._flat(s, pos)
-        self._layer_view(self.k, layer).index_copy_(0, flat, k.to(self.k))
-        self._layer_view(self.v, layer).index_copy_(0, flat, v.to(self.v))
+        self._tensors.write(layer, self._flat(s, pos), k, v)
 
     def gather(self, seq: tuple[str, str], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense copies of ``seq``'s K and V in one layer (its live positions: from
         ``first_page * page_size`` on): ``[T, kv_heads, head_dim]``, ``[T, kv_heads, v_head_dim]``."""
         s = self._get(seq)
-        self._check_layer(layer)
-        flat = self._flat(s, range(s.first * self.page_size, s.num_tokens))
-        return (
-            self._layer_view(self.k, layer).index_select(0, flat),
-            self._layer_view(self.v, layer).index_select(0, flat),
+        self._tensors.check_layer(layer)
+        return self._tensors.gather(
+            layer, self._flat(s, range(s.first * self.page_size, s.num_tokens))
         )
 
     # ---------------------------------------------------------------------- pages
@@ -453,10 +433,7 @@ class KVPool:
         those must never hold what an earlier owner left there (a NaN of a broken request would
         poison masked sums)."""
         pages = self._pages.take(n_pages)
-        if pages:
-            index = torch.tensor(pages, dtype=torch.int64, device=self.k.device)
-            self.k.index_fill_(1, index, 0)
-            self.v.index_fill_(1, index, 0)
+        self._tensors.zero(pages)
         return pages
 
     def _tail_needs_copy(self, s: _Seq) -> bool:
@@ -467,8 +444,7 @@ class KVPool:
         """Give ``s`` a private copy of its page ``index`` (caller checked one page is free)."""
         src = s.pages[index]
         (dst,) = self._take(1)
-        self.k[:, dst].copy_(self.k[:, src])
-        self.v[:, dst].copy_(self.v[:, src])
+        self._tensors.copy(src, dst)
         s.pages[index] = dst
         if index < len(s.keys):
             s.keys[index] = None  # conservative: a private copy is never registered
@@ -502,16 +478,7 @@ class KVPool:
 
     def _flat(self, s: _Seq, positions: Sequence[int]) -> torch.Tensor:
         size = self.page_size
-        flat = [s.pages[t // size] * size + t % size for t in positions]
-        return torch.tensor(flat, dtype=torch.long, device=self.k.device)
-
-    def _layer_view(self, pool: torch.Tensor, layer: int) -> torch.Tensor:
-        """``pool[layer]`` as ``[num_pages * page_size, kv_heads, dim]`` (a view)."""
-        return pool[layer].view(-1, self.config.kv_heads, pool.shape[-1])
-
-    def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.config.num_layers:
-            raise ValueError(f"layer must be in [0, {self.config.num_layers}), got {layer}")
+        return self._tensors.flat_index([s.pages[t // size] * size + t % size for t in positions])
 
     def _check_positions(self, s: _Seq, positions: Positions) -> list[int]:
         pos = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
