@@ -71,6 +71,7 @@ def requests(n: int, steps: int) -> list[dict[str, Any]]:
 
 def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     from walkserve.adapters import diffusers_dit as D
+    from walkserve.adapters.diffusers_upstream import pipeline_image
 
     walks, _ = D.bench()
     reqs = requests(args.requests, args.steps)
@@ -78,7 +79,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     def one(r: dict[str, Any]) -> tuple[float, torch.Tensor]:
         start = time.perf_counter()
         inputs = D.request_inputs(walks, **r)
-        image = D.pipeline_image(walks, inputs, **r)
+        image = pipeline_image(walks, inputs, **r)
         return time.perf_counter() - start, image
 
     one(requests(1, 1)[0])  # first-call costs stay out of the timing
@@ -93,6 +94,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_served(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     from walkserve.adapters import diffusers_dit as D
+    from walkserve.adapters.diffusers_upstream import pipeline_image
     from walkserve.runtime.server import serve
 
     walks, _ = D.bench()
@@ -114,7 +116,7 @@ def run_served(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
         with ThreadPoolExecutor(4) as pool:  # 4 in flight at all times
             list(pool.map(one, inputs))
         throughput = len(inputs) / (time.perf_counter() - start)
-    want = D.pipeline_image(walks, inputs[0], **reqs[0])
+    want = pipeline_image(walks, inputs[0], **reqs[0])
     summary = summarize(latencies, one_step, throughput, args.steps)
     summary["max_error_vs_pipeline"] = (results[0][1] - want).abs().max().item()
     return summary

@@ -62,7 +62,8 @@ def timed(fn: Any, repeats: int) -> float:
 
 
 def bench_shm(quick: bool) -> dict[int, float]:
-    from walkserve.runtime.shm import ShmPool, ShmPoolConfig, ShmReader
+    from walkserve.runtime.shm import ShmPool, ShmPoolConfig
+    from walkserve.runtime.shmreader import ShmReader
     from walkserve.runtime.transport import ShmTransport
 
     pool = ShmPool(ShmPoolConfig(max_slot_bytes=128 * MiB, slots_per_class=2))

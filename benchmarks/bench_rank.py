@@ -114,7 +114,8 @@ def bench(name: str, batches: int) -> dict[str, Any]:
     from walkserve.runtime.rankscheduler import RankScheduler
     from walkserve.runtime.regionwalk import region_walks
     from walkserve.runtime.runner import NodeRunner
-    from walkserve.runtime.shm import ShmPool, ShmReader
+    from walkserve.runtime.shm import ShmPool
+    from walkserve.runtime.shmreader import ShmReader
     from walkserve.runtime.transport import ObjectStore, ShmTransport
 
     factory, walk, inputs, length = CASES[name]

@@ -45,7 +45,8 @@ if importlib.util.find_spec("walkserve") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from walkserve.runtime.messages import Ack, AttachPools, RunNode, Shutdown, decode, encode
-from walkserve.runtime.shm import MiB, ShmHandle, ShmPool, ShmPoolConfig, ShmReader
+from walkserve.runtime.shm import MiB, ShmHandle, ShmPool, ShmPoolConfig
+from walkserve.runtime.shmreader import ShmReader
 
 SIZES = {"1 KiB": 1 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
 MODES = ("copy", "into", "view")

@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 
 from walkserve import capture
 from walkserve.adapters import diffusers_dit as D
+from walkserve.adapters.diffusers_upstream import pipeline_edit_image, pipeline_image
 from walkserve.adapters.registry import capture_model, profile_for
 from walkserve.api import imagecodec, media
 from walkserve.api.app import create_app
@@ -78,12 +79,12 @@ def check_concurrent(server: Server, reference: Any) -> None:
     for handle, r, (prompt, seed, steps, g) in zip(handles, reqs, REQUESTS, strict=True):
         got = handle.result(timeout=120)
         assert_outputs_match(got, captured.run(r, walk="generate"))
-        want = D.pipeline_image(walks, r, prompt, seed=seed, steps=steps, guidance_scale=g)
+        want = pipeline_image(walks, r, prompt, seed=seed, steps=steps, guidance_scale=g)
         assert (got["image"] - want).abs().max().item() <= TOLERANCE
     for handle, r, (prompt, seed, steps, strength) in zip(edit_handles, edits, EDITS, strict=True):
         got = handle.result(timeout=120)
         assert_outputs_match(got, captured.run(r, walk="edit"))
-        want = D.pipeline_edit_image(
+        want = pipeline_edit_image(
             walks, prompt, edit_image(seed), seed=seed, steps=steps, strength=strength
         )
         assert (got["image"] - want).abs().max().item() <= TOLERANCE
@@ -112,7 +113,7 @@ def test_images_generations_route(one_rank: Server, reference: Any) -> None:
     got = media.image_to_uint8(imagecodec.decode(png, PIXELS))  # [H, W, 3]
     # The route's defaults: negative prompt "", 4 steps, guidance 5, latents from the seed.
     inputs = D.request_inputs(walks, "a cat", seed=9, steps=4, guidance_scale=5.0)
-    want = D.pipeline_image(walks, inputs, "a cat", seed=9, steps=4, guidance_scale=5.0)[0]
+    want = pipeline_image(walks, inputs, "a cat", seed=9, steps=4, guidance_scale=5.0)[0]
     expected = media.image_to_uint8(want * 2 - 1)  # [H, W, 3]
     # 8-bit pixels: equal up to one level where a value sits on a rounding boundary.
     assert (got.int() - expected.int()).abs().max().item() <= 1
@@ -133,7 +134,7 @@ def test_images_edits_route(one_rank: Server, reference: Any) -> None:
     out = base64.b64decode(r.json()["data"][0]["b64_json"])
     got = media.image_to_uint8(imagecodec.decode(out, PIXELS))
     # The route's defaults: negative prompt "", 4 steps, strength 0.6, guidance 5.
-    want = D.pipeline_edit_image(
+    want = pipeline_edit_image(
         walks, "make it blue", image01, seed=4, steps=4, strength=0.6, guidance_scale=5.0
     )[0]
     expected = media.image_to_uint8(want * 2 - 1)  # [H, W, 3]

@@ -42,8 +42,8 @@ from walkserve.runtime.shm import (
     ShmHandle,
     ShmPool,
     ShmPoolConfig,
-    ShmReader,
 )
+from walkserve.runtime.shmreader import ShmReader
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
 

@@ -34,7 +34,7 @@ from walkserve.lowering.batched import Deferred  # noqa: E402
 from walkserve.lowering.memory import _shard_bytes  # noqa: E402
 from walkserve.runtime.kv import hf  # noqa: E402
 from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig  # noqa: E402
-from walkserve.runtime.kv.pool import SeqId  # noqa: E402
+from walkserve.runtime.kv.pool_types import SeqId  # noqa: E402
 from walkserve.runtime.tp.group import Rendezvous, TPGroup, TPGroupSpec, TPSetup  # noqa: E402
 from walkserve.runtime.tp.runner import TPGroupError, TPRunner  # noqa: E402
 from walkserve.runtime.tp.shard import load_sharded  # noqa: E402

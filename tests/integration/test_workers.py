@@ -43,7 +43,8 @@ from walkserve.runtime.pool import (
     WorkerStartError,
 )
 from walkserve.runtime.runner import NodeRunner, RunItem
-from walkserve.runtime.shm import KiB, ShmHandle, ShmPool, ShmPoolConfig, ShmReader
+from walkserve.runtime.shm import KiB, ShmHandle, ShmPool, ShmPoolConfig
+from walkserve.runtime.shmreader import ShmReader
 from walkserve.runtime.tensorcodec import from_bytes, to_bytes
 from walkserve.runtime.transport import (
     LocalTransport,

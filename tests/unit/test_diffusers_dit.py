@@ -22,6 +22,8 @@ import torch
 
 from walkserve import capture
 from walkserve.adapters import diffusers_dit as D
+from walkserve.adapters.diffusers_tiny import tiny_pipeline
+from walkserve.adapters.diffusers_upstream import pipeline_edit_image, pipeline_image
 from walkserve.adapters.registry import profile_for
 from walkserve.capture import ir
 from walkserve.capture.sections import parallel_groups
@@ -49,7 +51,7 @@ def test_walk_image_equals_the_pipeline(
     kw = dict(negative_prompt=negative, seed=seed, steps=steps, guidance_scale=guidance, size=size)
     inputs = D.request_inputs(walks, prompt, **kw)
     got = captured.run(inputs, walk="generate")["image"]  # the reference interpreter
-    want = D.pipeline_image(walks, inputs, prompt, **kw)
+    want = pipeline_image(walks, inputs, prompt, **kw)
     assert got.shape == want.shape == (1, 3, size or 32, size or 32)
     assert got.min() >= 0 and got.max() <= 1
     error = (got - want).abs().max().item()
@@ -76,7 +78,7 @@ def test_edit_walk_equals_the_img2img_pipeline(
     kw = dict(seed=seed, steps=steps, strength=strength, guidance_scale=guidance)
     inputs = D.edit_inputs(walks, "make it blue", image, **kw)
     got = captured.run(inputs, walk="edit")["image"]
-    want = D.pipeline_edit_image(walks, "make it blue", image, **kw)
+    want = pipeline_edit_image(walks, "make it blue", image, **kw)
     error = (got - want).abs().max().item()
     assert error <= TOLERANCE, error
     assert torch.equal(got, walks.edit(**inputs)["image"])
@@ -88,7 +90,7 @@ def test_edit_walk_equals_the_img2img_pipeline(
 def test_the_tolerance_separates_right_from_wrong(tiny: Any) -> None:
     walks, _, captured = tiny
     base = D.request_inputs(walks, "a red square", seed=0, steps=2)
-    want = D.pipeline_image(walks, base, "a red square", seed=0, steps=2)
+    want = pipeline_image(walks, base, "a red square", seed=0, steps=2)
     for change in (
         dict(seed=1, steps=2),
         dict(seed=0, steps=3),
@@ -149,7 +151,7 @@ def test_request_inputs_match_the_pipeline_and_refuse_bad_values(tiny: Any) -> N
 
 
 def test_refuses_a_t5_encoder_and_a_stochastic_scheduler() -> None:
-    pipe = D.tiny_pipeline()
+    pipe = tiny_pipeline()
     pipe.text_encoder_3 = torch.nn.Linear(1, 1)
     with pytest.raises(ValueError, match="text_encoder_3=None"):
         D.SD3Walks(pipe)

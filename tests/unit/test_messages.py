@@ -28,7 +28,8 @@ from walkserve.runtime.messages import (
     decode,
     encode,
 )
-from walkserve.runtime.shm import KiB, ShmHandle, ShmPool, ShmPoolConfig, ShmReader
+from walkserve.runtime.shm import KiB, ShmHandle, ShmPool, ShmPoolConfig
+from walkserve.runtime.shmreader import ShmReader
 from walkserve.runtime.tensorcodec import TensorHeader, from_bytes, to_bytes
 
 HEADER = TensorHeader("float32", (2, 3), 24)

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from walkserve.runtime.kv import hf  # noqa: E402
 from walkserve.runtime.kv.engine import PagedLMEngine  # noqa: E402
-from walkserve.runtime.kv.pool import SeqId  # noqa: E402
+from walkserve.runtime.kv.pool_types import SeqId  # noqa: E402
 
 EOS = 5
 ARCHS = ["llama", "qwen2", "qwen3"]

@@ -12,7 +12,7 @@ import zmq
 
 from walkserve.runtime.messages import ObjectRef
 from walkserve.runtime.peers import PeerClient, PeerError, peer_address
-from walkserve.runtime.shm import ShmReader
+from walkserve.runtime.shmreader import ShmReader
 
 
 def test_a_peer_fetch_keeps_calling_on_wait_until_it_gives_up() -> None:

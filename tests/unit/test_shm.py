@@ -37,9 +37,9 @@ from walkserve.runtime.shm import (
     ShmPool,
     ShmPoolConfig,
     ShmPoolSpec,
-    ShmReader,
     StaleHandle,
 )
+from walkserve.runtime.shmreader import ShmReader
 from walkserve.runtime.tensorcodec import TensorHeader
 
 SMALL = ShmPoolConfig(

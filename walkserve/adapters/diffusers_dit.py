@@ -29,7 +29,9 @@ The Euler step is reproduced as glue (``z + dt * v``, float32) rather than calli
 scheduler object, which a loop body traced once cannot express and which would be shared by every
 request. Its deterministic path is exactly that one line; stochastic sampling and per-token
 timesteps are refused. The third text encoder (T5) is not used (``text_encoder_3=None``, an SD3
-mode the pipeline supports: its part of the context is zeros, as upstream).
+mode the pipeline supports: its part of the context is zeros, as upstream). The tiny random
+pipelines ``tiny`` and ``bench`` serve are built in ``diffusers_tiny``; the pipelines' own images,
+the reference the walks are checked against, come from ``diffusers_upstream``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from walkserve.adapters.diffusers_tiny import BENCH, TINY, tiny_pipeline
 from walkserve.capture.api import Input, component, iterations, loop, register_component, walk
 
 
@@ -374,126 +377,7 @@ def native_size(walks: SD3Walks) -> int:
     return int(pipe.transformer.config.sample_size) * int(pipe.vae_scale_factor)
 
 
-# ------------------------------------------------------------------------ tiny pipelines
-
-
-@dataclass(frozen=True)
-class TinyConfig:
-    """A random SD3 pipeline built in code (no downloads)."""
-
-    text_dim: int = 32
-    text_layers: int = 2
-    ids_len: int = 16
-    t5_len: int = 8
-    heads: int = 4
-    head_dim: int = 8
-    layers: int = 2
-    latent_size: int = 16  # latents h = w; images are latent_size * 2 pixels
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if min(self.text_dim, self.text_layers, self.ids_len, self.layers, self.latent_size) < 1:
-            raise ValueError(f"every TinyConfig size must be >= 1: {self}")
-
-
-TINY = TinyConfig()
-BENCH = TinyConfig(text_dim=64, heads=8, head_dim=16, layers=4, latent_size=16)
-
-
-def byte_level_tokenizer(max_length: int) -> Any:
-    """A CLIP tokenizer with one token per byte (no merges), built in code: the byte-to-unicode
-    alphabet CLIP's BPE starts from, each symbol also in its word-final form, and CLIP's two
-    special tokens (514 ids)."""
-    from transformers import CLIPTokenizer
-
-    printable = {
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("\xa1"), ord("\xac") + 1),
-        *range(ord("\xae"), ord("\xff") + 1),
-    }
-    symbols, shifted = [], 0
-    for b in range(256):
-        if b in printable:
-            symbols.append(chr(b))
-        else:
-            symbols.append(chr(256 + shifted))
-            shifted += 1
-    vocab = {s: i for i, s in enumerate(symbols)}
-    vocab.update({s + "</w>": 256 + i for i, s in enumerate(symbols)})
-    vocab["<|startoftext|>"] = 512
-    vocab["<|endoftext|>"] = 513
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
-
-
-def tiny_pipeline(cfg: TinyConfig = TINY) -> Any:
-    """A ``StableDiffusion3Pipeline`` of seeded random tiny parts (no T5)."""
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    tok = byte_level_tokenizer(cfg.ids_len)
-    with torch.random.fork_rng():
-        torch.manual_seed(cfg.seed)
-        clip = CLIPTextConfig(
-            vocab_size=len(tok),
-            hidden_size=cfg.text_dim,
-            intermediate_size=2 * cfg.text_dim,
-            num_hidden_layers=cfg.text_layers,
-            num_attention_heads=4,
-            projection_dim=cfg.text_dim,
-            max_position_embeddings=cfg.ids_len,
-            bos_token_id=512,
-            eos_token_id=513,
-            pad_token_id=513,
-            hidden_act="gelu",
-        )
-        text_encoder = CLIPTextModelWithProjection(clip)
-        text_encoder_2 = CLIPTextModelWithProjection(clip)
-        transformer: Any = SD3Transformer2DModel(
-            sample_size=cfg.latent_size,
-            patch_size=1,
-            in_channels=4,
-            out_channels=4,
-            num_layers=cfg.layers,
-            attention_head_dim=cfg.head_dim,
-            num_attention_heads=cfg.heads,
-            joint_attention_dim=2 * cfg.text_dim,
-            caption_projection_dim=cfg.heads * cfg.head_dim,
-            pooled_projection_dim=2 * cfg.text_dim,
-            pos_embed_max_size=cfg.latent_size,
-        )
-        vae: Any = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-            block_out_channels=(8, 16),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=2 * cfg.latent_size,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            scaling_factor=1.5035,
-            shift_factor=0.0609,
-        )
-    pipe: Any = StableDiffusion3Pipeline(
-        transformer=transformer.eval(),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=vae.eval(),
-        text_encoder=text_encoder.eval(),
-        tokenizer=tok,
-        text_encoder_2=text_encoder_2.eval(),
-        tokenizer_2=tok,
-        text_encoder_3=None,
-        tokenizer_3=None,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+# ----------------------------------------------------------------------------- factories
 
 
 def walks_for(pipe: Any, t5_len: int) -> tuple[SD3Walks, dict[str, Any]]:
@@ -525,48 +409,6 @@ def load_pipeline(path: str, t5_len: int = 256) -> tuple[SD3Walks, dict[str, Any
     )
     pipe.set_progress_bar_config(disable=True)
     return walks_for(pipe, t5_len)
-
-
-def pipeline_image(walks: SD3Walks, inputs: dict[str, Any], prompt: str, **kw: Any) -> Tensor:
-    """The upstream pipeline's own image for a request (``output_type="pt"``), for tests and
-    the benchmark baseline. ``kw``: negative_prompt, seed, steps, guidance_scale, size."""
-    pipe = walks.host.pipe
-    size = kw.get("size") or native_size(walks)
-    out = pipe(
-        prompt,
-        negative_prompt=kw.get("negative_prompt", ""),
-        num_inference_steps=kw.get("steps", 4),
-        guidance_scale=kw.get("guidance_scale", 5.0),
-        height=size,
-        width=size,
-        generator=torch.Generator().manual_seed(kw.get("seed", 0)),
-        output_type="pt",
-        max_sequence_length=walks.shapes.t5_len,
-    )
-    return out.images  # type: ignore[no-any-return]
-
-
-def pipeline_edit_image(walks: SD3Walks, prompt: str, image: Tensor, **kw: Any) -> Tensor:
-    """``StableDiffusion3Img2ImgPipeline`` (on the same parts) for ``image`` [1, 3, H, W] in
-    [0, 1]; ``kw``: negative_prompt, seed, steps, strength, guidance_scale."""
-    from diffusers import StableDiffusion3Img2ImgPipeline
-
-    pipe: Any = StableDiffusion3Img2ImgPipeline(**walks.host.pipe.components)
-    pipe.set_progress_bar_config(disable=True)
-    out = pipe(
-        prompt,
-        image=image,
-        negative_prompt=kw.get("negative_prompt", ""),
-        num_inference_steps=kw.get("steps", 4),
-        strength=kw.get("strength", 0.6),
-        guidance_scale=kw.get("guidance_scale", 5.0),
-        height=image.shape[2],
-        width=image.shape[3],
-        generator=torch.Generator().manual_seed(kw.get("seed", 0)),
-        output_type="pt",
-        max_sequence_length=walks.shapes.t5_len,
-    )
-    return out.images  # type: ignore[no-any-return]
 
 
 API_STEPS = 4  # the HTTP routes' fixed settings

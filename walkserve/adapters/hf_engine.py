@@ -40,7 +40,7 @@ from walkserve.runtime.kv.hf_attention import (
 )
 from walkserve.runtime.kv.hf_cache_lm import HFCacheLM
 from walkserve.runtime.kv.paged_lm import PagedLM, PagedLMConfig
-from walkserve.runtime.kv.pool import SeqId
+from walkserve.runtime.kv.pool_types import SeqId
 
 __all__ = ["SelfCheck", "SelfCheckFailed", "check_engines", "self_check", "text_engine"]
 

@@ -64,7 +64,7 @@ from walkserve.runtime.kv.paged_lm import (
     PagedLMStats,
     pool_nbytes,
 )
-from walkserve.runtime.kv.pool import SeqId
+from walkserve.runtime.kv.pool_types import SeqId
 
 __all__ = ["PagedDecoder", "PagedStackKV", "PagedThinker", "Prepared", "StackOutput"]
 

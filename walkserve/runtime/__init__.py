@@ -54,7 +54,8 @@ Modules, by role:
                   regionwalk: regions as walks; loopstep: the fast path for simple loops
                   (pure); runner: runs a batch of one node
     messages      every message on a socket (msgspec structs, never pickle)
-    transport, shm, tensorcodec, peers   how values move: inline, shared memory, rank to rank
+    transport, shm, shmreader, tensorcodec, peers   how values move: inline, shared memory
+                  (shm: segments and their owner; shmreader: the read side), rank to rank
     local         the same path in one process (tests, reference runs)
     kv/           the paged KV engine; net/ other hosts; tp/ tensor parallelism
 

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     import zmq
 
     from walkserve.runtime.messages import ObjectRef
-    from walkserve.runtime.shm import ShmPool, ShmReader
+    from walkserve.runtime.shm import ShmPool
+    from walkserve.runtime.shmreader import ShmReader
     from walkserve.runtime.transport import ObjectStore
 
 log = logging.getLogger("walkserve.peers")

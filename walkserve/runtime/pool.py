@@ -123,8 +123,8 @@ from walkserve.runtime.poolsupervision import RankSupervision
 from walkserve.runtime.shm import (
     PoolStats,
     ShmPool,
-    ShmReader,
 )
+from walkserve.runtime.shmreader import ShmReader
 from walkserve.runtime.transport import (
     ShmTransport,
     Token,

@@ -55,7 +55,7 @@ log = logging.getLogger("walkserve.pool")
 if TYPE_CHECKING:
     from walkserve.runtime.net.auth import ControlGuard
     from walkserve.runtime.poolsupervision import RankSupervision
-    from walkserve.runtime.shm import ShmReader
+    from walkserve.runtime.shmreader import ShmReader
 
 
 class RemoteRanks:

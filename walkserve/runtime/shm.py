@@ -1,7 +1,9 @@
 """Shared-memory data plane: server-owned segments that carry tensor bytes between processes.
 
-Owns segment lifetime (create, reuse, unlink), per-slot reader counts, and handle validation.
-What crosses a process boundary:
+Owns the segment format, the wire types and the owner's side (``ShmPool``): segment lifetime
+(create, reuse, unlink), per-slot reader counts, and the validation of acked handles. The read
+side, in every process that receives handles, is ``shmreader.ShmReader``. What crosses a process
+boundary:
 
 - ``ShmPoolSpec``, sent once at start-up by the owner: the pool id and, for every segment
   index, the segment's name and capacity. Names are made by the pool; a reader opens only
@@ -25,23 +27,22 @@ its slot holds the tensor it was made for::
 
     idle --write(readers=N): gen+1--> held(N) --ack--> held(N-1) ... --last ack: gen+1--> idle
 
-A reader checks the generation in the segment before and after copying, so it never returns
-bytes from a slot that was released or reused, even when a buggy peer reads after its ack.
+A reader (``shmreader.py``) checks the generation in the segment before and after copying, so
+it never returns bytes from a slot that was released or reused, even when a buggy peer reads
+after its ack.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import re
 import secrets
 import struct
-import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import Annotated
@@ -64,16 +65,15 @@ __all__ = [
     "ShmPool",
     "ShmPoolConfig",
     "ShmPoolSpec",
-    "ShmReader",
     "StaleHandle",
     "ClassStats",
     "segment_name",
 ]
-from walkserve.runtime.tensorcodec import TensorHeader, copy_into, from_bytes, header_of
+from walkserve.runtime.tensorcodec import TensorHeader, copy_into, header_of
 
 MAGIC = b"WSHM"
 LAYOUT_VERSION = 1
-_HEADER = struct.Struct("<4sHHQQQ")  # magic, version, pad, generation, capacity, nbytes
+HEADER = struct.Struct("<4sHHQQQ")  # magic, version, pad, generation, capacity, nbytes
 _GEN_OFFSET = 8
 _NBYTES_OFFSET = 24
 DATA_OFFSET = 64
@@ -345,7 +345,7 @@ class ShmPool:
                 raise ShmError(f"cannot reserve {size} bytes of shared memory: {e}") from e
         buf = shm.buf  # the segment's own view (a derived one would block its close())
         assert buf is not None
-        _HEADER.pack_into(buf, 0, MAGIC, LAYOUT_VERSION, 0, 0, capacity, 0)
+        HEADER.pack_into(buf, 0, MAGIC, LAYOUT_VERSION, 0, 0, capacity, 0)
         return _Slot(shm, buf, capacity)
 
     def _slot(self, index: int) -> _Slot:
@@ -368,163 +368,18 @@ def _release(segments: list[SharedMemory], owner_pid: int) -> None:
     for shm in segments:
         with contextlib.suppress(FileNotFoundError):
             shm.unlink()
-        _close_quietly(shm.close)
+        close_quietly(shm.close)
     segments.clear()
 
 
-def _close_quietly(close: Callable[[], object]) -> None:
+def close_quietly(close: Callable[[], object]) -> None:
     """Unmap, unless a zero-copy tensor still views the mapping: then the mapping lives on
     until that tensor dies (the view keeps it referenced)."""
     with contextlib.suppress(BufferError):
         close()
 
 
-# ------------------------------------------------------------------------------ reader
-
-
-class _Mapping:
-    """A read-write mapping of one segment that is not registered with the resource tracker:
-    the owner alone decides when a segment is unlinked."""
-
-    def __init__(self, name: str) -> None:
-        if sys.version_info >= (3, 13):
-            shm = SharedMemory(name=name, track=False)
-            self.buf = shm.buf
-            self._closer: Callable[[], object] = shm.close
-        else:
-            # Before 3.13, attaching through SharedMemory registers the segment with this
-            # process's resource tracker, which then unlinks it (with a warning) when this
-            # process exits, or logs KeyErrors if the tracker is shared with the owner.
-            import _posixshmem
-
-            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
-            try:
-                mm = mmap.mmap(fd, os.fstat(fd).st_size)
-            finally:
-                os.close(fd)
-            self.buf = memoryview(mm)
-
-            def unmap() -> None:
-                self.buf.release()
-                mm.close()
-
-            self._closer = unmap
-
-    def close(self) -> None:
-        _close_quietly(self._closer)
-
-
-class ShmReader:
-    """A process's read side: attaches to segments named in specs the owner sent, validates
-    every handle against the segment itself, and copies tensors out."""
-
-    def __init__(self, specs: Iterable[ShmPoolSpec] = ()) -> None:
-        self._specs: dict[str, ShmPoolSpec] = {}
-        self._maps: dict[tuple[str, int], _Mapping] = {}
-        self._lock = threading.Lock()
-        for spec in specs:
-            self.add(spec)
-
-    def add(self, spec: ShmPoolSpec) -> None:
-        self._specs[spec.pool_id] = spec
-
-    def forget(self, pool_id: str) -> None:
-        """Stop reading pool ``pool_id`` (its owner died) and unmap its segments."""
-        with self._lock:
-            self._specs.pop(pool_id, None)
-            for key in [k for k in self._maps if k[0] == pool_id]:
-                self._maps.pop(key).close()
-
-    def read(self, handle: ShmHandle, *, copy: bool = True) -> torch.Tensor:
-        """The tensor ``handle`` names. ``copy=True``: a new tensor, safe to keep after the
-        ack. ``copy=False``: a zero-copy view into the slot, valid only until this reader
-        acks the handle (the slot is then reused). Raises ``InvalidHandle``/``StaleHandle``."""
-        buf = self._segment(handle)
-        tensor = from_bytes(handle.header, self._payload(handle, buf), copy=copy)
-        if copy:
-            self._check_unchanged(handle, buf)
-        return tensor
-
-    def read_into(self, handle: ShmHandle, out: torch.Tensor) -> torch.Tensor:
-        """Copy the tensor ``handle`` names into ``out`` (same dtype and shape, any device or
-        strides: a static input buffer, a CUDA tensor) and return ``out``. Saves ``read``'s
-        allocation, which for large tensors costs more than the copy (fresh pages fault in)."""
-        header = handle.header
-        if out.dtype != header.torch_dtype or tuple(out.shape) != header.shape:
-            have, want = f"{out.dtype}{list(out.shape)}", f"{header.dtype}{list(header.shape)}"
-            raise ValueError(f"out is {have}, handle holds {want}")
-        buf = self._segment(handle)
-        out.copy_(from_bytes(header, self._payload(handle, buf), copy=False))
-        self._check_unchanged(handle, buf)
-        return out
-
-    def close(self) -> None:
-        """Unmap every segment (tensors still viewing one keep it mapped until they die)."""
-        with self._lock:
-            for mapping in self._maps.values():
-                mapping.close()
-            self._maps.clear()
-
-    def __enter__(self) -> ShmReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _segment(self, handle: ShmHandle) -> memoryview:
-        """The mapped segment ``handle`` names, after checking the handle against the spec
-        and the segment's own header."""
-        spec = self._specs.get(handle.pool_id)
-        if spec is None:
-            raise InvalidHandle(f"unknown pool {handle.pool_id!r}")
-        if not 0 <= handle.index < len(spec.segments):
-            raise InvalidHandle(
-                f"segment index {handle.index} out of range for pool {spec.pool_id} "
-                f"({len(spec.segments)} segments)"
-            )
-        seg = spec.segments[handle.index]
-        if handle.header.nbytes > seg.capacity:
-            raise InvalidHandle(
-                f"handle says {handle.header.nbytes} bytes, segment {handle.index} holds at "
-                f"most {seg.capacity}"
-            )
-        key = (spec.pool_id, handle.index)
-        with self._lock:
-            mapping = self._maps.get(key)
-            if mapping is None:
-                try:
-                    mapping = _Mapping(seg.name)
-                except FileNotFoundError as e:
-                    raise InvalidHandle(f"segment {handle.index} does not exist") from e
-                self._maps[key] = mapping
-        buf = mapping.buf
-        if len(buf) < DATA_OFFSET + seg.capacity:
-            raise InvalidHandle(f"segment {handle.index} is smaller than its spec says")
-        magic, version, _, _, capacity, _ = _HEADER.unpack_from(buf, 0)
-        if magic != MAGIC or version != LAYOUT_VERSION or capacity != seg.capacity:
-            raise InvalidHandle(f"segment {handle.index} does not hold a walkserve slot")
-        return buf
-
-    def _payload(self, handle: ShmHandle, buf: memoryview) -> memoryview:
-        """The slot's tensor bytes, after checking that the slot still holds ``handle``'s."""
-        gen, nbytes = _read_state(buf)
-        if gen != handle.generation:
-            raise StaleHandle(
-                f"slot {handle.index} is at generation {gen}, handle has {handle.generation}"
-            )
-        if nbytes != handle.header.nbytes:
-            raise InvalidHandle(
-                f"handle says {handle.header.nbytes} bytes, slot {handle.index} holds {nbytes}"
-            )
-        return buf[DATA_OFFSET : DATA_OFFSET + nbytes]
-
-    def _check_unchanged(self, handle: ShmHandle, buf: memoryview) -> None:
-        """After a copy: the slot was not released (and maybe reused) while we copied."""
-        if _read_state(buf)[0] != handle.generation:
-            raise StaleHandle(f"slot {handle.index} was released while it was being read")
-
-
-def _read_state(buf: memoryview) -> tuple[int, int]:
+def read_state(buf: memoryview) -> tuple[int, int]:
     """(generation, nbytes) as stored in a segment's header."""
     (gen,) = struct.unpack_from("<Q", buf, _GEN_OFFSET)
     (nbytes,) = struct.unpack_from("<Q", buf, _NBYTES_OFFSET)

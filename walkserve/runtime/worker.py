@@ -86,7 +86,8 @@ if TYPE_CHECKING:
         WorkerSetup,
     )
     from walkserve.runtime.peers import PeerClient, PeerServer
-    from walkserve.runtime.shm import ShmPool, ShmReader
+    from walkserve.runtime.shm import ShmPool
+    from walkserve.runtime.shmreader import ShmReader
     from walkserve.runtime.tp.member import TPMember
     from walkserve.runtime.transport import ObjectStore, ShmTransport
 
@@ -285,7 +286,8 @@ class Worker(WorkerInbox):
         from walkserve.runtime.rankscheduler import RankScheduler
         from walkserve.runtime.regionwalk import region_walks
         from walkserve.runtime.runner import NodeRunner
-        from walkserve.runtime.shm import ShmPool, ShmPoolConfig, ShmReader
+        from walkserve.runtime.shm import ShmPool, ShmPoolConfig
+        from walkserve.runtime.shmreader import ShmReader
         from walkserve.runtime.source import load_source
         from walkserve.runtime.transport import ObjectStore, ShmTransport
 

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from walkserve.capture import register_component
 from walkserve.runtime.kv import hf
 from walkserve.runtime.kv.layer_groups import GroupedKVPool
-from walkserve.runtime.kv.pool import SeqId
+from walkserve.runtime.kv.pool_types import SeqId
 
 LABELS = ("cond", "uncond")  # guidance contexts, in upstream's row order
 TEXT_LABELS = ("text",)  # the one context of image understanding

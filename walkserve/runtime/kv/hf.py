@@ -54,7 +54,7 @@ from walkserve.runtime.kv.hf_attention import (
     text_config,
 )
 from walkserve.runtime.kv.layer_groups import GroupedKVPool, LayerGroup
-from walkserve.runtime.kv.pool import SeqId
+from walkserve.runtime.kv.pool_types import SeqId
 from walkserve.runtime.kv.torch_attention import TorchPagedAttention, TorchPlan
 
 __all__ = [

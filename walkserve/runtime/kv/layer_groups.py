@@ -30,14 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from walkserve.runtime.kv.pool import (
-    BlockTable,
-    KVPool,
-    PoolExhausted,
-    PoolStats,
-    SeqId,
-    TokenIds,
-)
+from walkserve.runtime.kv.pool import KVPool
+from walkserve.runtime.kv.pool_types import BlockTable, PoolExhausted, PoolStats, SeqId, TokenIds
 
 __all__ = ["GroupedKVPool", "LayerGroup"]
 

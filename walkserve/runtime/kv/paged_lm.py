@@ -88,7 +88,7 @@ from walkserve.runtime.kv.paged_state import (
     Row,
     Unit,
 )
-from walkserve.runtime.kv.pool import PoolExhausted
+from walkserve.runtime.kv.pool_types import PoolExhausted
 from walkserve.runtime.kv.row_sampling import TextSampler, vocab_size
 from walkserve.runtime.kv.sampling import seeded_token, step_seed
 

@@ -17,7 +17,7 @@ from torch import nn
 from walkserve.runtime.kv.hf import PagedCausalLMRunner, pool_for
 from walkserve.runtime.kv.hf_attention import ModelAttention
 from walkserve.runtime.kv.layer_groups import GroupedKVPool
-from walkserve.runtime.kv.pool import SeqId
+from walkserve.runtime.kv.pool_types import SeqId
 from walkserve.runtime.kv.row_sampling import RowState
 
 __all__ = [

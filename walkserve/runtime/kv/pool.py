@@ -1,34 +1,24 @@
-"""The paged KV pool: one preallocated K and one V tensor, and the page bookkeeping over them.
+"""The paged KV pool: block tables of sequences over one preallocated set of K/V pages.
 
-Owns the two tensors (allocated once, never reallocated), page reference counts, the free list,
-one block table per sequence, copy-on-write, and, through ``PrefixCache`` (``prefix.py``), the
-reuse of full pages across requests. It does no attention math and knows no model.
+Owns one block table per sequence, copy-on-write, and, through ``PrefixCache`` (``prefix.py``),
+the reuse of full pages across requests. Page reference counts and the free list are its
+``PageAllocator``'s (``pages.py``); the K and V tensors, their layout and the index math into
+them are its ``PageTensors``' (``page_tensors.py``). It does no attention math and knows no model.
 
 What crosses its boundary:
 
 - in: ``SeqId(request_id, label)`` and token counts (or token ids, for prefix caching);
 - out: ``Slot(page, offset)`` lists telling an engine where to write new tokens' K/V,
   ``BlockTable`` snapshots telling an attention kernel where to read, ``PoolStats``, and the
-  typed errors ``PoolExhausted``, ``UnknownSequence``, ``SequenceExists``;
+  typed errors ``PoolExhausted``, ``UnknownSequence``, ``SequenceExists`` (all of them values
+  defined in ``pool_types.py``);
 - tensors only through ``write``/``gather`` (tests and the CPU attention reference); engines
   index ``pool.k``/``pool.v`` with slots themselves.
 
-Layout (S = page_size, P = num_pages, L = num_layers)::
-
-    k: [L, P, S, kv_heads, head_dim]      v: [L, P, S, kv_heads, v_head_dim]
-
-             page 0               page 1               page P-1
-    layer 0  [s0|s1|...|s(S-1)]   [s0|s1|...|s(S-1)]   ...  [s0|...|s(S-1)]
-    layer 1  [s0|s1|...|s(S-1)]   [s0|s1|...|s(S-1)]   ...
-    ...                           each slot s: [kv_heads, head_dim]
-
-    token t of a sequence with block table pages=[7, 2, 9] (S = 4, 10 tokens):
-        page = pages[t // S], offset = t % S, flat slot = page * S + offset
-        tokens 0-3 -> page 7, 4-7 -> page 2, 8-9 -> page 9 offsets 0-1 (offsets 2-3 unused)
-
-A page id means the same slots in every layer, so one block table serves all layers. Layers
-whose pages live differently (sliding-window layers next to full ones) get pools of their own
-(``layer_groups.GroupedKVPool``).
+Token t of a sequence is at ``Slot(pages[t // page_size], t % page_size)`` of its block table
+(``page_tensors.py`` draws the layout). A page id means the same slots in every layer, so one
+block table serves all layers. Layers whose pages live differently (sliding-window layers next
+to full ones) get pools of their own (``layer_groups.GroupedKVPool``).
 
 Freeing leading pages (sliding windows): ``release_leading(seq, n)`` drops a sequence's first
 ``n`` logical pages, which no query will read again; its block table then starts at logical page
@@ -40,15 +30,8 @@ identity over the same pool ("cond", "uncond", "image" contexts of one guided wa
 labelled context gets paging, forking and prefix reuse instead of a dense per-context cache.
 ``free_request``/``preempt`` act on all labels of a request.
 
-Page lifecycle; ``ref`` counts the block-table entries naming a page::
-
-    free --take--> in use (ref >= 1) --last release, unregistered--> free
-                     ^        |
-          prefix hit |        | last release of a page registered in the prefix cache
-                     |        v
-                   cached, evictable (LRU) --evicted when no page is free--> taken again
-
-    pages_in_use + pages_free + pages_cached == num_pages, always.
+Pages are free, in use (named by block-table entries) or cached and evictable; ``pages.py``
+draws their lifecycle. ``pages_in_use + pages_free + pages_cached == num_pages``, always.
 
 Copy-on-write: ``fork`` shares every page (ref + 1). A page is written in place only while its
 one reference is the writer's and it is not registered in the prefix cache; otherwise the
@@ -73,154 +56,26 @@ owns a pool.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
+from walkserve.runtime.kv.page_tensors import PageTensors
+from walkserve.runtime.kv.pages import PageAllocator
+from walkserve.runtime.kv.pool_types import (
+    BlockTable,
+    KVPoolConfig,
+    PoolStats,
+    Positions,
+    SeqId,
+    SequenceExists,
+    Slot,
+    TokenIds,
+    UnknownSequence,
+)
 from walkserve.runtime.kv.prefix import PrefixCache, page_keys, root_key
 
-__all__ = [
-    "BlockTable",
-    "KVError",
-    "KVPool",
-    "KVPoolConfig",
-    "PoolExhausted",
-    "PoolStats",
-    "SeqId",
-    "SequenceExists",
-    "Slot",
-    "UnknownSequence",
-]
-
-TokenIds = Sequence[int] | torch.Tensor
-Positions = Sequence[int] | torch.Tensor
-
-
-# ------------------------------------------------------------------------------ errors
-
-
-class KVError(Exception):
-    """Base class of KV pool errors."""
-
-
-class PoolExhausted(KVError):
-    """``needed`` pages were asked for; only ``free`` (free + evictable) could be had. Raised
-    before any state changed: the caller may free or preempt something and retry."""
-
-    def __init__(self, needed: int, free: int) -> None:
-        super().__init__(f"KV pool exhausted: {needed} pages needed, {free} obtainable")
-        self.needed = needed
-        self.free = free
-
-
-class UnknownSequence(KVError, KeyError):
-    """The sequence has no block table in this pool."""
-
-
-class SequenceExists(KVError, ValueError):
-    """A sequence with this id already has a block table."""
-
-
-# ------------------------------------------------------------------------------ values
-
-
-class SeqId(NamedTuple):
-    """One cache identity: a request and one of its labelled contexts."""
-
-    request_id: str
-    label: str
-
-
-class Slot(NamedTuple):
-    """Where one token's K/V lives in every layer: ``pool.k[layer, page, offset]``."""
-
-    page: int
-    offset: int
-
-    def flat(self, page_size: int) -> int:
-        """Index into ``pool.k[layer].view(-1, kv_heads, head_dim)``."""
-        return self.page * page_size + self.offset
-
-
-@dataclass(frozen=True)
-class BlockTable:
-    """A snapshot of one sequence's live pages; token t is at ``pages[t // page_size -
-    first_page]`` (``first_page`` > 0 once leading pages were released)."""
-
-    pages: tuple[int, ...]
-    num_tokens: int
-    first_page: int = 0
-
-
-@dataclass(frozen=True)
-class KVPoolConfig:
-    """Shape and placement of a pool. ``nbytes`` can be computed before allocating."""
-
-    num_pages: int
-    page_size: int
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    v_head_dim: int | None = None  # None: head_dim
-
-    def __post_init__(self) -> None:
-        for name in ("num_pages", "page_size", "num_layers", "kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"KVPoolConfig.{name} must be a positive int, got {value!r}")
-        v = self.v_head_dim
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"KVPoolConfig.v_head_dim must be a positive int or None, got {v!r}")
-        if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"KVPoolConfig.dtype must be a torch.dtype, got {self.dtype!r}")
-
-    @property
-    def value_dim(self) -> int:
-        return self.head_dim if self.v_head_dim is None else self.v_head_dim
-
-    @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        """``[num_layers, num_pages, page_size, kv_heads, head_dim]``, of K."""
-        return (self.num_layers, self.num_pages, self.page_size, self.kv_heads, self.head_dim)
-
-    @property
-    def v_shape(self) -> tuple[int, int, int, int, int]:
-        """``[num_layers, num_pages, page_size, kv_heads, v_head_dim]``, of V."""
-        return (self.num_layers, self.num_pages, self.page_size, self.kv_heads, self.value_dim)
-
-    @property
-    def bytes_per_page(self) -> int:
-        """K and V of one page, all layers."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        dims = self.head_dim + self.value_dim
-        return self.num_layers * self.page_size * self.kv_heads * dims * itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_pages * self.bytes_per_page
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """Exact accounting at one moment; counters since the pool was made."""
-
-    num_pages: int
-    page_size: int
-    pages_in_use: int
-    pages_free: int
-    pages_cached: int  # referenced by nobody, kept for prefix hits, evictable
-    sequences: int
-    requests: int
-    tokens: int
-    prefix_hits: int  # full pages reused
-    prefix_misses: int  # full pages looked up and not found
-    evictions: int
-    cow_copies: int
-    nbytes: int
-
+__all__ = ["KVPool"]
 
 FREED = -1
 """A ``_Seq.pages`` entry whose page was released (``release_leading``)."""
@@ -265,14 +120,13 @@ class KVPool:
             torch.device(device),
             v_head_dim,
         )
-        self.k = torch.zeros(self.config.shape, dtype=dtype, device=device)  # [L, P, S, H, D]
-        self.v = torch.zeros(self.config.v_shape, dtype=dtype, device=device)  # [L, P, S, H, Dv]
-        self._ref = [0] * num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest id pops first
-        self._in_use = 0
+        self._tensors = PageTensors(self.config, device)
+        self.k = self._tensors.k  # [L, P, S, kv_heads, head_dim]
+        self.v = self._tensors.v  # [L, P, S, kv_heads, v_head_dim]
         self._seqs: dict[SeqId, _Seq] = {}
         self._labels: dict[str, list[str]] = {}  # request id -> its labels, in creation order
         self._prefix = PrefixCache()
+        self._pages = PageAllocator(num_pages, self._prefix)
         self._cow_copies = 0
 
     # ---------------------------------------------------------------------- sizes
@@ -288,7 +142,7 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         """Bytes of K and V: ``2 * layers * pages * page_size * heads * dim * itemsize``."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return self._tensors.nbytes
 
     def pages_for(self, n_tokens: int) -> int:
         """Pages that hold ``n_tokens`` tokens."""
@@ -298,22 +152,22 @@ class KVPool:
 
     @property
     def pages_in_use(self) -> int:
-        return self._in_use
+        return self._pages.num_in_use
 
     @property
     def pages_free(self) -> int:
         """Pages holding nothing; evictable cached pages are not counted (``pages_cached``)."""
-        return len(self._free)
+        return self._pages.num_free
 
     @property
     def pages_cached(self) -> int:
         """Pages nobody references, kept for prefix hits; reclaimed LRU when needed."""
-        return self._prefix.num_evictable
+        return self._pages.num_cached
 
     @property
     def pages_available(self) -> int:
         """Pages an allocation can get now: free plus evictable."""
-        return self.pages_free + self.pages_cached
+        return self._pages.num_available
 
     def can_allocate(self, n_pages: int) -> bool:
         """Admission check: would ``n_pages`` new pages fit (evicting cached pages if needed)?"""
@@ -325,7 +179,7 @@ class KVPool:
         return frozenset(p for lb in labels for p in self._seqs[SeqId(request_id, lb)].live())
 
     def ref_count(self, page: int) -> int:
-        return self._ref[page]
+        return self._pages.ref_count(page)
 
     def is_cached(self, page: int) -> bool:
         """Is ``page`` registered in the prefix cache (referenced or evictable)?"""
@@ -399,9 +253,10 @@ class KVPool:
         looked_up = keys[:limit]
         hits = self._prefix.lookup(looked_up)
         n_new = self.pages_for(len(ids)) - len(hits)
-        self._require(n_new, reviving=sum(1 for p in hits if self._ref[p] == 0))
+        reviving = sum(1 for p in hits if self._pages.ref_count(p) == 0)
+        self._pages.require(n_new, reviving=reviving)
         for page in hits:  # before taking: a revived page must not be evicted for ourselves
-            self._retain(page)
+            self._pages.retain(page)
         pages = hits + self._take(n_new)
         self._prefix.record(hits=len(hits), misses=len(looked_up) - len(hits))
         self._add(key, _Seq(pages, len(ids), [*keys]))
@@ -448,7 +303,7 @@ class KVPool:
         stop = min(n_pages, len(s.pages) - 1)
         released = 0
         for index in range(s.first, stop):
-            self._release(s.pages[index])
+            self._pages.release(s.pages[index])
             s.pages[index] = FREED
             released += 1
         s.first = max(s.first, stop)
@@ -472,7 +327,7 @@ class KVPool:
             return []
         cow = 1 if self._tail_needs_copy(s) else 0
         grow = self.pages_for(s.num_tokens + n_tokens) - len(s.pages)
-        self._require(cow + grow)
+        self._pages.require(cow + grow)
         if cow:
             self._copy_page(s, len(s.pages) - 1)
         s.pages += self._take(grow)
@@ -484,7 +339,7 @@ class KVPool:
         s = self._get(src)
         key = self._check_new(dst)
         for page in s.live():
-            self._retain(page)
+            self._pages.retain(page)
         self._add(key, _Seq(list(s.pages), s.num_tokens, list(s.keys), s.computed, s.first))
 
     def copy_on_write(self, seq: tuple[str, str]) -> list[tuple[int, int]]:
@@ -493,7 +348,7 @@ class KVPool:
         s = self._get(seq)
         if not self._tail_needs_copy(s):
             return []
-        self._require(1)
+        self._pages.require(1)
         return [self._copy_page(s, len(s.pages) - 1)]
 
     def free(self, seq: tuple[str, str]) -> None:
@@ -507,7 +362,7 @@ class KVPool:
         if not labels:
             del self._labels[key.request_id]
         for page in reversed(s.live()):  # the tail becomes least recently used: evicted first
-            self._release(page)
+            self._pages.release(page)
 
     def free_request(self, request_id: str) -> int:
         """Free every label of a request (idempotent: 0 when it holds nothing). Returns how
@@ -549,95 +404,51 @@ class KVPool:
         that are shared or cached are copied first, so no other sequence sees the write."""
         s = self._get(seq)
         pos = self._check_positions(s, positions)
-        self._check_layer(layer)
-        want_k = (len(pos), self.config.kv_heads, self.config.head_dim)
-        want_v = (len(pos), self.config.kv_heads, self.config.value_dim)
-        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
-            raise ValueError(
-                f"k and v must be {list(want_k)}, {list(want_v)}, got {list(k.shape)}, "
-                f"{list(v.shape)}"
-            )
+        self._tensors.check_layer(layer)
+        self._tensors.check_kv(len(pos), k, v)
         indices = sorted({p // self.page_size for p in pos})
-        to_copy = [i for i in indices if self._needs_copy(s.pages[i])]
-        self._require(len(to_copy))
+        to_copy = [i for i in indices if self._pages.needs_copy(s.pages[i])]
+        self._pages.require(len(to_copy))
         for index in to_copy:
             self._copy_page(s, index)
         for p in pos:  # K/V declared computed is being rewritten: never register that page
             if p < s.computed and p // self.page_size < len(s.keys):
                 s.keys[p // self.page_size] = None
-        flat = self._flat(s, pos)
-        self._layer_view(self.k, layer).index_copy_(0, flat, k.to(self.k))
-        self._layer_view(self.v, layer).index_copy_(0, flat, v.to(self.v))
+        self._tensors.write(layer, self._flat(s, pos), k, v)
 
     def gather(self, seq: tuple[str, str], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense copies of ``seq``'s K and V in one layer (its live positions: from
         ``first_page * page_size`` on): ``[T, kv_heads, head_dim]``, ``[T, kv_heads, v_head_dim]``."""
         s = self._get(seq)
-        self._check_layer(layer)
-        flat = self._flat(s, range(s.first * self.page_size, s.num_tokens))
-        return (
-            self._layer_view(self.k, layer).index_select(0, flat),
-            self._layer_view(self.v, layer).index_select(0, flat),
+        self._tensors.check_layer(layer)
+        return self._tensors.gather(
+            layer, self._flat(s, range(s.first * self.page_size, s.num_tokens))
         )
 
     # ---------------------------------------------------------------------- pages
 
-    def _require(self, n_pages: int, reviving: int = 0) -> None:
-        """Raise unless ``n_pages`` can be taken after ``reviving`` evictable pages are
-        re-referenced (they stop being obtainable)."""
-        obtainable = self.pages_available - reviving
-        if n_pages > obtainable:
-            raise PoolExhausted(needed=n_pages, free=obtainable)
-
     def _take(self, n_pages: int) -> list[int]:
-        """``n_pages`` pages with ref 1: free ones first, then evicted cached ones (LRU).
-        Their K/V are zeroed (all layers): attention kernels may read a page's slots past the
-        sequence's end (masked), and those must never hold what an earlier owner left there
-        (a NaN of a broken request would poison masked sums)."""
-        self._require(n_pages)
-        pages = [self._free.pop() if self._free else self._prefix.evict() for _ in range(n_pages)]
-        for page in pages:
-            self._ref[page] = 1
-        self._in_use += n_pages
-        if pages:
-            index = torch.tensor(pages, dtype=torch.int64, device=self.k.device)
-            self.k.index_fill_(1, index, 0)
-            self.v.index_fill_(1, index, 0)
+        """``n_pages`` pages with ref 1 (``PageAllocator.take``). Their K/V are zeroed (all
+        layers): attention kernels may read a page's slots past the sequence's end (masked), and
+        those must never hold what an earlier owner left there (a NaN of a broken request would
+        poison masked sums)."""
+        pages = self._pages.take(n_pages)
+        self._tensors.zero(pages)
         return pages
-
-    def _retain(self, page: int) -> None:
-        if self._ref[page] == 0:
-            self._prefix.unpark(page)
-            self._in_use += 1
-        self._ref[page] += 1
-
-    def _release(self, page: int) -> None:
-        self._ref[page] -= 1
-        if self._ref[page] > 0:
-            return
-        self._in_use -= 1
-        if self._prefix.is_registered(page):
-            self._prefix.park(page)
-        else:
-            self._free.append(page)
-
-    def _needs_copy(self, page: int) -> bool:
-        return self._ref[page] > 1 or self._prefix.is_registered(page)
 
     def _tail_needs_copy(self, s: _Seq) -> bool:
         partial = s.num_tokens % self.page_size != 0
-        return partial and self._needs_copy(s.pages[-1])
+        return partial and self._pages.needs_copy(s.pages[-1])
 
     def _copy_page(self, s: _Seq, index: int) -> tuple[int, int]:
         """Give ``s`` a private copy of its page ``index`` (caller checked one page is free)."""
         src = s.pages[index]
         (dst,) = self._take(1)
-        self.k[:, dst].copy_(self.k[:, src])
-        self.v[:, dst].copy_(self.v[:, src])
+        self._tensors.copy(src, dst)
         s.pages[index] = dst
         if index < len(s.keys):
             s.keys[index] = None  # conservative: a private copy is never registered
-        self._release(src)
+        self._pages.release(src)
         self._cow_copies += 1
         return src, dst
 
@@ -667,16 +478,7 @@ class KVPool:
 
     def _flat(self, s: _Seq, positions: Sequence[int]) -> torch.Tensor:
         size = self.page_size
-        flat = [s.pages[t // size] * size + t % size for t in positions]
-        return torch.tensor(flat, dtype=torch.long, device=self.k.device)
-
-    def _layer_view(self, pool: torch.Tensor, layer: int) -> torch.Tensor:
-        """``pool[layer]`` as ``[num_pages * page_size, kv_heads, dim]`` (a view)."""
-        return pool[layer].view(-1, self.config.kv_heads, pool.shape[-1])
-
-    def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.config.num_layers:
-            raise ValueError(f"layer must be in [0, {self.config.num_layers}), got {layer}")
+        return self._tensors.flat_index([s.pages[t // size] * size + t % size for t in positions])
 
     def _check_positions(self, s: _Seq, positions: Positions) -> list[int]:
         pos = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)

@@ -2,10 +2,10 @@
 
 Owns how a full page is named (``page_keys``, ``root_key``, ``features_key``) and which pages
 are cached under which key, with an LRU order over the cached pages nobody references
-(``PrefixCache``). It owns no tensors and no reference counts: the pool (``pool.py``) tells it
-when a registered page loses its last reference (``park``) or gains one again (``unpark``), and
-asks it for a victim (``evict``) when it runs out of free pages. What crosses the boundary is
-page ids (``int``) and keys (``bytes``).
+(``PrefixCache``). It owns no tensors and no reference counts: the pool's page allocator
+(``pages.py``) tells it when a registered page loses its last reference (``park``) or gains one
+again (``unpark``), and asks it for a victim (``evict``) when it runs out of free pages. What
+crosses the boundary is page ids (``int``) and keys (``bytes``).
 
 A page's key names the whole prefix up to and including that page, so two pages match only when
 everything before them matched too::

@@ -37,7 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from walkserve.runtime.kv.layer_groups import GroupedKVPool
-from walkserve.runtime.kv.pool import KVPool, PoolExhausted, SeqId
+from walkserve.runtime.kv.pool import KVPool
+from walkserve.runtime.kv.pool_types import PoolExhausted, SeqId
 
 __all__ = ["Chunk", "ContinuousScheduler", "SchedulerStats", "StepPlan"]
 
