@@ -247,8 +247,8 @@ def test_a_request_cancelled_while_the_lane_holds_its_items_leaves_nothing_behin
 def test_a_map_over_chunks_runs_the_ready_chunks_as_one_call() -> None:
     """The window decoder carries nothing and has no stop: its iterations depend on nothing of
     each other, so up to ``MAP_AHEAD`` of them are in flight and the windows that are ready
-    run as one batched call (a producer with a carried state keeps two). Outputs are the
-    interpreter's."""
+    run as one batched call (a producer with a carried state keeps two), sent as one map item
+    (``WorkItem.calls``). Outputs are the interpreter's."""
     from walkserve.runtime.walkspec import MAP_AHEAD
 
     captured, plan = setup()
@@ -265,6 +265,7 @@ def test_a_map_over_chunks_runs_the_ready_chunks_as_one_call() -> None:
     done = run_to_exit(sched, runner, sizes)
     decoder = [n for node, ns in sizes.items() if node.startswith("decode") for n in ns]
     assert max(decoder) > 2, sizes
+    assert sched.conductor.stats().in_flight == 0
     want = captured.run(r, "speak")
     testing.assert_outputs_match(sched_outputs(done, want), want)
     assert sched.stats().live_values == 0 and sched.idle()
@@ -275,12 +276,13 @@ def run_to_exit(
 ) -> dict[str, Any]:
     """Schedule passes, each followed by the fast lane as far as it goes, until the one region
     run started on ``sched`` exits; its outputs (those reported early too). ``sizes``: each
-    node's scheduled steps, by how many items each held."""
+    node's scheduled steps, by how many calls each held (an item's, a map item's each)."""
     early: dict[str, Any] = {}
     for _ in range(100):
         for s in sched.schedule():
-            if sizes is not None:
-                sizes.setdefault(s.node, []).append(len(s.items))
+            if sizes is not None:  # a map item holds a call per iteration
+                calls = sum(len(getattr(it, "calls", None) or [None]) for it in s.items)
+                sizes.setdefault(s.node, []).append(calls)
             sched.update(s, runner.run(s.walk, s.node, s.items))
         testing.lane_steps(sched, runner, 100)
         for rep in sched.reports():

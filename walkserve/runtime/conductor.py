@@ -129,6 +129,10 @@ class Conductor(RegionItems):
     a loop of the walk (a region walk's streams from another region). ``fast_loops``: a simple
     loop (a straight body of nodes, no stream in or out) is one ``kind="loop"`` item its
     runner steps by itself (``loopstep``), not a frame per iteration (a rank's conductor).
+    ``maps``: the (walk, node) whose calls the runner batches as it likes (a rank's joinable
+    nodes): a map over a stream or per-step values whose body is one such node
+    (``LoopSpec.map_node``) sends the iterations that can start as one item with a call each
+    (``WorkItem.calls``), completed with each one's values, not a frame per iteration.
     """
 
     def __init__(
@@ -141,6 +145,7 @@ class Conductor(RegionItems):
         eager_outputs: bool = False,
         fed: Mapping[str, Collection[str]] | None = None,
         fast_loops: bool = False,
+        maps: Collection[tuple[str, str]] = (),
     ) -> None:
         if stream_buffer_limit < 1:
             raise ValueError(f"stream_buffer_limit must be >= 1, got {stream_buffer_limit}")
@@ -148,6 +153,7 @@ class Conductor(RegionItems):
         self.speculate = speculate
         self.stream_buffer_limit = stream_buffer_limit
         self.eager_outputs = eager_outputs
+        self._maps = frozenset(maps)
         self._walks: dict[str, BlockSpec] = {}
         # per walk, the outputs sent as soon as they exist, with the values each reads
         self._early: dict[str, list[tuple[str, Any, tuple[str, ...]]]] = {}
@@ -255,6 +261,8 @@ class Conductor(RegionItems):
         p = self._take(item_id)
         if p is None:
             return None
+        if p.window is not None:
+            return self._bind_map(p, value)
         need = [op for op in p.item.outputs if op not in p.delivered]
         missing = [op for op in need if op not in value] if isinstance(value, Mapping) else need
         if missing:

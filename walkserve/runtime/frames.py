@@ -225,6 +225,8 @@ class LoopRun:
     stop_at: int | None = None  # iteration count once a stop came true
     collected: dict[str, list[Any]] = field(default_factory=dict)
     last: list[Any] | None = None  # body outputs of the last committed iteration
+    flying: int = 0  # iterations out in map items (no frame of their own)
+    results: dict[int, list[Any]] = field(default_factory=dict)  # theirs, until committed
 
 
 @dataclass(eq=False)
@@ -254,6 +256,7 @@ class Pending:
     item: WorkItem  # as issued: ``defer`` issues it again
     region: RegionSpec | None = None
     delivered: set[str] = field(default_factory=set)  # outputs bound (``partial``)
+    window: tuple[LoopRun, int] | None = None  # a map item's: its run, its first iteration
 
 
 class RequestFailed(Exception):
@@ -294,6 +297,7 @@ def count_values(req: RequestState) -> int:
         for run in f.runs:
             n += len(run.carried) + len(run.fixed) + len(run.last or ())
             n += sum(len(v) for v in run.collected.values())
+            n += sum(len(v) for v in run.results.values())
             n += sum(frame(sub) for sub in run.frames.values())
         return n
 

@@ -67,6 +67,7 @@ class LoopDriver:
     _credits: list[Credit]
     _credit: dict[str, dict[str, int]]
     _produced: dict[str, dict[str, int]]
+    _maps: frozenset[tuple[str, str]]  # (walk, node): a map's iterations go out as one item
 
     # the conductor's hooks
     def _new_frame(
@@ -81,6 +82,9 @@ class LoopDriver:
         raise NotImplementedError
 
     def _send_ready_outputs(self, req: RequestState) -> None:
+        raise NotImplementedError
+
+    def _node_failed(self, p: Pending, error: str) -> None:
         raise NotImplementedError
 
     def _issue(self, item: WorkItem, pending: Pending) -> None:
@@ -216,10 +220,21 @@ class LoopDriver:
         changed = self._settle(req, run)
         if run not in run.parent.runs:
             return changed
-        flat = run.spec.flat
+        ls = run.spec
+        if ls.map_node is not None and (req.walk, ls.map_node.name) in self._maps:
+            calls: list[tuple[list[Any], dict[str, Any]]] = []
+            chunked: set[str] = set()
+            while self._can_start(req, run):  # every window that is ready: one item
+                calls.append(self._map_call(run, chunked))
+            if calls:
+                for stream in chunked:  # what their chunks released, at once
+                    self._grant(run.parent, run.parent.streams[stream])
+                self._issue_map(req, run, calls)
+                changed = True
+            return self._settle(req, run) or changed
         while self._can_start(req, run):  # every iteration that may start: a map's windows
             frame = self._start_iteration(run)
-            if flat and self._pump(req, frame) and not any(frame.todo.values()):
+            if ls.flat and self._pump(req, frame) and not any(frame.todo.values()):
                 frame.quiet = True  # its one node dispatched: nothing to pump until it ends
             changed = True
         for sub in list(run.frames.values()):
@@ -229,7 +244,8 @@ class LoopDriver:
 
     def _can_start(self, req: RequestState, run: LoopRun) -> bool:
         ls, i = run.spec, run.started
-        if run.stop_at is not None or len(run.frames) >= ls.ahead:
+        live = len(run.frames) + run.flying  # started, not committed
+        if run.stop_at is not None or live >= ls.ahead:
             return False
         if (run.bound is not None and i >= run.bound) or (run.cap is not None and i >= run.cap):
             return False
@@ -248,18 +264,94 @@ class LoopDriver:
                 return False
         for stream, _ in ls.feeds:  # iterations in flight count as one item each
             s = run.parent.streams[stream]
-            full = s.buffered + len(run.frames) >= self.stream_buffer_limit
+            full = s.buffered + live >= self.stream_buffer_limit
             if s.spec.backpressure and not s.closed and full:
                 return False
         credit = self._credit.get(req.id)
         if credit and ls.emit:
             produced = self._produced.get(req.id, {})
             for ch in ls.emit:
-                if ch in credit and produced.get(ch, 0) + len(run.frames) >= credit[ch]:
+                if ch in credit and produced.get(ch, 0) + live >= credit[ch]:
                     return False
         return True
 
     def _start_iteration(self, run: LoopRun) -> Frame:
+        ls, i, parent = run.spec, run.started, run.parent
+        node = ls.node
+        values, chunked = self._iteration_values(run)
+        for stream in chunked:
+            self._grant(parent, parent.streams[stream])
+        speculative = node.stop is not None and i > run.known
+        if speculative:
+            self._speculated += 1
+        frame = self._new_frame(ls.body, (*parent.path, i), parent, values)
+        frame.speculative = speculative
+        run.frames[i] = frame
+        run.started += 1
+        return frame
+
+    def _map_call(self, run: LoopRun, chunked: set[str]) -> tuple[list[Any], dict[str, Any]]:
+        """Start the next iteration of a map as a call of its node's component (its item is
+        ``_issue_map``'s): its arguments, from its parameters' values; the streams it cut a
+        chunk of join ``chunked``."""
+        values, cut = self._iteration_values(run)
+        chunked.update(cut)
+        run.started += 1
+        run.flying += 1
+        assert run.spec.map_node is not None
+        op = run.spec.map_node.ops[0].op
+        value = self._interp.value
+        return [value(a, values) for a in op.args], {
+            k: value(a, values) for k, a in op.kwargs.items()
+        }
+
+    def _issue_map(
+        self, req: RequestState, run: LoopRun, calls: list[tuple[list[Any], dict[str, Any]]]
+    ) -> None:
+        """The map iterations just started (their ``calls``, in order) as one item of its node;
+        their values come back together (``_bind_map``)."""
+        node = run.spec.map_node
+        assert node is not None
+        first, parent = run.started - len(calls), run.parent
+        ops = tuple(s.op.name for s in node.ops)
+        item = WorkItem(
+            id=next(self._ids),
+            request=req.id,
+            walk=req.walk,
+            node=node.name,
+            kind="component",
+            ops=ops,
+            frame=(*parent.path, first),
+            speculative=parent.in_speculation(),
+            outputs=tuple(dict.fromkeys(run.spec.node.outputs)),
+            calls=tuple(calls),
+        )
+        self._issue(item, Pending(req, parent, node.name, ops, {}, item, window=(run, first)))
+
+    def _bind_map(self, p: Pending, value: Any) -> RequestState | None:
+        """A map item's values (one mapping per iteration, in order) kept for their commit;
+        its request, to advance (None: failed)."""
+        assert p.window is not None
+        run, first = p.window
+        n = len(p.item.calls or ())
+        outputs = run.spec.node.outputs
+        if not isinstance(value, list) or len(value) != n:
+            got = len(value) if isinstance(value, list) else type(value).__name__
+            self._node_failed(p, f"a map item of {n} iterations got results for {got}")
+            return None
+        for k, values in enumerate(value):
+            missing = [o for o in outputs if o not in values]
+            if missing:
+                self._node_failed(p, f"result has no value for ops {missing}")
+                return None
+            run.results[first + k] = [values[o] for o in outputs]
+        run.flying -= n
+        return p.request
+
+    def _iteration_values(self, run: LoopRun) -> tuple[dict[str, Any], list[str]]:
+        """The values of the next iteration's parameters, and the streams it cut a chunk of
+        (their items before the next chunk released: grant their producers the credit that
+        frees)."""
         ls, i, parent = run.spec, run.started, run.parent
         node = ls.node
         prev = run.frames.get(i - 1)
@@ -286,15 +378,7 @@ class LoopDriver:
         for stream in chunks:
             s = parent.streams[stream]
             s.release(s.spec.policy.retain_from(i + 1))
-            self._grant(parent, s)
-        speculative = node.stop is not None and i > run.known
-        if speculative:
-            self._speculated += 1
-        frame = self._new_frame(ls.body, (*parent.path, i), parent, values)
-        frame.speculative = speculative
-        run.frames[i] = frame
-        run.started += 1
-        return frame
+        return values, list(chunks)
 
     def _settle(self, req: RequestState, run: LoopRun) -> bool:
         """Evaluate stops in order, commit complete iterations in order, finish the loop."""
@@ -322,10 +406,18 @@ class LoopDriver:
                         if error is not None:
                             raise RequestFailed(error)
         while True:
+            outs = run.results.pop(run.committed, None)  # a map item's iteration
+            if outs is not None:
+                self._commit(req, run, outs)
+                changed = True
+                continue
             f = run.frames.get(run.committed)
             if f is None or not f.done():
                 break
-            self._commit(req, run, f)
+            outs = [f.env[o] for o in node.outputs]
+            del run.frames[run.committed]
+            self._kill(f)
+            self._commit(req, run, outs)
             changed = True
         if run.bound is None and isinstance(node.trips, ir.StreamTrips):
             s = run.parent.streams[node.trips.stream]
@@ -337,10 +429,10 @@ class LoopDriver:
             changed = True
         return changed
 
-    def _commit(self, req: RequestState, run: LoopRun, f: Frame) -> None:
+    def _commit(self, req: RequestState, run: LoopRun, outs: list[Any]) -> None:
+        """Commit iteration ``run.committed``, whose body outputs are ``outs``."""
         ls, i = run.spec, run.committed
         node = ls.node
-        outs = [f.env[o] for o in node.outputs]
         credit = self._credit.get(req.id)
         for ch, acc in node.accumulated.items():
             piece = outs[acc.output]
@@ -359,8 +451,6 @@ class LoopDriver:
         run.carried = {
             p.name: outs[p.role.output] for p in node.params if isinstance(p.role, ir.Carried)
         }
-        del run.frames[i]
-        self._kill(f)
         run.committed += 1
 
     def _finish_loop(self, run: LoopRun) -> None:

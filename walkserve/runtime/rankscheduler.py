@@ -98,6 +98,12 @@ class RankScheduler:
             eager_outputs=True,
             fed={name: r.fed for name, r in regions.regions.items() if r.fed},
             fast_loops=fast_loops,
+            maps=[  # the region walks' nodes the runner takes joined calls of
+                (name, node)
+                for name in regions.regions
+                for walk, node in joins
+                if walk == regions.walk_of[name]
+            ],
         )
         self.loops = LoopStepper(regions, max_batch=max_batch, joins=joins)
         self.stream_buffer_limit = stream_buffer_limit
@@ -302,7 +308,7 @@ class RankScheduler:
         done: list[tuple[int, Any]] = []  # completed together: one advance per request
         for r in results:
             if r.error is None and not r.deferred:
-                done.append((r.item, r.values))
+                done.append((r.item, r.made))
                 continue
             self.conductor.complete_all(done)  # in order with the failures
             done = []

@@ -71,12 +71,19 @@ class RunItem:
 
 @dataclass(frozen=True)
 class ItemResult:
-    """What one item produced (``{op: value}``), the error it raised, or ``deferred``."""
+    """What one item produced (``{op: value}``; a map item's: ``each``, one per call), the
+    error it raised, or ``deferred``."""
 
     item: int
     values: dict[str, Any] | None = None
     error: str | None = None
     deferred: bool = False
+    each: list[dict[str, Any]] | None = None
+
+    @property
+    def made(self) -> Any:
+        """What the conductor completes the item with: ``values``, or a map item's ``each``."""
+        return self.values if self.each is None else self.each
 
 
 @dataclass(frozen=True)
@@ -243,10 +250,16 @@ class NodeRunner:
         op = entry.ops[entry.plan.ops[0]]
         calls: list[tuple[list[Any], dict[str, Any]]] = []
         good: list[Runnable] = []
+        counts: list[int] = []  # calls of each good item (a map item's: its iterations')
         failed: dict[int, ItemResult] = {}
         for it in items:
+            many = getattr(it, "calls", None)
             try:
-                calls.append(it.call if it.call is not None else self._call(op, it.env))
+                if many is None:
+                    calls.append(it.call if it.call is not None else self._call(op, it.env))
+                else:
+                    calls += many
+                counts.append(1 if many is None else len(many))
                 good.append(it)
             except Exception as e:
                 failed[it.id] = ItemResult(it.id, error=f"node {op.name}: {e}")
@@ -261,10 +274,30 @@ class NodeRunner:
             where = f" ({op.source})" if op.source else ""
             others = "" if len(good) == 1 else f" (a batched call of {len(good)} requests)"
             error = f"node {op.name} ({op.target}){where} failed{others}: {e}"
-            outs = [_Failure(error)] * len(good)
-        done = {it.id: self._finish(entry, it, {op.name: out}) for it, out in zip(good, outs)}
+            outs = [_Failure(error)] * len(calls)
+        done: dict[int, ItemResult] = {}
+        at = 0
+        for it, n in zip(good, counts):
+            if getattr(it, "calls", None) is None:
+                done[it.id] = self._finish(entry, it, {op.name: outs[at]})
+            else:
+                done[it.id] = self._each(entry, it, outs[at : at + n])
+            at += n
         done |= failed
         return [done[it.id] for it in items]
+
+    def _each(self, entry: _Node, item: Runnable, outs: Sequence[Any]) -> ItemResult:
+        """A map item's result: its glue run on each call's output; the first error fails it
+        whole, a ``DEFER`` defers it whole (its calls run again together)."""
+        comp = entry.plan.ops[0]
+        each: list[dict[str, Any]] = []
+        for out in outs:
+            r = self._finish(entry, item, {comp: out})
+            if r.error is not None or r.deferred:
+                return r
+            assert r.values is not None
+            each.append(r.values)
+        return ItemResult(item.id, each=each)
 
     def _joined(
         self, entry: _Node, item: Runnable, call: tuple[list[Any], dict[str, Any]] | None = None

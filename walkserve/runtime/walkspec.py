@@ -82,6 +82,25 @@ class LoopSpec:
         return MAP_AHEAD if self.speculative and not carried and node.stop is None else 2
 
     @functools.cached_property
+    def map_node(self) -> NodeSpec | None:
+        """Its one node, where the loop is a map (``ahead``: no iteration depends on another)
+        whose iterations may go out as one item (``Conductor(maps=...)``): a flat body whose
+        node calls a component on the loop's parameters alone, whose glue reads only what
+        the node makes, and which makes every value the loop takes from an iteration."""
+        if not self.flat or self.ahead != MAP_AHEAD:
+            return None
+        (node,) = self.body.nodes
+        first = node.ops[0].op
+        made = {s.op.name for s in node.ops}
+        params = {p.name for p in self.node.params}
+        args = [*first.args, *first.kwargs.values()]
+        if first.kind != "component" or not {r for a in args for r in ir.arg_refs(a)} <= params:
+            return None
+        if any(not set(s.reads) <= made for s in node.ops[1:]):
+            return None
+        return node if set(self.node.outputs) <= made else None
+
+    @functools.cached_property
     def flat(self) -> bool:
         """Its body is one node and nothing else (no loop, region or stream inside): an
         iteration's frame has all it reads when it starts, so its node is dispatched then, and

@@ -49,7 +49,7 @@ class WorkItem:
     previous iteration was known. ``outputs``: the ops whose values are read after the item
     (by later items, the client or the frame's end); the others are used inside the item only
     and need not come back. Report with ``complete(id, {op: value for op in outputs})`` (more
-    values are ignored).
+    values are ignored); a map item (``calls``) with a list of those, one per call.
     """
 
     id: int
@@ -65,6 +65,9 @@ class WorkItem:
     outputs: tuple[str, ...] = ()
     loop: LoopStart | None = field(default=None, repr=False)
     stream: bool = True  # a region item: report its client streams item by item
+    # a map's iterations (``Conductor(maps=...)``): one call each, run as one item (its
+    # result holds each iteration's values in order: ``ItemResult.each``); ``call`` is None
+    calls: tuple[tuple[list[Any], dict[str, Any]], ...] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
