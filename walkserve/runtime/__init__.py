@@ -44,9 +44,10 @@ Modules, by role:
                   region items: streams, feeds, credit), workitem, walkspec,
                   frames: its parts
     batcher       the batching rule of the conductor's node items (pure)
-    pool          the worker processes and sockets; poolranks (a rank's start handshake and
-                  its end), poolbatches (node batches), poolregions, poolremote (remote
-                  ranks, link probes), poolsupervision, poolstate, config
+    pool          the worker processes and sockets; poolio (the io thread: reports read and
+                  dispatched by type, deaths seen at once), poolranks (a rank's start
+                  handshake and its end), poolbatches (node batches), poolregions,
+                  poolremote (remote ranks, link probes), poolsupervision, poolstate, config
     supervisor    when a silent rank is hung, restarts of dead ranks, crash loops (pure)
     worker        a worker process: sockets, setup, the watch thread; workerinbox: the
                   command socket read by the engine's thread; engine: its engine loop
