@@ -37,9 +37,10 @@ rank pulls it from there (``peers``), never through the server process, which re
 
 Modules, by role:
 
-    server        serve(), Server: the Python API and the conductor passes; passes: who
-                  makes a pass, and when (a burst of submissions in one); handle:
-                  RequestHandle, what a caller holds of a request
+    server        serve(), Server: the Python API; conductorpass: what a conductor pass
+                  does (ready items out to the ranks, replies and region events in, events
+                  out to the handles); passes: who makes a pass, and when (a burst of
+                  submissions in one); handle: RequestHandle, what a caller holds of a request
     conductor     the walk state machine (pure); loopdriver (its loops), regionitems (its
                   region items: streams, feeds, credit), workitem, walkspec,
                   frames: its parts
