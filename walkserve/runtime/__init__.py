@@ -37,16 +37,18 @@ rank pulls it from there (``peers``), never through the server process, which re
 
 Modules, by role:
 
-    server        serve(), Server: the Python API and the conductor passes; passes: who
-                  makes a pass, and when (a burst of submissions in one); handle:
-                  RequestHandle, what a caller holds of a request
+    server        serve(), Server: the Python API; conductorpass: what a conductor pass
+                  does (ready items out to the ranks, replies and region events in, events
+                  out to the handles); passes: who makes a pass, and when (a burst of
+                  submissions in one); handle: RequestHandle, what a caller holds of a request
     conductor     the walk state machine (pure); loopdriver (its loops), regionitems (its
                   region items: streams, feeds, credit), workitem, walkspec,
                   frames: its parts
     batcher       the batching rule of the conductor's node items (pure)
-    pool          the worker processes and sockets; poolranks (a rank's start handshake and
-                  its end), poolbatches (node batches), poolregions, poolremote (remote
-                  ranks, link probes), poolsupervision, poolstate, config
+    pool          the worker processes and sockets; poolio (the io thread: reports read and
+                  dispatched by type, deaths seen at once), poolranks (a rank's start
+                  handshake and its end), poolbatches (node batches), poolregions,
+                  poolremote (remote ranks, link probes), poolsupervision, poolstate, config
     supervisor    when a silent rank is hung, restarts of dead ranks, crash loops (pure)
     worker        a worker process: sockets, setup, the watch thread; workerinbox: the
                   command socket read by the engine's thread; engine: its engine loop

@@ -18,9 +18,10 @@ to each. Threads in the conductor process:
     callers     submit_batch (``poolbatches``): encode the inputs (small tensors inline, large ones written
                 into the conductor's pool), register a future, send RunBatch on *commands*
                 (shared under a lock; nobody reads it)
-    io thread   owns *reports*: receives every worker message and dispatches it by type (a
-                table), and polls every worker's ``Process.sentinel``, so a dead worker is
-                noticed at once, not at a heartbeat timeout
+    io thread   (``poolio``, which ``WorkerPool`` extends) owns *reports*: receives every
+                worker message and dispatches it by type (a table), and polls every worker's
+                ``Process.sentinel``, so a dead worker is noticed at once, not at a heartbeat
+                timeout; after each read, the server's conductor pass (``on_io_pass``)
 
 A reply's tensors are copied out of the worker's pool on the io thread and acked at once;
 futures complete on the io thread (callbacks added to them should not block). Input slots are
@@ -77,29 +78,15 @@ from walkserve.runtime.config import (
     routing_id,
 )
 from walkserve.runtime.messages import (
-    Ack,
-    AttachPools,
-    BatchDone,
-    BatchFailed,
     Cancel,
-    Fatal,
-    Heartbeat,
-    Hello,
-    Join,
     KVStats,
-    Message,
-    MessageError,
-    ProbeReply,
-    RankStatsReply,
-    RegionEvents,
     Shutdown,
     TPJoin,
-    decode,
     encode,
 )
 from walkserve.runtime.net.link import LinkModel
 from walkserve.runtime.net.remote import INLINE_ALL
-from walkserve.runtime.poolranks import RankLife
+from walkserve.runtime.poolio import IoLoop
 from walkserve.runtime.poolregions import RegionTraffic
 from walkserve.runtime.poolstate import (
     GONE,
@@ -116,7 +103,6 @@ from walkserve.runtime.poolstate import (
     WorkerStartError,
     fail_future,
     reap,
-    recv_multipart,
     sweep_stale_dirs,
 )
 from walkserve.runtime.poolsupervision import RankSupervision
@@ -130,13 +116,12 @@ from walkserve.runtime.transport import (
     Token,
     Transport,
 )
-from walkserve.runtime.wakepipe import WakePipe
 from walkserve.runtime.worker import worker_main
 
 log = logging.getLogger("walkserve.pool")
 
 
-class WorkerPool(RankLife):
+class WorkerPool(IoLoop):
     """One spawned worker process per rank (see the module docstring). ``threads``: torch
     threads per worker, default ``config.default_threads(ranks)`` ((cores - 1) // ranks, >= 1)."""
 
@@ -183,18 +168,13 @@ class WorkerPool(RankLife):
         self._scheduling = (speculate, stream_buffer_limit)
         self.hold = hold
         self.regions = RegionTraffic(self)
-        # run at the end of every pass of the io thread (the server's conductor pass), and
-        # what wakes that thread for it from any other (``nudge``): a pipe, thread-safe
-        self.on_io_pass: Callable[[], None] = lambda: None
-        self._nudge = WakePipe()
-        self._pass_by = float("inf")  # an on_io_pass is due by then at the latest (``nudge``)
+        self._open_io()
         self._lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
         self._handle_batch: dict[Token, int] = {}
         self._batch_ids = itertools.count()
         self._closed = False
         self._tmpdir: str | None = None
-        self._io: threading.Thread | None = None
         self._ranks: dict[int, RankState] = {}
         self._ctx = zmq.Context()
         self._on_listening = on_listening
@@ -237,10 +217,6 @@ class WorkerPool(RankLife):
             port = self._commands.bind_to_random_port("tcp://127.0.0.1")
             commands = f"tcp://127.0.0.1:{port}"
         worker_config = WorkerConfig.of_pool(self.config, self.threads, commands, curve, ranks)
-        self._wake_rx = self._ctx.socket(zmq.PULL)  # close() stops the io thread through it
-        self._wake_rx.bind("inproc://wake")
-        self._wake = self._ctx.socket(zmq.PUSH)
-        self._wake.connect("inproc://wake")
         self._setups_due: dict[int, bytes] = {}  # rank -> WorkerSetup not yet routable
 
         self._shm = ShmPool(self.config.shm)
@@ -272,24 +248,10 @@ class WorkerPool(RankLife):
             process = self._spawn(rank, 0)
             self._ranks[rank] = RankState(rank, process, routing_id(rank), pid=process.pid)
         self._by_identity = {r.identity: r for r in self._ranks.values()}
-        self._handlers: dict[type, Callable[[RankState, Any], None]] = {
-            Join: self._on_join,
-            AttachPools: self._on_attach,
-            Hello: self._on_hello,
-            Heartbeat: self._on_heartbeat,  # every message refreshes last_seen
-            BatchDone: self._on_done,
-            BatchFailed: self._on_failed,
-            Ack: self._on_ack,
-            Fatal: self._on_fatal,
-            ProbeReply: self._on_probe_reply,
-            RegionEvents: self.regions.on_events,
-            RankStatsReply: self.regions.on_stats,
-        }
         self._probes: dict[int, threading.Event] = {}
         self._probe_ids = itertools.count()
         self.links: dict[int, LinkModel] = {}  # remote rank -> measured at start-up
-        self._io = threading.Thread(target=self._io_loop, name="walkserve-pool-io", daemon=True)
-        self._io.start()
+        self._start_io()
         if self._on_listening is not None:
             self._on_listening(self)
 
@@ -413,10 +375,7 @@ class WorkerPool(RankLife):
                 log.warning("worker rank %d did not stop in time; killing it", s.rank)
                 s.process.kill()
                 reap(s.process, 5.0)
-        if self._io is not None:
-            self._wake.send(b"stop")
-            if threading.current_thread() is not self._io:  # close() from a future callback
-                self._io.join()
+        self._stop_io()
         for s in self._ranks.values():  # one started again while the pool closed
             with contextlib.suppress(ValueError):
                 if s.process.exitcode is None:
@@ -461,82 +420,6 @@ class WorkerPool(RankLife):
         if state is None:
             raise ValueError(f"no rank {rank}; the pool has ranks {self.ranks}")
         return state
-
-    # ------------------------------------------------------------------ io thread
-
-    def _io_loop(self) -> None:
-        poller = self._poller = zmq.Poller()
-        poller.register(self._reports, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
-        poller.register(self._nudge.fd, zmq.POLLIN)
-        sentinels = self._sentinels = {s.process.sentinel: s for s in self._ranks.values()}
-        for fd in sentinels:
-            poller.register(fd, zmq.POLLIN)
-        deadline = self.config.supervision.hang_deadline_s
-        tick = 1000 if deadline is None else max(10, min(1000, int(deadline * 250)))
-        while True:
-            wait = 5 if self._setups_due or self.supervision.due else tick
-            if self._pass_by < float("inf"):
-                wait = min(wait, max(0, int((self._pass_by - time.monotonic()) * 1000) + 1))
-            for sock, _ in poller.poll(wait):
-                if sock is self._reports:
-                    while (frames := recv_multipart(self._reports)) is not None:
-                        self._dispatch(frames)
-                elif sock is self._wake_rx:
-                    return
-                elif sock == self._nudge.fd:
-                    self._nudge.clear()
-                elif isinstance(sock, int) and sock in sentinels:
-                    poller.unregister(sock)
-                    self._drain_reports()  # its last words (a Fatal) come first
-                    self._on_exit(sentinels.pop(sock), closing=self._closed)
-            for rank, setup in list(self._setups_due.items()):
-                self._send_setup(self._ranks[rank], setup)
-            if time.monotonic() >= self._pass_by:
-                self._pass_by = float("inf")
-            self.on_io_pass()
-            self.regions.flush()
-            self.supervision.tick()
-
-    def nudge(self, within_s: float | None = None) -> None:
-        """Wake the io thread for an ``on_io_pass`` (any thread); ``within_s``: for one within
-        that time at the latest (it wakes now, and polls no longer than that)."""
-        if within_s is not None:
-            self._pass_by = min(self._pass_by, time.monotonic() + within_s)
-        self._nudge.set()
-
-    def on_io_thread(self) -> bool:
-        return threading.current_thread() is self._io
-
-    def _drain_reports(self, wait_ms: int = 20) -> None:
-        """Dispatch what the workers sent so far, waiting up to ``wait_ms`` for stragglers."""
-        while self._reports.poll(wait_ms):
-            while (frames := recv_multipart(self._reports)) is not None:
-                self._dispatch(frames)
-            wait_ms = 2
-
-    def _dispatch(self, frames: list[bytes]) -> None:
-        state = self._by_identity.get(frames[0])
-        if state is None or len(frames) != 2:
-            self._from_unknown(frames)  # a remote rank's (new) process joins: poolremote
-            return
-        state.last_seen = time.monotonic()
-        try:
-            msg: Message = decode(frames[1])
-        except MessageError as e:
-            log.warning("rank %d sent a bad message: %s", state.rank, e)
-            return
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            log.warning("rank %d sent an unexpected %s", state.rank, type(msg).__name__)
-            return
-        if getattr(msg, "rank", state.rank) != state.rank:
-            log.warning("rank %d sent a message for rank %s", state.rank, msg.rank)  # type: ignore[union-attr]
-            return
-        handler(state, msg)
-
-    def _on_heartbeat(self, state: RankState, msg: Heartbeat) -> None:
-        state.kv = list(msg.kv)
 
     def kv_stats(self) -> dict[int, list[KVStats]]:
         """Every rank's paged KV pools, as of its last heartbeat (``heartbeat_s`` old at most)."""
