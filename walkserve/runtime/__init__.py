@@ -40,9 +40,9 @@ Modules, by role:
     server        serve(), Server: the Python API and the conductor passes; passes: who
                   makes a pass, and when (a burst of submissions in one); handle:
                   RequestHandle, what a caller holds of a request
-    conductor     the walk state machine (pure); loopdriver (its loops), regionitems (its
-                  region items: streams, feeds, credit), workitem, walkspec,
-                  frames: its parts
+    conductor     the walk state machine (pure); framedriver (its frames: passes, node
+                  items), loopdriver (its loops), regionitems (its region items: streams,
+                  feeds, credit), workitem, walkspec, frames: its parts
     batcher       the batching rule of the conductor's node items (pure)
     pool          the worker processes and sockets; poolranks (a rank's start handshake and
                   its end), poolbatches (node batches), poolregions, poolremote (remote
