@@ -9,13 +9,20 @@ threads, processes or CUDA. Values are opaque to it, except that it slices tenso
 per-step ``select``\\s and stream chunks, and reads stop flags (``bool(t.item())``). The oracle
 for what every request must compute is ``capture.interpret.Interpreter``, one request at a time.
 
+This module holds the interface and the requests: submitting, results and failures of items,
+cancelling, events, stats, entering and finishing walks, and advancing a request's state
+machine. ``Conductor`` inherits the rest: its frames and their node items from
+``FrameDriver`` (``runtime.framedriver``), its region items from ``RegionItems``
+(``runtime.regionitems``) and its loops from ``LoopDriver`` (``runtime.loopdriver``); the
+state they share lives in ``runtime.frames``.
+
 Data flow (every arrow is one method call on a ``Conductor``)::
 
-    submit(id, inputs)  -> _Request: state (inputs + outputs of finished walks), walk,
-                           root _Frame: the walk body's values, its undispatched ops
+    submit(id, inputs)  -> RequestState: state (inputs + outputs of finished walks), walk,
+                           root Frame: the walk body's values, its undispatched ops
     complete(item, {op: value}) -> values bound in the item's frame -> _advance(request):
         ops whose inputs now exist in that frame     -> WorkItem queued for ready()
-        loops whose inputs exist                      -> _LoopRun (frames {i: _Frame})
+        loops whose inputs exist                      -> LoopRun (frames {i: Frame})
         iteration i+1 whose carried values exist      -> a new frame (speculative while
                                                          stop(i) is unknown)
         stop values, in iteration order               -> confirm i+1, or discard it
@@ -35,13 +42,11 @@ Frames and iterations of a DynamicLoop with speculation (``frame`` paths, outer 
     state       committed  running      speculative: stop(1) not yet known
                            stop(1) true -> (2,) discarded, its results ignored: one wasted step
 
-Dispatch units: a plan node is one dispatch, but the conductor splits it where the plan's
-grouping would delay work: of a node's undispatched ops it dispatches those whose inputs exist
-(or come from earlier ops of the same item), in order. A component node whose fused glue reads
-a parallel branch's output thus dispatches the component at once and the glue later (as a
-``glue`` item of the same node), and a glue group mixing early and late inputs runs in parts.
+Dispatch units: a plan node is one dispatch, split where the plan's grouping would delay work
+(of a node's undispatched ops, those whose inputs exist go out first; see
+``runtime.framedriver``).
 
-Streams: a producer loop's accumulated channel feeds a ``_Stream`` buffer as its iterations
+Streams: a producer loop's accumulated channel feeds a ``Stream`` buffer as its iterations
 commit; consumer iteration ``i`` starts once ``policy.ready(n, producer_finished) > i``, so the
 consumer runs while the producer still produces. Items before ``policy.retain_from(next)`` are
 released; a producer waits while its buffer holds ``stream_buffer_limit`` items, counting its
@@ -67,21 +72,18 @@ from walkserve.capture.loopsem import (
 )
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.plan import ExecutablePlan
+from walkserve.runtime.framedriver import FrameDriver
 from walkserve.runtime.frames import (
-    Forward,
     Frame,
     Pending,
     RequestFailed,
     RequestState,
-    Stream,
     count_values,
     frame_streams,
     piece_items,
 )
-from walkserve.runtime.regionitems import RegionItems
 from walkserve.runtime.walkspec import (
     BlockSpec,
-    NodeSpec,
     SpecBuilder,
     min_buffer,
 )
@@ -93,7 +95,6 @@ from walkserve.runtime.workitem import (
     Feed,
     Finished,
     LoopStart,
-    NodeKind,
     Output,
     StreamItem,
     WorkItem,
@@ -117,7 +118,7 @@ __all__ = [
 # ------------------------------------------------------------------------------ conductor
 
 
-class Conductor(RegionItems):
+class Conductor(FrameDriver):
     """Per-request walk state machines over ``plan``; see the module docstring.
 
     ``speculate=False`` never starts an iteration of a DynamicLoop before the previous stop is
@@ -453,122 +454,3 @@ class Conductor(RegionItems):
             p.frame.error = p.frame.error or message  # decided when the iteration is
         else:
             self._fail_request(p.request, message)
-
-    # ------------------------------------------------------------------ frames and ops
-
-    def _new_frame(
-        self, spec: BlockSpec, path: tuple[int, ...], parent: Frame | None, values: dict[str, Any]
-    ) -> Frame:
-        f = Frame(spec, path, parent, uses=dict(spec.uses))
-        f.todo = {n.name: list(range(len(n.ops))) for n in spec.nodes}
-        f.regions = list(spec.regions)
-        for rs in spec.regions:
-            for ch, streams in rs.forwards.items():
-                for stream in streams:
-                    f.forwards[stream] = Forward(stream, ch)
-        f.waiting = list(spec.loops)
-        f.streams = {name: Stream(s) for name, s in spec.streams.items()}
-        for name, value in values.items():
-            self._bind(f, name, value)
-        return f
-
-    def _pump(self, req: RequestState, f: Frame) -> bool:
-        """One pass over a frame: fill whole-value streams, start loops, dispatch ops,
-        advance its loops. True if anything changed."""
-        changed = False
-        fed = self._fed.get(req.walk, frozenset())
-        for s in f.streams.values():
-            if s.spec.edge.name in fed:
-                continue
-            if s.spec.producer is None and not s.finished and s.spec.edge.source in f.env:
-                s.append(f.env[s.spec.edge.source])
-                s.finished = changed = True
-        for ls in list(f.waiting):
-            if all(r in f.env for r in ls.need):
-                self._start_loop(req, f, ls)
-                changed = True
-        for node in f.spec.nodes:
-            if f.todo[node.name]:
-                changed |= self._dispatch(req, f, node)
-        for rs in list(f.regions):
-            if all(r in f.env for r in rs.reads):
-                self._dispatch_region(req, f, rs)
-                changed = True
-        for run in list(f.runs):
-            changed |= self._pump_loop(req, run)
-        return changed
-
-    def _dispatch(self, req: RequestState, f: Frame, node: NodeSpec) -> bool:
-        """Queue the node's undispatched ops whose inputs exist, as one item."""
-        chosen: list[int] = []
-        made: set[str] = set()
-        internal: dict[str, int] = {}
-        for k in f.todo[node.name]:
-            spec = node.ops[k]
-            if all(r in f.env or r in made for r in spec.reads):
-                chosen.append(k)
-                made.add(spec.op.name)
-        if not chosen:
-            return False
-        ops = [node.ops[k] for k in chosen]
-        f.todo[node.name] = [k for k in f.todo[node.name] if k not in chosen]
-        first = ops[0].op
-        kind: NodeKind = "component" if first.kind == "component" else "glue"
-        call = None
-        if kind == "component":
-            call = (
-                [self._interp.value(a, f.env) for a in first.args],
-                {k: self._interp.value(a, f.env) for k, a in first.kwargs.items()},
-            )
-        env: dict[str, Any] = {}
-        produced: set[str] = set()
-        for spec in ops:
-            for r in spec.reads:
-                if r in produced:
-                    internal[r] = internal.get(r, 0) + 1
-                elif spec.op.kind == "glue":
-                    env[r] = f.env[r]
-            produced.add(spec.op.name)
-        for spec in ops:  # release after materializing: an op may read a value twice
-            for r in spec.reads:
-                if r not in produced:
-                    self._consume(f, r)
-        outputs = tuple(  # what complete() keeps: read after this item, or pinned
-            s.op.name
-            for s in ops
-            if f.uses.get(s.op.name, 0) - internal.get(s.op.name, 0) > 0
-            or s.op.name in f.spec.pinned
-        )
-        item = WorkItem(
-            id=next(self._ids),
-            request=req.id,
-            walk=req.walk,
-            node=node.name,
-            kind=kind,
-            ops=tuple(s.op.name for s in ops),
-            frame=f.path,
-            speculative=f.in_speculation(),
-            call=call,
-            env=env,
-            outputs=outputs,
-        )
-        self._issue(item, Pending(req, f, node.name, item.ops, internal, item))
-        return True
-
-    def _kill(self, f: Frame) -> int:
-        """Release a frame and everything under it; returns how many items it dispatched."""
-        f.alive = False
-        for item_id in f.inflight:
-            p = self._items.pop(item_id, None)
-            if p is not None and p.region is not None:
-                self._dropped.append(item_id)
-        f.inflight.clear()
-        n = f.dispatched
-        for run in f.runs:
-            for sub in run.frames.values():
-                n += self._kill(sub)
-            run.frames.clear()
-        f.runs.clear()
-        f.env.clear()
-        f.streams.clear()
-        return n

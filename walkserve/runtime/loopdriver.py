@@ -2,8 +2,9 @@
 ``kind="loop"`` item for a rank's fast path), its iterations started as their carried values
 exist (speculatively while the previous stop is unknown), settled as stops arrive, committed
 in order (accumulations, streams fed, ``StreamItem`` events), and finished (its channels bound
-in the parent frame). ``Conductor`` (``runtime.conductor``) is a ``LoopDriver``: the frames,
-ops and requests it drives these through are its own (the hooks below)."""
+in the parent frame). ``Conductor`` (``runtime.conductor``) is a ``LoopDriver``: the frames
+it drives these through are ``FrameDriver``'s (``runtime.framedriver``), the requests its own
+(the hooks below)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ class LoopDriver:
     _produced: dict[str, dict[str, int]]
     _maps: frozenset[tuple[str, str]]  # (walk, node): a map's iterations go out as one item
 
-    # the conductor's hooks
+    # FrameDriver's hooks (runtime.framedriver)
     def _new_frame(
         self, spec: BlockSpec, path: tuple[int, ...], parent: Frame | None, values: dict[str, Any]
     ) -> Frame:
@@ -81,6 +82,7 @@ class LoopDriver:
     def _kill(self, f: Frame) -> int:
         raise NotImplementedError
 
+    # the conductor's hooks
     def _send_ready_outputs(self, req: RequestState) -> None:
         raise NotImplementedError
 
