@@ -61,6 +61,7 @@ class BandStreams:
     cohort: Cohort
     channels: list[tuple[str, int, tuple[tuple[int, int, int, int], ...], bool]]
     counted: list[tuple[tuple[str, str], str, int | None]]
+    keys: tuple[tuple[str, str], ...] = ()  # (request, channel) of each streaming run's streams
 
 
 class SharedSteps:
@@ -240,10 +241,13 @@ class SharedSteps:
         if not self._credit:
             return
         credit, produced, accumulated = self._credit, self._produced, band.loop.node.accumulated
+        joint: dict[str, int] = {}  # a channel's items in the joint piece, each run's too
         for key, ch, n in plan.counted:  # counted as the stepper's own runs count it
             if key in credit:
                 if n is None:
-                    n = piece_items(pieces[ch][-1], accumulated[ch])
+                    n = joint.get(ch)
+                    if n is None:
+                        n = joint[ch] = piece_items(pieces[ch][-1], accumulated[ch])
                 produced[key] = produced.get(key, 0) + n
 
     def _band_streams(self, band: Band) -> BandStreams:
@@ -252,9 +256,11 @@ class SharedSteps:
         by_channel: dict[str, list[tuple[int, int, int, int]]] = {}
         dims: dict[str, int | None] = {}
         counted: list[tuple[tuple[str, str], str, int | None]] = []
+        keys: list[tuple[str, str]] = []
         for k, run in band.streaming:
             if run.item not in self._runs:
                 continue
+            keys += [(run.request, ch) for ch in run.start.streams]
             for ch in run.start.streams:  # a client's stream: each commit's piece, as it is made
                 if ch not in spec.accumulated:
                     continue
@@ -278,7 +284,7 @@ class SharedSteps:
         for ch, runs in by_channel.items():
             dim = dims[ch]  # None: not batched, every run gets the joint piece whole
             channels.append((ch, -1 if dim is None else dim, tuple(runs), dim is None or whole))
-        return BandStreams(cohort, channels, counted)
+        return BandStreams(cohort, channels, counted, tuple(keys))
 
     def _depart(self, item: int) -> None:
         """Take run ``item`` out of the live runs (dropped, failed or finished); the cohort it

@@ -272,7 +272,17 @@ class LoopStepper(SharedSteps):
         by credit."""
         if len(self._bands) != 1 or self._bands[0] is not band:
             return False  # dissolved: at its length, or a failed or unbatched step
-        return not self._credit or not any(map(self._blocked, band.runs))
+        if not self._credit:
+            return True
+        plan = band.streams
+        if plan is None or plan.cohort is not band.cohort:
+            return not any(map(self._blocked, band.runs))
+        credit, produced = self._credit, self._produced
+        for key in plan.keys:  # ``_blocked`` of each streaming run, at once
+            allowed = credit.get(key)
+            if allowed is not None and produced.get(key, 0) + 1 > allowed:
+                return False
+        return True
 
     def reporting(self) -> bool:
         """Whether reports wait (``reports``)."""
@@ -282,17 +292,33 @@ class LoopStepper(SharedSteps):
         """How many reports wait (``reports``)."""
         return len(self._reports)
 
-    def urgent(self, since: int, held: Collection[tuple[int, str]]) -> bool:
+    def urgent(
+        self,
+        since: int,
+        held: Collection[tuple[int, str]],
+        seen: dict[int, tuple[Any, bool]] | None = None,
+    ) -> bool:
         """Whether a report waits, from the ``since``-th on, that is not a streamed item of a
-        (run, channel) in ``held`` (which may wait for a later ``reports``)."""
+        (run, channel) in ``held`` (which may wait for a later ``reports``). ``seen``: the
+        answers for rows reports' run layouts so far (a cohort's steps share one), by the
+        layout's id, kept by a caller whose ``held`` does not change."""
         for rep in self._reports[since:]:
             if isinstance(rep, LoopStreamed):
-                items = [rep.item]
-            elif isinstance(rep, LoopStreamedRows):
-                items = [item for item, _, _, _ in rep.runs]
-            else:
+                if (rep.item, rep.channel) not in held:
+                    return True
+                continue
+            if not isinstance(rep, LoopStreamedRows):
                 return True
-            if any((item, rep.channel) not in held for item in items):
+            known = seen.get(id(rep.runs)) if seen is not None else None
+            if known is not None and known[0] is rep.runs:
+                if known[1]:
+                    return True
+                continue
+            ch = rep.channel
+            out = any((item, ch) not in held for item, _, _, _ in rep.runs)
+            if seen is not None:
+                seen[id(rep.runs)] = (rep.runs, out)
+            if out:
                 return True
         return False
 

@@ -273,6 +273,7 @@ class RankScheduler:
             for ch in run.start.streams
             if self.conductor.deferrable(run.item, ch)
         }
+        seen: dict[int, tuple[Any, bool]] = {}  # ``urgent``'s answers per layout, this lane
 
         def commit(result: ItemResult) -> bool:
             sizes[n] = sizes.get(n, 0) + 1
@@ -280,7 +281,7 @@ class RankScheduler:
             more = loops.lane_step(band, result)
             # what its step committed may concern the inner conductor; held items too when
             # the lane stops (its credit may be what they bring: consumers start on them)
-            if loops.reporting() and (not held or not more or loops.urgent(since, held)):
+            if loops.reporting() and (not held or not more or loops.urgent(since, held, seen)):
                 self._loop_reports()
                 self._collect()
                 if not more and self._settled:
