@@ -1,8 +1,8 @@
 """``Passes``, who makes the conductor's passes: a posted task runs in a pass its poster makes;
-a burst's submissions wait, queued, for the pass of their caller's first wait (on an
-``Admission``: its result, exception or a callback), or for the io thread once
-``BURST_WAIT_S`` has passed, which it is woken for; replies the io thread posts it runs
-itself. With a fake io thread and the pass counted: no processes."""
+submissions wait, queued, for the pass of their caller's first wait (on an ``Admission``: its
+result, exception or a callback), or for the io thread once ``BURST_WAIT_S`` has passed, which
+it is woken for; replies the io thread posts it runs itself. With a fake io thread and the
+pass counted: no processes."""
 
 from __future__ import annotations
 
@@ -48,27 +48,34 @@ def test_a_task_runs_in_a_pass_its_poster_makes() -> None:
 
 
 def test_a_burst_waits_for_its_callers_first_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(passes, "BURST_S", 60.0)  # however slow this host is
+    monkeypatch.setattr(passes, "BURST_WAIT_S", 60.0)  # however slow this host is
     p, io, sizes = setup()
     ran: list[int] = []
     for k in range(5):
         p.post(lambda k=k: ran.append(k), submission=True)
-    assert ran == [0] and sizes == [1]  # the first at once, the others queued
-    assert io.nudges == [passes.BURST_WAIT_S]  # the io thread: once, for its deadline
+    assert ran == [] and sizes == []  # all queued, the first too
+    assert io.nudges == [60.0]  # the io thread: once, for its deadline
     io.io = True
     p.pump()  # the io thread, woken before the deadline: the caller is still submitting
-    assert ran == [0]
+    assert ran == []
     io.io = False
-    p.admit_waiting()  # the caller's first wait
-    assert ran == [0, 1, 2, 3, 4] and sizes == [1, 4]
+    p.admit_waiting()  # the caller's first wait: one pass for all
+    assert ran == [0, 1, 2, 3, 4] and sizes == [5]
     p.admit_waiting()  # nothing queued: no pass
-    assert sizes == [1, 4]
+    assert sizes == [5]
+
+
+def test_a_lone_submission_is_admitted_by_its_callers_wait_at_once() -> None:
+    p, _, sizes = setup()
+    f = Admission(p)
+    p.post(lambda: f.set_result("admitted"), submission=True)
+    assert sizes == []
+    assert f.result(timeout=0) == "admitted" and sizes == [1]  # no wait for a deadline
 
 
 def test_the_io_thread_admits_a_burst_no_caller_waits_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(passes, "BURST_S", 60.0)
     monkeypatch.setattr(passes, "BURST_WAIT_S", 0.0)  # its deadline has passed
     p, io, sizes = setup()
     ran: list[int] = []
@@ -76,13 +83,13 @@ def test_the_io_thread_admits_a_burst_no_caller_waits_on(
         p.post(lambda k=k: ran.append(k), submission=True)
     io.io = True
     p.pump()
-    assert ran == [0, 1, 2] and sizes == [1, 2]
+    assert ran == [0, 1, 2] and sizes == [3]
 
 
 def test_replies_the_io_thread_posts_take_the_burst_with_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(passes, "BURST_S", 60.0)
+    monkeypatch.setattr(passes, "BURST_WAIT_S", 60.0)
     p, io, sizes = setup()
     ran: list[str] = []
     p.post(lambda: ran.append("a"), submission=True)
@@ -90,12 +97,12 @@ def test_replies_the_io_thread_posts_take_the_burst_with_them(
     io.io = True
     p.post(lambda: ran.append("reply"))  # queued: the io thread's own pass follows
     p.pump()
-    assert ran == ["a", "b", "reply"] and sizes == [1, 2]
+    assert ran == ["a", "b", "reply"] and sizes == [3]
 
 
 @pytest.mark.parametrize("how", ["result", "exception", "callback"])
 def test_waiting_on_an_admission_makes_the_pass(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    monkeypatch.setattr(passes, "BURST_S", 60.0)
+    monkeypatch.setattr(passes, "BURST_WAIT_S", 60.0)
     p, _, sizes = setup()
     futures: list[Admission] = []
     for k in range(3):
@@ -111,7 +118,7 @@ def test_waiting_on_an_admission_makes_the_pass(monkeypatch: pytest.MonkeyPatch,
     else:
         last.add_done_callback(called.append)
         assert called == [last]
-    assert sizes == [1, 2]
+    assert sizes == [3]
 
 
 def test_nothing_runs_once_stopped() -> None:

@@ -46,7 +46,7 @@ class RequestHandle:
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         if not self._done.is_set():
-            self._server.admit_waiting()  # a burst's submissions queued behind this one
+            self._server.admit_waiting()  # its submission, and all queued with it
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} did not finish in {timeout} s")
         if self._error is not None:

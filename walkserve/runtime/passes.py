@@ -5,15 +5,18 @@ passes, one at a time, on no thread of its own::
     post(task)            a caller's thread: queue it, then make a pass itself when no
                           other thread is in one (no hand-off to wait for)
     io thread             after every batch of replies it reads (``WorkerPool.on_io_pass``)
-    post(submission)      within BURST_S of the last submission's return (a burst): only
-                          queued; the caller's first wait makes the pass (``admit_waiting``:
-                          ``Admission``, ``RequestHandle``), the io thread BURST_WAIT_S later
-                          if no caller waits
+    post(submission)      only queued: the caller's first wait makes the pass
+                          (``admit_waiting``: ``Admission``, ``RequestHandle``), the io thread
+                          BURST_WAIT_S after the first queued one if no caller waits
 
-A burst's submissions are thereby admitted in one pass, on the caller's own thread, and reach
-their rank in one message after the first, so that they join its running batch together; a
-pass each (~0.1 ms of the caller's thread) started them one engine step apart, and on a small
-host kept the worker's socket thread off the cores until they were all made.
+A caller that submits and waits (``run()``) makes the pass when it waits, on its own thread
+right after submitting: no later than a pass made at the submission. A burst's submissions
+(a batch submitted in a loop) are admitted in that one pass and reach their rank in one
+message, so that they step together from their first step; a pass for the first at its
+submission sent it alone, to step alone once and be joined a step later by the rest (~5% of
+a 16-request round of bench_loops' loops), and a pass each (~0.1 ms of the caller's thread)
+started them one engine step apart and on a small host kept the worker's socket thread off
+the cores until they were all made.
 """
 
 from __future__ import annotations
@@ -25,13 +28,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-__all__ = ["BURST_S", "BURST_WAIT_S", "Admission", "Passes"]
+__all__ = ["BURST_WAIT_S", "Admission", "Passes"]
 
-# a submission this soon after the last one returned to its caller is one of a burst (a batch
-# submitted in a loop, concurrent client threads). A client that waits for its answers submits
-# again far later (a round trip is more than 0.2 ms here)
-BURST_S = 200e-6
-# when the io thread admits a burst no caller has waited on yet, after its first submission
+# when the io thread admits submissions no caller has waited on yet, after the first of them
 BURST_WAIT_S = 1e-3
 
 
@@ -51,26 +50,23 @@ class Passes:
         self.tasks: collections.deque[Callable[[], None]] = collections.deque()
         self.lock = threading.Lock()  # one pass at a time: the conductor is not shared
         self.stopped = False  # closed, or stopped by faults: no pass runs any more
-        self.submitted_at = -1.0  # when the last submission returned to its caller
-        self._deferred = 0  # submissions of a burst queued for its next pass
+        self._deferred = 0  # submissions queued for their callers' first wait
         self._deferred_until = 0.0  # when the io thread admits them if no caller did
 
     def post(self, task: Callable[[], None], submission: bool = False) -> None:
         """Queue ``task`` for the next pass (see the module docstring); ``submission``: an
-        admission, which a burst's pass may take with others."""
+        admission, which waits for its caller's first wait and goes with whatever else is
+        queued by then."""
         self.tasks.append(task)
         if self._io.on_io_thread():
             return
-        now = time.monotonic()
-        if submission and now - self.submitted_at < BURST_S:
+        if submission:
             self._deferred += 1
             if self._deferred == 1:
-                self._deferred_until = now + BURST_WAIT_S
+                self._deferred_until = time.monotonic() + BURST_WAIT_S
                 self._io.nudge(within_s=BURST_WAIT_S)
         else:
             self.pump(once=True)
-        if submission:
-            self.submitted_at = time.monotonic()
 
     def admit_waiting(self) -> None:
         """Make the pass that runs the tasks still queued (a burst's submissions), if one is
@@ -82,8 +78,9 @@ class Passes:
         """Make passes while tasks wait and no other thread is in one (that one sees them:
         it makes another pass, or, ``once``, a caller's thread making one pass, wakes the io
         thread for the rest). ``once``: so that a caller (the HTTP event loop) is not kept
-        on the conductor's work by a stream of replies. The io thread leaves a burst alone
-        until ``BURST_WAIT_S`` after it began: its caller is still submitting."""
+        on the conductor's work by a stream of replies. The io thread leaves queued
+        submissions alone until ``BURST_WAIT_S`` after the first: their caller may still be
+        submitting."""
         while self.tasks and not self.stopped:
             if (
                 self._deferred >= len(self.tasks)

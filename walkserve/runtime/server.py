@@ -11,9 +11,10 @@ process per rank, requests in, outputs and streamed items out.
 
 The conductor runs in passes (``conductorpass``: ready work out to the ranks, replies in,
 events out to the handles; ``Server`` is a ``ConductorPass``), one at a time and on no thread
-of its own: the thread that posts a task (a submit, a cancel) makes one pass itself, a burst of
-submissions at its caller's first wait, and the pool's io thread makes one after every batch of
-replies it reads, so a reply reaches the conductor with no hand-off (``passes``).
+of its own: the thread that posts a task (a cancel, an HTTP submission) makes one pass itself,
+a submission of this API at its caller's first wait (with all submitted by then: a burst in
+one pass), and the pool's io thread makes one after every batch of replies it reads, so a
+reply reaches the conductor with no hand-off (``passes``).
 
 A worker that dies (or hangs past its deadline and is killed) fails the requests whose
 batches it held, with an error naming the rank; requests that need only other ranks go on.
@@ -115,7 +116,7 @@ class Server(ConductorPass):
         stream: bool = True,
     ) -> RequestHandle:
         """``submit`` for asyncio code: waits for admission without holding a thread."""
-        admitted = self._submit(inputs, walk, request_id, stream, burst=False)[1]
+        admitted = self._submit(inputs, walk, request_id, stream, at_wait=False)[1]
         return await asyncio.wrap_future(admitted)
 
     def submit_future(
@@ -137,12 +138,12 @@ class Server(ConductorPass):
         walk: str | None,
         request_id: str | None,
         stream: bool,
-        burst: bool = True,
+        at_wait: bool = True,
     ) -> tuple[RequestHandle, Future[RequestHandle]]:
         """``submit_future``, and the handle the future will hold (finished as failed when
-        the request is refused, so that a wait on it ends either way). ``burst``: it may wait
-        for the pass of a burst it is part of (``passes``), which its caller's first wait (on
-        the future or the handle) makes."""
+        the request is refused, so that a wait on it ends either way). ``at_wait``: admitted
+        by the pass its caller's first wait (on the future or the handle) makes, with all
+        submitted by then (``passes``); else by a pass now."""
         if self._closed:
             raise RuntimeError("the server is closed")
         if self.fatal is not None:
@@ -169,7 +170,7 @@ class Server(ConductorPass):
             # its thread must not take the GIL from the dispatch that its request waits for
             self._admitted.append(lambda: done.set_result(handle))
 
-        self._passes.post(admit, submission=burst)
+        self._passes.post(admit, submission=at_wait)
         return handle, done
 
     def run(
@@ -280,7 +281,7 @@ class Server(ConductorPass):
         self.close()
 
     def admit_waiting(self) -> None:
-        """Admit the submissions still queued (a burst's: ``passes``), if a pass is due."""
+        """Admit the submissions still queued for their callers' wait (``passes``), if any."""
         self._passes.admit_waiting()
 
 
