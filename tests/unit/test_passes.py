@@ -126,3 +126,21 @@ def test_nothing_runs_once_stopped() -> None:
     p.stopped = True
     p.post(lambda: None)
     assert sizes == [] and len(p.tasks) == 1
+
+
+def test_a_wait_while_the_io_thread_is_in_a_pass_has_it_admit_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller's wait finds the io thread in a pass (finishing the request before), so it
+    cannot make one: the io thread's next pass admits the submission, not its deadline's."""
+    monkeypatch.setattr(passes, "BURST_WAIT_S", 60.0)
+    p, io, sizes = setup()
+    f = Admission(p)
+    p.post(lambda: f.set_result("admitted"), submission=True)
+    with p.lock:  # the io thread's pass
+        assert f.done() is False
+        p.admit_waiting()  # the caller's wait: no pass of its own
+        assert sizes == []
+    io.io = True
+    p.pump()  # the io thread after its pass, 60 s before the deadline
+    assert sizes == [1] and f.result(timeout=0) == "admitted"

@@ -72,6 +72,10 @@ class Passes:
         """Make the pass that runs the tasks still queued (a burst's submissions), if one is
         due: a caller about to wait on one of them."""
         if self.tasks and not self._io.on_io_thread():
+            # a caller waits: nothing is held back for its burst any more. Set first, so that
+            # where the io thread is in a pass just now (this pump cannot make one), it makes
+            # the next one for these tasks at once, not at their deadline
+            self._deferred_until = 0.0
             self.pump(once=True)
 
     def pump(self, once: bool = False) -> None:
