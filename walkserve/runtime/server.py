@@ -178,9 +178,9 @@ class Server(ConductorPass):
     ) -> dict[str, Any]:
         """The outputs of one request, or the error that refused or failed it; ``timeout``
         covers its admission too. The caller waits once, for the end (not also for the
-        admission, a second wake of its thread per request)."""
-        handle, admitted = self._submit(inputs, walk, None, False)
-        self.admit_waiting()
+        admission, a second wake of its thread per request). It waits at once: its pass is
+        made now (no deadline for the io thread to wake for)."""
+        handle, admitted = self._submit(inputs, walk, None, False, at_wait=False)
         if not handle._done.wait(timeout):
             raise TimeoutError(f"request {handle.request_id} did not finish in {timeout} s")
         refused = admitted.exception() if admitted.done() else None
