@@ -69,7 +69,8 @@ TIE_RTOL = 4e-6
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
-    from walkserve.adapters.orpheus import BENCH_TOKENS, orpheus_prompt
+    from walkserve.adapters.orpheus_tiny import BENCH_TOKENS
+    from walkserve.adapters.orpheus_tokens import orpheus_prompt
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -95,11 +96,13 @@ def greedy_deficit(lm64: Any, prompt: list[int], tokens: list[int]) -> float:
 
 def window_decode_s(model: Any) -> float:
     """Median wall time of one streamed window's SNAC decode ([1, 4 frames])."""
-    from walkserve.adapters import orpheus
+    from walkserve.adapters.orpheus import WINDOW_FRAMES
+    from walkserve.adapters.orpheus_tiny import BENCH_TOKENS
+    from walkserve.adapters.orpheus_tokens import FRAME
 
-    t = orpheus.BENCH_TOKENS
-    codes = torch.randint(0, t.codebook, (1, orpheus.WINDOW_FRAMES, orpheus.FRAME))
-    window = codes + torch.arange(orpheus.FRAME) * t.codebook + t.audio_offset
+    t = BENCH_TOKENS
+    codes = torch.randint(0, t.codebook, (1, WINDOW_FRAMES, FRAME))
+    window = codes + torch.arange(FRAME) * t.codebook + t.audio_offset
     times = []
     with torch.no_grad():
         for _ in range(6):
@@ -112,6 +115,8 @@ def window_decode_s(model: Any) -> float:
 def run_native(level: int, tokens: int, seed: int) -> dict[str, Any]:
     """``generate()`` then one SNAC decode per request, one request at a time."""
     from walkserve.adapters import orpheus
+    from walkserve.adapters.orpheus_tiny import BENCH_TOKENS
+    from walkserve.adapters.orpheus_tokens import audio_frames
 
     model, _ = orpheus.bench()
     lm = orpheus.reference_lm(model)  # the upstream LM on its own SDPA attention
@@ -123,7 +128,7 @@ def run_native(level: int, tokens: int, seed: int) -> dict[str, Any]:
                 ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n
             )
             new = seq[0, ids.shape[1] :].tolist()
-            wav, _ = model.codec(orpheus.audio_frames(new, orpheus.BENCH_TOKENS))
+            wav, _ = model.codec(audio_frames(new, BENCH_TOKENS))
         return new, int(wav.shape[-1])
 
     one(work[0], 28)  # first-call costs stay out of the timing

@@ -12,7 +12,8 @@ import torch
 
 openai = pytest.importorskip("openai")
 
-from walkserve.adapters import orpheus  # noqa: E402
+from walkserve.adapters.orpheus_tiny import TINY_TOKENS  # noqa: E402
+from walkserve.adapters.orpheus_tokens import orpheus_prompt  # noqa: E402
 from walkserve.adapters.registry import capture_model  # noqa: E402
 from walkserve.api import media  # noqa: E402
 
@@ -33,7 +34,7 @@ def test_orpheus_voice_prefixes_the_prompt(orpheus_client: Any) -> None:
     ref = capture_model(ORPHEUS)
 
     def want(text: bytes) -> torch.Tensor:
-        ids = orpheus.orpheus_prompt(list(text), orpheus.TINY_TOKENS)
+        ids = orpheus_prompt(list(text), TINY_TOKENS)
         out = ref.run({"input_ids": torch.tensor([ids]), "max_new_tokens": 42}, walk="speak")
         return pcm(media.pcm16(out["waveform"]))
 

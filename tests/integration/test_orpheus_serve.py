@@ -14,6 +14,8 @@ import torch
 
 from walkserve import capture
 from walkserve.adapters import orpheus
+from walkserve.adapters.orpheus_tiny import TINY_TOKENS
+from walkserve.adapters.orpheus_tokens import orpheus_prompt
 from walkserve.lowering.placement import Placement
 from walkserve.runtime.server import Server, serve
 from walkserve.testing import assert_outputs_match
@@ -34,7 +36,7 @@ def requests(n: int) -> list[dict[str, Any]]:
     out = []
     for i in range(n):
         text = torch.randint(0, 256, (2 + i % 5,), generator=g).tolist()
-        ids = torch.tensor([orpheus.orpheus_prompt(text, orpheus.TINY_TOKENS)])
+        ids = torch.tensor([orpheus_prompt(text, TINY_TOKENS)])
         out.append({"input_ids": ids, "max_new_tokens": 8 + 6 * i})  # 8 .. 50 tokens
     return out
 
@@ -44,7 +46,7 @@ def check_concurrent(server: Server, reference: capture.CapturedModel) -> None:
     handles = [server.submit(r, "speak") for r in reqs]  # all in flight at once
     for handle, r in zip(handles, reqs):
         assert_outputs_match(handle.result(timeout=300), reference.run(r, "speak"))
-    frames = orpheus.sample_inputs(orpheus.TINY_TOKENS, 8)["frames"]
+    frames = orpheus.sample_inputs(TINY_TOKENS, 8)["frames"]
     got = server.submit({"frames": frames}, "decode").result(timeout=120)
     assert_outputs_match(got, reference.run({"frames": frames}, "decode"))
     stats = server.stats()
@@ -70,7 +72,7 @@ def check_speech_route(server: Server, reference: capture.CapturedModel) -> None
     profile = profile_for(FACTORY)
     assert profile.speech is not None and profile.speech.walk == "speak"
     text = "Hi there"
-    ids = orpheus.orpheus_prompt(list(text.encode()), orpheus.TINY_TOKENS)
+    ids = orpheus_prompt(list(text.encode()), TINY_TOKENS)
     want = reference.run({"input_ids": torch.tensor([ids]), "max_new_tokens": 40}, "speak")
     want_pcm = pcm(media.pcm16(want["waveform"]))
     body = {"model": FACTORY, "input": text, "max_tokens": 40}

@@ -13,7 +13,14 @@ import torch
 
 from walkserve import capture
 from walkserve.adapters import orpheus
-from walkserve.adapters.orpheus import FRAME, TINY_TOKENS, OrpheusTokens
+from walkserve.adapters.orpheus_tiny import TINY_TOKENS
+from walkserve.adapters.orpheus_tokens import (
+    FRAME,
+    ORPHEUS_TOKENS,
+    OrpheusTokens,
+    audio_frames,
+    orpheus_prompt,
+)
 
 T = TINY_TOKENS
 
@@ -27,7 +34,7 @@ def tiny() -> tuple[orpheus.OrpheusTTS, dict[str, Any], capture.CapturedModel]:
 def prompt(n_text: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     text = torch.randint(0, 256, (n_text,), generator=g).tolist()
-    return torch.tensor([orpheus.orpheus_prompt(text, T)])  # [1, P]
+    return torch.tensor([orpheus_prompt(text, T)])  # [1, P]
 
 
 REFERENCES: dict[int, Any] = {}
@@ -112,7 +119,7 @@ def test_decode_walk_equals_snac_decode_on_all_codes(tiny: Any) -> None:
     model, _, captured = tiny
     ids = prompt(6, 4)
     generated = upstream_tokens(model, ids, 60, T.end_of_speech)
-    frames = orpheus.audio_frames(generated, T)  # [1, F, 7]
+    frames = audio_frames(generated, T)  # [1, F, 7]
     assert frames.shape[1] == 60 // FRAME
     wav = captured.run({"frames": frames}, walk="decode")["waveform"]
     with torch.no_grad():
@@ -199,10 +206,10 @@ def test_short_request_gives_one_silent_chunk(tiny: Any) -> None:
 
 def test_bad_configs_are_refused() -> None:
     with pytest.raises(ValueError, match="outside the audio token range"):
-        orpheus.OrpheusTokens(**{**T.__dict__, "end_of_speech": T.audio_offset + 3})
+        OrpheusTokens(**{**T.__dict__, "end_of_speech": T.audio_offset + 3})
     model, _ = orpheus.tiny()
     with pytest.raises(ValueError, match="does not hold the audio tokens"):
-        orpheus.OrpheusTTS(model.upstream_lm, model.codec.snac, orpheus.ORPHEUS_TOKENS)
+        orpheus.OrpheusTTS(model.upstream_lm, model.codec.snac, ORPHEUS_TOKENS)
 
 
 def test_load_orpheus_round_trips_local_checkpoints(tmp_path: Any, tiny: Any) -> None:
@@ -253,7 +260,7 @@ def test_factory_profiles() -> None:
 
     profile = profile_for("walkserve.adapters.orpheus:tiny")
     assert profile.speech is not None and profile.text is None and profile.image is None
-    assert profile.speech.encode("Hi") == orpheus.orpheus_prompt([72, 105], T)
+    assert profile.speech.encode("Hi") == orpheus_prompt([72, 105], T)
     assert (profile.speech.walk, profile.speech.waveform_channel) == ("speak", "waveform")
     assert profile.speech.sample_rate == 24000 and profile.speech.vocab_size == T.vocab_end
     bare = profile_for("walkserve.adapters.hf_causal_lm:load_causal_lm")

@@ -15,6 +15,8 @@ import torch
 from benchmarks.loadgen import Record
 from walkserve import capture
 from walkserve.adapters import omni_http, orpheus, qwen3_omni, qwen25_omni
+from walkserve.adapters.orpheus_tiny import TINY_TOKENS
+from walkserve.adapters.orpheus_tokens import orpheus_prompt
 from walkserve.adapters.registry import profile_for
 from walkserve.api import audio
 from walkserve.api.metrics import Metrics, PlaybackClock, read_metric
@@ -70,7 +72,7 @@ def test_orpheus_voices_prefix_the_prompt_text() -> None:
     voices = profile.speech.voices
     assert voices.names == sorted(orpheus.ORPHEUS_VOICES) and voices.default is None
     leo = voices.resolve("leo")
-    want = orpheus.orpheus_prompt(list(b"leo: Hi"), orpheus.TINY_TOKENS)
+    want = orpheus_prompt(list(b"leo: Hi"), TINY_TOKENS)
     assert profile.speech.encode(leo.prefix + "Hi") == want and leo.inputs == {}
 
 

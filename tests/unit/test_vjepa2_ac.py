@@ -23,6 +23,7 @@ from transformers import VJEPA2Model
 
 from walkserve import capture
 from walkserve.adapters import vjepa2_ac as ac
+from walkserve.adapters.vjepa2_ac_predictor import PredictorConfig
 
 ROLLOUT_TOLERANCE = 1e-5
 
@@ -141,10 +142,10 @@ def test_checkpoint_round_trip(model: ac.VJEPA2AC, tmp_path: Path) -> None:
 
 def test_bad_config_is_refused() -> None:
     with pytest.raises(ValueError, match="heads"):
-        ac.PredictorConfig(embed_dim=48, grid=4, dim=60, heads=8)
+        PredictorConfig(embed_dim=48, grid=4, dim=60, heads=8)
     with pytest.raises(ValueError, match="positive int"):
-        ac.PredictorConfig(embed_dim=48, grid=0)
+        PredictorConfig(embed_dim=48, grid=0)
     with pytest.raises(ValueError, match="unknown"):
-        ac.PredictorConfig.from_dict({"embed_dim": 48, "grid": 4, "depth": 3})
+        PredictorConfig.from_dict({"embed_dim": 48, "grid": 4, "depth": 3})
     with pytest.raises(ValueError, match="encoder gives"):
-        ac.VJEPA2AC(VJEPA2Model(ac.tiny_encoder_config()), ac.PredictorConfig(embed_dim=32, grid=4))
+        ac.VJEPA2AC(VJEPA2Model(ac.tiny_encoder_config()), PredictorConfig(embed_dim=32, grid=4))

@@ -4,22 +4,16 @@ norm folded into its weights once, ``fold_weight_norm``: the same weights). The 
 runs on the paged KV engine (``runtime.kv.paged_lm.PagedLM``), as the text walks' LMs do, so
 concurrent requests' decode steps share one forward.
 
-Owns: the walks around the two upstream models, the Orpheus token layout, a tiny random
-instance (``tiny``), and a loader for local checkpoints (``load_orpheus``). What crosses the
+Owns: the walks around the two upstream models, the SNAC decoder as a component
+(``SnacFrames``), the factories ``tiny`` and ``bench`` (their random pairs are built in
+``orpheus_tiny``), a loader for local checkpoints (``load_orpheus``) and the speech task's HTTP
+profiles with Orpheus's voices. The token layout (which ids are SNAC codes, how a frame's seven
+codes go to SNAC's three levels, the prompt) lives in ``orpheus_tokens``. What crosses the
 boundary: walk inputs ``input_ids`` [B, P] int64 (an Orpheus prompt, see ``orpheus_prompt``),
 ``max_new_tokens`` (int) and, with defaults, ``temperature`` (0: greedy), ``top_p``, ``top_k``,
 ``seed`` and ``repetition_penalty`` (1: off; drawn by ``PagedLM``); outputs ``tokens`` [B, n]
 int64 (greedy: exactly ``generate(do_sample=False)``'s new tokens, with the same
 ``repetition_penalty``) and ``waveform`` [B, samples] float32 at the SNAC sample rate (24 kHz).
-
-Token layout (Orpheus). Audio token ``t`` at position ``k`` of its frame (``k`` in 0..6) carries
-SNAC code ``t - audio_offset - k * codebook``. A frame's seven codes go to SNAC's three levels
-(1, 2 and 4 codes per frame, coarse to fine):
-
-    frame f:   k=0  k=1  k=2  k=3  k=4  k=5  k=6
-    level 0:   c0                                  -> codes[0][:, f]
-    level 1:        c1             c4              -> codes[1][:, 2f], codes[1][:, 2f+1]
-    level 2:             c2   c3        c5   c6    -> codes[2][:, 4f .. 4f+3]
 
 Streaming (Orpheus's own streaming decoder): once 28 audio tokens (4 frames) exist and then
 after every further 7, the last 4 frames are decoded and only the second frame's audio,
@@ -40,14 +34,6 @@ Walk Graph, so a request that ends before 28 tokens would fail instead of return
 Decoding starts from the prompt's last token (Orpheus prompts end with ``start_of_speech``):
 the walk prefills ``input_ids[:, :-1]`` and the first loop step reads the last prompt token, so
 every new token, the first included, comes out of one loop and streams on one edge.
-
-The tiny random LM (``tiny``) is steered to emit well-formed frames, because Orpheus's own
-inference does not constrain decoding: ``steer_to_frames`` writes a "frame position" direction
-into the embeddings and output rows: the embedding of every audio token at position ``k`` (and
-of ``start_of_speech``, as position 6) gets a large component on hidden channel ``k``, and the
-output rows of position ``(k + 1) % 7`` a matching weight on channel ``k``. Greedy decoding then
-picks position ``k + 1``'s range after position ``k``; the code within the range is left to the
-random weights. Nothing else of the upstream model is touched.
 """
 
 from __future__ import annotations
@@ -55,13 +41,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from walkserve.adapters.orpheus_tiny import (
+    BENCH_CONFIG,
+    BENCH_TOKENS,
+    TINY_CONFIG,
+    TINY_TOKENS,
+    RandomConfig,
+    random_pair,
+)
+from walkserve.adapters.orpheus_tokens import (
+    FRAME,
+    LEVEL_POSITIONS,
+    ORPHEUS_TOKENS,
+    OrpheusTokens,
+    orpheus_prompt,
+)
 from walkserve.adapters.speech_sampling import SamplingDefaults
 from walkserve.capture import Input, iterations, loop, register_component, stream, walk
 from walkserve.capture.api import component
@@ -73,93 +73,12 @@ register_component(PagedLM, engine="kv_cache")
 if TYPE_CHECKING:
     from walkserve.api.profile import ModelProfile
 
-FRAME = 7  # audio tokens per SNAC frame
 WINDOW_FRAMES = 4  # frames decoded per streamed chunk (28 tokens)
 KEPT_FRAME = 1  # the window's frame whose audio is played
 PAD_TOKEN = -1  # pads the final fragment; never a valid token
 # Orpheus's own inference defaults (its engine's ``generate_tokens_sync``), for a profile to send;
 # the walk defaults to greedy (temperature 0, no repetition penalty).
 ORPHEUS_SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.8, repetition_penalty=1.3)
-LEVEL_POSITIONS = ((0,), (1, 4), (2, 3, 5, 6))  # frame positions of SNAC levels 0, 1, 2
-
-
-@dataclass(frozen=True)
-class OrpheusTokens:
-    """Special token ids and the audio token range of one Orpheus vocabulary."""
-
-    audio_offset: int  # token id of code 0 at frame position 0 (Orpheus: <custom_token_10>)
-    codebook: int  # codes per SNAC level
-    start_of_human: int
-    end_of_text: int
-    end_of_human: int
-    start_of_ai: int
-    start_of_speech: int
-    end_of_speech: int  # the LM's stop token
-
-    def __post_init__(self) -> None:
-        if self.codebook <= 0 or self.audio_offset < 0:
-            raise ValueError(f"codebook must be > 0 and audio_offset >= 0, got {self}")
-        specials = (
-            self.start_of_human,
-            self.end_of_text,
-            self.end_of_human,
-            self.start_of_ai,
-            self.start_of_speech,
-            self.end_of_speech,
-        )
-        if any(self.audio_offset <= t < self.vocab_end for t in specials):
-            raise ValueError(f"special token ids must lie outside the audio token range: {self}")
-
-    @property
-    def vocab_end(self) -> int:
-        """One past the last audio token id."""
-        return self.audio_offset + FRAME * self.codebook
-
-
-# Orpheus 3B (Llama 3.2 vocabulary, <custom_token_N> = 128256 + N) with SNAC 24 kHz.
-ORPHEUS_TOKENS = OrpheusTokens(
-    audio_offset=128266,
-    codebook=4096,
-    start_of_human=128259,
-    end_of_text=128009,
-    end_of_human=128260,
-    start_of_ai=128261,
-    start_of_speech=128257,
-    end_of_speech=128258,
-)
-# The tiny models' vocabulary: bytes 0..255, the specials at Orpheus's custom-token positions.
-TINY_TOKENS = OrpheusTokens(
-    audio_offset=266,
-    codebook=64,
-    start_of_human=259,
-    end_of_text=256,
-    end_of_human=260,
-    start_of_ai=261,
-    start_of_speech=257,
-    end_of_speech=258,
-)
-
-
-def orpheus_prompt(text_ids: Sequence[int], tokens: OrpheusTokens) -> list[int]:
-    """Orpheus's prompt: ``start_of_human, text, end_of_text, end_of_human, start_of_ai,
-    start_of_speech``; the LM continues with audio tokens."""
-    return [
-        tokens.start_of_human,
-        *text_ids,
-        tokens.end_of_text,
-        tokens.end_of_human,
-        tokens.start_of_ai,
-        tokens.start_of_speech,
-    ]
-
-
-def audio_frames(generated: Sequence[int], tokens: OrpheusTokens) -> Tensor:
-    """Generated token ids -> audio token ids as whole frames [1, F, 7], the way Orpheus's
-    non-streamed decode crops them: tokens outside the audio range dropped, then the last
-    incomplete frame."""
-    audio = [t for t in generated if tokens.audio_offset <= t < tokens.vocab_end]
-    whole = len(audio) // FRAME * FRAME
-    return torch.tensor(audio[:whole], dtype=torch.int64).reshape(1, -1, FRAME)
 
 
 def fold_weight_norm(snac: nn.Module) -> nn.Module:
@@ -320,84 +239,11 @@ def reference_lm(model: OrpheusTTS) -> Any:
     return lm
 
 
-def steer_to_frames(lm: Any, tokens: OrpheusTokens, strength: float = 10.0) -> None:
-    """Make a random LM emit well-formed frames greedily (see the module docstring): hidden
-    channel ``k`` marks "the current token is at frame position k"."""
-    emb = lm.get_input_embeddings().weight  # [V, D]
-    head = lm.get_output_embeddings().weight  # [V, D]
-    if emb.data_ptr() == head.data_ptr():
-        raise ValueError("steer_to_frames needs untied input and output embeddings")
-    with torch.no_grad():
-        emb[:, :FRAME] = 0.0
-        head[:, :FRAME] = 0.0
-        for k in range(FRAME):
-            here = tokens.audio_offset + k * tokens.codebook
-            emb[here : here + tokens.codebook, k] = strength
-            nxt = tokens.audio_offset + (k + 1) % FRAME * tokens.codebook
-            head[nxt : nxt + tokens.codebook, k] = strength
-        emb[tokens.start_of_speech, FRAME - 1] = strength
-
-
-@dataclass(frozen=True)
-class RandomConfig:
-    """Sizes of a random Orpheus-shaped pair (LM + SNAC)."""
-
-    tokens: OrpheusTokens = TINY_TOKENS
-    hidden: int = 64
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate: int = 128
-    snac_encoder_dim: int = 8
-    snac_encoder_rates: tuple[int, ...] = (2, 4, 4)
-    snac_decoder_dim: int = 64
-    snac_decoder_rates: tuple[int, ...] = (4, 4, 2)
-    snac_codebook_dim: int = 4
-    snac_noise: bool = False
-    init_range: float = 0.15
-
-    def __post_init__(self) -> None:
-        if self.hidden <= FRAME:
-            raise ValueError(f"hidden must exceed {FRAME} (frame-position channels)")
-
-
-def build(config: RandomConfig = RandomConfig(), seed: int = 0) -> OrpheusTTS:
-    """A random LM and SNAC of ``config``'s sizes, the LM steered to emit frames."""
-    from snac import SNAC
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    t = config.tokens
-    torch.manual_seed(seed)
-    lm = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=t.vocab_end,
-            hidden_size=config.hidden,
-            intermediate_size=config.intermediate,
-            num_hidden_layers=config.layers,
-            num_attention_heads=config.heads,
-            num_key_value_heads=config.kv_heads,
-            max_position_embeddings=4096,
-            initializer_range=config.init_range,
-            tie_word_embeddings=False,
-            bos_token_id=t.start_of_human,
-            eos_token_id=t.end_of_speech,
-        )
-    ).eval()
-    steer_to_frames(lm, t)
-    snac = SNAC(
-        sampling_rate=24000,
-        encoder_dim=config.snac_encoder_dim,
-        encoder_rates=list(config.snac_encoder_rates),
-        decoder_dim=config.snac_decoder_dim,
-        decoder_rates=list(config.snac_decoder_rates),
-        attn_window_size=None,
-        codebook_size=t.codebook,
-        codebook_dim=config.snac_codebook_dim,
-        vq_strides=[4, 2, 1],
-        noise=config.snac_noise,
-        depthwise=True,
-    ).eval()
-    model = OrpheusTTS(lm, fold_weight_norm(snac), t).eval()
+def build(config: RandomConfig = TINY_CONFIG, seed: int = 0) -> OrpheusTTS:
+    """A random LM and SNAC of ``config``'s sizes (``orpheus_tiny.random_pair``: the LM steered
+    to emit frames) in the walks, the SNAC's weight norm folded."""
+    lm, snac = random_pair(config, seed)
+    model = OrpheusTTS(lm, fold_weight_norm(snac), config.tokens).eval()
     model.requires_grad_(False)
     return model
 
@@ -415,7 +261,7 @@ def sample_inputs(tokens: OrpheusTokens, max_new_tokens: int) -> dict[str, Any]:
 
 def tiny() -> tuple[OrpheusTTS, dict[str, Any]]:
     """The tiny random instance for tests: ``serve("walkserve.adapters.orpheus:tiny")``."""
-    return build(RandomConfig()), sample_inputs(TINY_TOKENS, 42)
+    return build(TINY_CONFIG), sample_inputs(TINY_TOKENS, 42)
 
 
 def speech_profile(
@@ -447,26 +293,6 @@ def tiny_profile(name: str) -> ModelProfile:
     """``tiny``'s speech task; text is UTF-8 bytes (ids 0..255)."""
     profile = speech_profile(name, TINY_TOKENS, lambda text: list(text.encode("utf-8")), 24000)
     return with_voices(profile, default=None)
-
-
-# The benchmark's CPU-friendly pair: a 4-layer Llama (~16M parameters, most in the 28.9k-token
-# embeddings) with Orpheus's 4096-code audio vocabulary, and a snac_24khz-shaped SNAC (19.8M).
-BENCH_TOKENS = OrpheusTokens(**{**TINY_TOKENS.__dict__, "codebook": 4096})
-BENCH_CONFIG = RandomConfig(
-    tokens=BENCH_TOKENS,
-    hidden=256,
-    layers=4,
-    heads=4,
-    kv_heads=2,
-    intermediate=768,
-    snac_encoder_dim=48,
-    snac_encoder_rates=(2, 4, 8, 8),
-    snac_decoder_dim=1024,
-    snac_decoder_rates=(8, 8, 4, 2),
-    snac_codebook_dim=8,
-    snac_noise=False,
-    init_range=0.02,  # wider random layers drown the frame-position channels at this width
-)
 
 
 def bench() -> tuple[OrpheusTTS, dict[str, Any]]:
