@@ -22,7 +22,7 @@ from walkserve.runtime.regionwalk import region_walks
 from walkserve.runtime.walkspec import MAP_AHEAD
 
 
-def _conductor() -> tuple[Conductor, str]:
+def _conductor(map_calls: int | None = None) -> tuple[Conductor, str]:
     captured, plan = setup()
     regions = region_walks(captured, plan, 0)
     (name,) = regions.regions
@@ -32,6 +32,7 @@ def _conductor() -> tuple[Conductor, str]:
         eager_outputs=True,
         fast_loops=True,
         maps=[(name, "decode/decoder")],
+        map_calls=map_calls,
     )
     return conductor, name
 
@@ -52,11 +53,13 @@ def _decode(item: WorkItem) -> list[dict[str, Any]]:
     steps=st.integers(1, 14),
     feeds=st.lists(st.integers(1, 5), min_size=1, max_size=14),  # producer items per feed
     order=st.randoms(use_true_random=False),  # which ready map items complete first
+    map_calls=st.sampled_from([None, 1, 2, 3]),  # a rank's max_batch
 )
 def test_map_items_cut_the_windows_and_commit_them_in_order(
-    steps: int, feeds: list[int], order: Any
+    steps: int, feeds: list[int], order: Any, map_calls: int | None
 ) -> None:
-    conductor, walk = _conductor()
+    conductor, walk = _conductor(map_calls)
+    most = map_calls or MAP_AHEAD
     conductor.submit("r", inputs(0, steps), walk, stream=False)
     (loop,) = conductor.ready()
     assert loop.kind == "loop" and loop.node == "think"
@@ -72,7 +75,7 @@ def test_map_items_cut_the_windows_and_commit_them_in_order(
         at += n
         ready = conductor.ready()
         pending += ready
-        assert all(it.calls is not None and len(it.calls) <= MAP_AHEAD for it in ready)
+        assert all(it.calls is not None and 0 < len(it.calls) <= most for it in ready)
         order.shuffle(pending)
         while pending and order.random() < 0.5:  # some complete now, in any order
             it = pending.pop()
@@ -129,3 +132,30 @@ def test_cancel_with_map_items_out_leaves_nothing_and_ignores_their_results() ->
     assert not conductor.wanted(item.id)
     conductor.complete(item.id, _decode(item))  # late: ignored
     assert conductor.events() == [] and conductor.stats().in_flight == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    calls=st.lists(st.sampled_from([0, 1, 2, 3, 5]), max_size=12),  # 0: a plain item
+    size=st.one_of(st.none(), st.integers(1, 6)),
+)
+def test_steps_hold_at_most_max_batch_calls(calls: list[int], size: int | None) -> None:
+    """A rank's steps are cut at ``max_batch`` calls, a map item counting each of its own: in
+    order, nothing lost, no step over the limit unless one item alone holds more (which its
+    conductor never makes: ``map_calls``); plain items are cut as before, ``size`` a step."""
+    from walkserve.runtime.rankscheduler import _parts
+
+    items = [
+        WorkItem(k, "r", "w", "n", "component", ("c",), (), False, calls=((([], {}),) * n) or None)
+        for k, n in enumerate(calls)
+    ]
+    parts = _parts(items, size)
+    assert [it for part in parts for it in part] == items
+    weight = [sum(len(it.calls or (None,)) for it in part) for part in parts]
+    if size is None:
+        assert len(parts) == (1 if items else 0)
+        return
+    assert all(w <= size or len(p) == 1 for w, p in zip(weight, parts))
+    assert all(parts)
+    if not any(calls):
+        assert parts == [items[k : k + size] for k in range(0, len(items), size)]

@@ -83,6 +83,7 @@ from walkserve.runtime.frames import (
     piece_items,
 )
 from walkserve.runtime.walkspec import (
+    MAP_AHEAD,
     BlockSpec,
     SpecBuilder,
     min_buffer,
@@ -133,7 +134,8 @@ class Conductor(FrameDriver):
     ``maps``: the (walk, node) whose calls the runner batches as it likes (a rank's joinable
     nodes): a map over a stream or per-step values whose body is one such node
     (``LoopSpec.map_node``) sends the iterations that can start as one item with a call each
-    (``WorkItem.calls``), completed with each one's values, not a frame per iteration.
+    (``WorkItem.calls``; ``map_calls`` at most, a rank's ``max_batch``), completed with each
+    one's values, not a frame per iteration.
     """
 
     def __init__(
@@ -147,6 +149,7 @@ class Conductor(FrameDriver):
         fed: Mapping[str, Collection[str]] | None = None,
         fast_loops: bool = False,
         maps: Collection[tuple[str, str]] = (),
+        map_calls: int | None = None,
     ) -> None:
         if stream_buffer_limit < 1:
             raise ValueError(f"stream_buffer_limit must be >= 1, got {stream_buffer_limit}")
@@ -155,6 +158,7 @@ class Conductor(FrameDriver):
         self.stream_buffer_limit = stream_buffer_limit
         self.eager_outputs = eager_outputs
         self._maps = frozenset(maps)
+        self._map_calls = map_calls or MAP_AHEAD
         self._walks: dict[str, BlockSpec] = {}
         # per walk, the outputs sent as soon as they exist, with the values each reads
         self._early: dict[str, list[tuple[str, Any, tuple[str, ...]]]] = {}

@@ -69,6 +69,7 @@ class LoopDriver:
     _credit: dict[str, dict[str, int]]
     _produced: dict[str, dict[str, int]]
     _maps: frozenset[tuple[str, str]]  # (walk, node): a map's iterations go out as one item
+    _map_calls: int  # most calls in one map item
 
     # FrameDriver's hooks (runtime.framedriver)
     def _new_frame(
@@ -224,14 +225,19 @@ class LoopDriver:
             return changed
         ls = run.spec
         if ls.map_node is not None and (req.walk, ls.map_node.name) in self._maps:
-            calls: list[tuple[list[Any], dict[str, Any]]] = []
+            items: list[list[tuple[list[Any], dict[str, Any]]]] = [[]]
             chunked: set[str] = set()
             while self._can_start(req, run):  # every window that is ready: one item
-                calls.append(self._map_call(run, chunked))
-            if calls:
+                if len(items[-1]) == self._map_calls:  # each at most a step's calls
+                    items.append([])
+                items[-1].append(self._map_call(run, chunked))
+            if items[0]:
                 for stream in chunked:  # what their chunks released, at once
                     self._grant(run.parent, run.parent.streams[stream])
-                self._issue_map(req, run, calls)
+                first = run.started - sum(map(len, items))
+                for calls in items:
+                    self._issue_map(req, run, first, calls)
+                    first += len(calls)
                 changed = True
             return self._settle(req, run) or changed
         while self._can_start(req, run):  # every iteration that may start: a map's windows
@@ -308,13 +314,17 @@ class LoopDriver:
         }
 
     def _issue_map(
-        self, req: RequestState, run: LoopRun, calls: list[tuple[list[Any], dict[str, Any]]]
+        self,
+        req: RequestState,
+        run: LoopRun,
+        first: int,
+        calls: list[tuple[list[Any], dict[str, Any]]],
     ) -> None:
-        """The map iterations just started (their ``calls``, in order) as one item of its node;
-        their values come back together (``_bind_map``)."""
+        """Map iterations just started, ``first`` on (their ``calls``, in order), as one item
+        of its node; their values come back together (``_bind_map``)."""
         node = run.spec.map_node
         assert node is not None
-        first, parent = run.started - len(calls), run.parent
+        parent = run.parent
         ops = tuple(s.op.name for s in node.ops)
         item = WorkItem(
             id=next(self._ids),

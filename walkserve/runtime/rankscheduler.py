@@ -104,6 +104,7 @@ class RankScheduler:
                 for walk, node in joins
                 if walk == regions.walk_of[name]
             ],
+            map_calls=max_batch,
         )
         self.loops = LoopStepper(regions, max_batch=max_batch, joins=joins)
         self.stream_buffer_limit = stream_buffer_limit
@@ -226,10 +227,8 @@ class RankScheduler:
         ]
         todo += [(walk, node, items, True) for walk, node, items in self.loops.schedule()]
         steps: list[Step] = []
-        size = self.max_batch
         for walk, node, group, loops in todo:
-            for k in range(0, len(group), size or len(group)):
-                part = group[k : k + size] if size else group
+            for part in _parts(group, self.max_batch):
                 self._count_batch(part, loops)
                 steps.append(Step(walk, node, part, None, loops))
         steps += self._external
@@ -460,3 +459,20 @@ class RankScheduler:
         self.loops.forget(run_id)
         self._fed_runs.discard(run_id)
         self._runs.pop(run_id, None)
+
+
+def _parts(group: Sequence[Runnable], size: int | None) -> list[list[Runnable]]:
+    """``group`` cut into steps of at most ``size`` calls each (a map item holds several:
+    ``WorkItem.calls``, as many as ``size`` at most), in order; None: one step."""
+    if size is None:
+        return [list(group)] if group else []
+    parts: list[list[Runnable]] = []
+    calls = 0
+    for it in group:
+        n = len(getattr(it, "calls", None) or (None,))
+        if not parts or calls + n > size:
+            parts.append([])
+            calls = 0
+        parts[-1].append(it)
+        calls += n
+    return parts
