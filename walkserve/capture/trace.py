@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from typeguard import typechecked
 
-from walkserve.capture import ir, rng, shims
+from walkserve.capture import dataflow, ir, rng, shims
 from walkserve.capture.api import ACTIVE_HOOK, WalkSpec, walk_specs
 from walkserve.capture.convert import BlockConverter
 from walkserve.capture.errors import CaptureError, traced_value_error
@@ -131,7 +131,7 @@ def _sample_run(runner: Interpreter, walk: ir.Walk, state: Mapping[str, Any]) ->
         loop = next(
             (
                 n
-                for n in ir.iter_nodes(walk.body)
+                for n in dataflow.iter_nodes(walk.body)
                 if isinstance(n, ir.LoopNode) and f"loop {n.name} " in str(e)
             ),
             None,
