@@ -24,17 +24,16 @@ from torch import fx
 
 from walkserve.capture import ir
 from walkserve.capture.errors import CaptureError
-from walkserve.capture.tracer import (
+from walkserve.capture.records import (
     LoopRecord,
     Scope,
-    WalkTracer,
     _loop_channel,
     _loop_iter,
     _loop_node,
-    _nodes_in,
     _stream_chunk,
     _stream_context,
 )
+from walkserve.capture.tracer import WalkTracer, _nodes_in
 
 JOINS: dict[Any, Literal["cat", "stack"]] = {
     torch.cat: "cat",

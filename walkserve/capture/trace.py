@@ -28,8 +28,9 @@ from walkserve.capture.lint import lint
 from walkserve.capture.loops import finalize_scope
 from walkserve.capture.loopsem import LoopError
 from walkserve.capture.model import CapturedModel
+from walkserve.capture.records import Scope
 from walkserve.capture.serialize import tensor_to_data
-from walkserve.capture.tracer import CONST_PREFIX, Scope, WalkTracer
+from walkserve.capture.tracer import CONST_PREFIX, WalkTracer
 
 META_LOOP_ITERATIONS = 2
 
