@@ -18,7 +18,8 @@ from torch import fx
 
 from walkserve.capture import ir
 from walkserve.capture.errors import CaptureError
-from walkserve.capture.loops import Finalized, ParamPlan
+from walkserve.capture.loopparams import ParamPlan
+from walkserve.capture.loops import Finalized
 from walkserve.capture.records import _loop_channel, _loop_node
 from walkserve.capture.tracer import CONST_PREFIX, WalkTracer
 
