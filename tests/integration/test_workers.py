@@ -26,7 +26,7 @@ import torch
 
 from walkserve import capture
 from walkserve.adapters.registry import load_model
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.interpret import Interpreter
 from walkserve.lowering.batched import build_callables
 from walkserve.lowering.lower import lower
@@ -129,7 +129,7 @@ def reference_outputs(
     fused glue (or all of a glue node) per request through ``Interpreter.op``."""
     (plan_node,) = [n for n in plan.nodes(walk) if n.name == node]
     walk_ir = captured.graph.walks[walk]
-    ops = {n.name: n for n in ir.iter_nodes(walk_ir.body) if isinstance(n, ir.Op)}
+    ops = {n.name: n for n in dataflow.iter_nodes(walk_ir.body) if isinstance(n, ir.Op)}
     envs = [{k: r.values[k] for k in plan_node.inputs} for r in recorded]
     interp = Interpreter(captured)
     glue = plan_node.ops

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.lint import LintError, lint
 
 R = ir.Ref
@@ -121,7 +121,7 @@ def valid_graph() -> ir.WalkGraph:
 
 
 def node(g: ir.WalkGraph, name: str, walk: str = "decode") -> ir.Node:
-    return next(n for n in ir.iter_nodes(g.walks[walk].body) if n.name == name)
+    return next(n for n in dataflow.iter_nodes(g.walks[walk].body) if n.name == name)
 
 
 def loop(g: ir.WalkGraph, name: str) -> ir.LoopNode:

@@ -18,7 +18,7 @@ from typeguard import TypeCheckError
 
 from walkserve import capture
 from walkserve.adapters.examples import EXAMPLES, build_example, example_placement
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.memory import MemoryLimits, estimate_memory, format_memory
 from walkserve.lowering.placement import Placement, PlacementError, PlacementWarning, parse_size
@@ -41,7 +41,7 @@ def cfg(models: dict[str, CapturedModel]) -> CapturedModel:
 
 
 def op_names(walk: ir.Walk) -> list[str]:
-    return [n.name for n in ir.iter_nodes(walk.body) if isinstance(n, ir.Op)]
+    return [n.name for n in dataflow.iter_nodes(walk.body) if isinstance(n, ir.Op)]
 
 
 def resolve_quietly(placement: Placement, captured: CapturedModel) -> ResolvedPlacement:
@@ -274,8 +274,8 @@ def test_resolve_gives_every_node_one_rank_list(
     node_keys = [
         f"{w}:{n.name}"
         for w, walk in captured.walks.items()
-        for n in ir.iter_nodes(walk.body)
-        if ir.is_component(n)
+        for n in dataflow.iter_nodes(walk.body)
+        if dataflow.is_component(n)
     ]
     keys = data.draw(
         st.lists(st.sampled_from([*captured.graph.components, *node_keys]), unique=True)

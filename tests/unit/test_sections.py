@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.sections import (
     DynamicLoop,
     Edge,
@@ -213,7 +213,7 @@ def _flatten(section: Section) -> list[str]:
 def _ancestors(block: ir.Block) -> dict[str, set[str]]:
     anc: dict[str, set[str]] = {}
     for node in block.nodes:
-        direct = {v for v in ir.node_inputs(node) if v in anc}
+        direct = {v for v in dataflow.node_inputs(node) if v in anc}
         anc[node.name] = direct.union(*(anc[v] for v in direct))
     return anc
 

@@ -18,8 +18,10 @@ from torch import fx
 
 from walkserve.capture import ir
 from walkserve.capture.errors import CaptureError
-from walkserve.capture.loops import Finalized, ParamPlan
-from walkserve.capture.tracer import CONST_PREFIX, WalkTracer, _loop_channel, _loop_node
+from walkserve.capture.loopparams import ParamPlan
+from walkserve.capture.loops import Finalized
+from walkserve.capture.records import _loop_channel, _loop_node
+from walkserve.capture.tracer import CONST_PREFIX, WalkTracer
 
 # Modules whose functions glue may call. Attribute and method names starting with "_" are
 # refused too, so that an imported IR cannot reach arbitrary Python.

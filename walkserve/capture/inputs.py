@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.api import Dim, Input
 from walkserve.capture.errors import CaptureError
 from walkserve.capture.loopsem import LoopError, eval_int, format_int, needs_iteration
@@ -140,7 +140,7 @@ def _loop_bounds(walk: ir.Walk) -> dict[str, tuple[int | None, str]]:
         if name not in found or (least is not None and (old is None or least > old)):
             found[name] = (least, why)
 
-    for node in ir.iter_nodes(walk.body):
+    for node in dataflow.iter_nodes(walk.body):
         if not isinstance(node, ir.LoopNode):
             continue
         if isinstance(node.trips, ir.InputTrips):
@@ -324,10 +324,10 @@ def _check_trips(walk: ir.Walk, inputs: Mapping[str, Any]) -> None:
         for i in walk.inputs
         if i.spec is not None and i.spec.bounds == "declared"
     }
-    for node in ir.iter_nodes(walk.body):
+    for node in dataflow.iter_nodes(walk.body):
         if not isinstance(node, ir.LoopNode) or not isinstance(node.trips, ir.ExprTrips):
             continue
-        reads = ir.expr_inputs(node.trips.expr)
+        reads = dataflow.expr_inputs(node.trips.expr)
         if not reads or not all(n in given for n in reads):
             continue
         text = format_int(node.trips.expr)

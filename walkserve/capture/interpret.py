@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.chunk import ChunkPolicy
 from walkserve.capture.convert import SAFE_BUILTINS, resolve_function
 from walkserve.capture.errors import CaptureError
@@ -291,8 +291,8 @@ def stream_demands(walk: ir.Walk, chunks: int) -> dict[str, dict[str, int]]:
     consumer that feeds another stream needs as many iterations as that stream needs items
     (one item per iteration at least), which its own stream's producer must supply."""
     defs: dict[str, ir.Node] = {}
-    for n in ir.iter_nodes(walk.body):
-        for out in ir.node_outputs(n):
+    for n in dataflow.iter_nodes(walk.body):
+        for out in dataflow.node_outputs(n):
             defs[out] = n
     edges = {e.consumer: e for e in walk.streams}
     demands: dict[str, dict[str, int]] = {}
@@ -302,7 +302,7 @@ def stream_demands(walk: ir.Walk, chunks: int) -> dict[str, dict[str, int]]:
         if node is None or depth > 64:
             return
         if isinstance(node, ir.Op):
-            for ref in ir.node_inputs(node):
+            for ref in dataflow.node_inputs(node):
                 need(ref, items + DEMAND_SLACK, depth + 1)
             return
         if value not in node.accumulated:

@@ -49,7 +49,8 @@ Printed form of the CFG example's ``generate`` walk (``walkserve trace``, glue a
       streamed: none; at the end: image
 
 Everything here is a msgspec Struct: ``walkserve.capture.serialize`` exports and imports the
-IR as JSON that round-trips exactly, and ``lint()`` checks every structural invariant.
+IR as JSON that round-trips exactly, ``lint()`` checks every structural invariant, and
+``dataflow`` says which values each node reads and defines.
 """
 
 from __future__ import annotations
@@ -449,81 +450,3 @@ class WalkGraph(msgspec.Struct):
         """Walks a request can start at: those no other walk's ``next`` names."""
         targets = {w.next for w in self.walks.values()}
         return [name for name in self.walks if name not in targets]
-
-
-# ------------------------------------------------------------------------------ helpers
-
-
-def arg_refs(arg: Arg) -> list[str]:
-    """Names of all values an argument refers to."""
-    if isinstance(arg, Ref):
-        return [arg.name]
-    if isinstance(arg, (ListArg, TupleArg)):
-        return [r for item in arg.items for r in arg_refs(item)]
-    if isinstance(arg, DictArg):
-        return [r for item in arg.items.values() for r in arg_refs(item)]
-    if isinstance(arg, SliceArg):
-        return [*arg_refs(arg.start), *arg_refs(arg.stop), *arg_refs(arg.step)]
-    return []
-
-
-def node_inputs(node: Node) -> list[str]:
-    """Outer-scope values a node reads (for a loop: its initial, invariant, per-step sources)."""
-    if isinstance(node, Op):
-        refs = [r for a in node.args for r in arg_refs(a)]
-        refs += [r for a in node.kwargs.values() for r in arg_refs(a)]
-        return refs
-    return [r for p in node.params for r in role_refs(p.role)]
-
-
-def role_args(role: ParamRole) -> list[Arg]:
-    """The outer arguments a loop parameter is made from (none for affine steps and stream
-    chunks, which come from the iteration index and the streaming edge)."""
-    if isinstance(role, Carried):
-        return [role.init]
-    if isinstance(role, Invariant):
-        return [role.value]
-    if isinstance(role.source, SelectStep):
-        return [role.source.source]
-    if isinstance(role.source, TableStep):
-        return list(role.source.values)
-    return []
-
-
-def role_refs(role: ParamRole, *, streams: bool = True) -> list[str]:
-    """Outer values a loop parameter reads; with ``streams``, a stream chunk reads the
-    streamed channel."""
-    refs = [r for a in role_args(role) for r in arg_refs(a)]
-    if streams and isinstance(role, PerStep) and isinstance(role.source, ChunkStep):
-        refs.append(role.source.source)
-    return refs
-
-
-def node_outputs(node: Node) -> list[str]:
-    """Values a node defines in its enclosing scope."""
-    return [node.name] if isinstance(node, Op) else node.channels()
-
-
-def expr_inputs(expr: IntExpr) -> list[str]:
-    """Names of the walk inputs an integer expression reads, in order, without repeats."""
-    if isinstance(expr, IntInput):
-        return [expr.name]
-    if isinstance(expr, IntSize):
-        return [expr.input]
-    if isinstance(expr, IntLit):
-        return []
-    return list(dict.fromkeys([*expr_inputs(expr.left), *expr_inputs(expr.right)]))
-
-
-def iter_nodes(block: Block) -> list[Node]:
-    """All nodes of a block and, recursively, of its loop bodies."""
-    out: list[Node] = []
-    for node in block.nodes:
-        out.append(node)
-        if isinstance(node, LoopNode):
-            out += iter_nodes(node.body)
-    return out
-
-
-def is_component(node: Node) -> bool:
-    return isinstance(node, Op) and node.kind == "component"

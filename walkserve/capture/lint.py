@@ -48,7 +48,7 @@ from typing import NoReturn
 
 import torch
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.chunk import ChunkPolicy
 from walkserve.capture.convert import SAFE_BUILTINS, SAFE_MODULES
 from walkserve.capture.gluefn import registered
@@ -133,12 +133,12 @@ class _WalkLinter:
         self.defined: set[str] = set()
         self.node_names: set[str] = set()
         self.streams: dict[str, ir.StreamEdge] = {}
-        nodes = ir.iter_nodes(walk.body)
+        nodes = dataflow.iter_nodes(walk.body)
         self.loops = {n.name: n for n in nodes if isinstance(n, ir.LoopNode)}
         # Every name anything defines, to tell a dangling reference from one out of order.
         self.all_values = set(self.inputs)
         for n in nodes:
-            self.all_values.update(ir.node_outputs(n))
+            self.all_values.update(dataflow.node_outputs(n))
             if isinstance(n, ir.LoopNode):
                 self.all_values.update(n.body.params)
 
@@ -313,7 +313,7 @@ class _WalkLinter:
         if isinstance(trips, ir.InputTrips) and trips.input not in self.inputs:
             self.fail("trips", f"trip count input {trips.input!r} is not a walk input", node.name)
         if isinstance(trips, ir.ExprTrips):
-            unknown = [i for i in ir.expr_inputs(trips.expr) if i not in self.inputs]
+            unknown = [i for i in dataflow.expr_inputs(trips.expr) if i not in self.inputs]
             if unknown:
                 self.fail(
                     "trips", f"the trip count reads {unknown}, which are not walk inputs", node.name

@@ -11,11 +11,13 @@ loop needs) and ``_loop_channel`` nodes replace every iteration, and a ``Finaliz
     torch.cat/stack over every iteration's output j                    -> accumulated channel
     any use of the last iteration's output j                           -> terminal channel
     any other use of an earlier iteration's value                      -> capture error
+
+``loopparams`` decides the first three rules (each body parameter's role, a ``ParamPlan``);
+this module finds the channels and the stop and rewrites the graph.
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,17 +26,17 @@ from torch import fx
 
 from walkserve.capture import ir
 from walkserve.capture.errors import CaptureError
-from walkserve.capture.tracer import (
+from walkserve.capture.loopparams import ParamPlan, classify
+from walkserve.capture.records import (
     LoopRecord,
     Scope,
-    WalkTracer,
     _loop_channel,
     _loop_iter,
     _loop_node,
-    _nodes_in,
     _stream_chunk,
     _stream_context,
 )
+from walkserve.capture.tracer import WalkTracer, _nodes_in
 
 JOINS: dict[Any, Literal["cat", "stack"]] = {
     torch.cat: "cat",
@@ -42,20 +44,6 @@ JOINS: dict[Any, Literal["cat", "stack"]] = {
     torch.concatenate: "cat",
     torch.stack: "stack",
 }
-
-
-@dataclass
-class ParamPlan:
-    """One body parameter: its role and where its outer value sits in ``deps``."""
-
-    name: str
-    role: Literal["carried", "invariant", "affine", "table", "select", "chunk", "context"]
-    dep: int | None = None  # index into the _loop_node's deps list
-    output: int = 0  # carried: body output index
-    start: int = 0
-    step: int = 0
-    dim: int = 0
-    table: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -133,7 +121,7 @@ def _finalize(tracer: WalkTracer, graph: fx.Graph, record: LoopRecord) -> Finali
         if pname in record.static:
             continue
         values = [it.args[pos] for it in its]
-        plan = _classify(tracer, record, pname, values, its, bounded_by_count, dep)
+        plan = classify(record, pname, values, its, bounded_by_count, dep)
         if plan.role == "carried":
             carried.append((pos, plan.output))
         params.append(plan)
@@ -235,122 +223,6 @@ def _finalize(tracer: WalkTracer, graph: fx.Graph, record: LoopRecord) -> Finali
         stream_dep,
         replaced,
     )
-
-
-def _classify(
-    tracer: WalkTracer,
-    record: LoopRecord,
-    pname: str,
-    values: list[Any],
-    its: list[Any],
-    bounded_by_count: bool,
-    dep: Any,
-) -> ParamPlan:
-    n = len(values)
-    where = record.source
-    if n >= 2:
-        sources = [
-            its[i - 1].outputs.index(v.node)
-            if isinstance(v, fx.Proxy) and v.node in its[i - 1].outputs
-            else None
-            for i, v in enumerate(values[1:], start=1)
-        ]
-        if all(s is not None for s in sources):
-            if len(set(sources)) != 1:
-                raise CaptureError(
-                    "carried-consistency",
-                    f"parameter '{pname}' of loop body {record.name} receives different outputs of "
-                    "the previous iteration in different iterations",
-                    where,
-                )
-            return ParamPlan(pname, "carried", dep(values[0]), output=sources[0])  # type: ignore[arg-type]
-        if any(s is not None for s in sources):
-            raise CaptureError(
-                "carried-consistency",
-                f"parameter '{pname}' of loop body {record.name} is the previous iteration's output "
-                "in some iterations and not in others",
-                where,
-            )
-    if all(_same(values[0], v) for v in values):
-        return ParamPlan(pname, "invariant", dep(values[0]))
-
-    # Per-step values.
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        step = values[1] - values[0]
-        if all(v == values[0] + i * step for i, v in enumerate(values)):
-            return ParamPlan(pname, "affine", start=values[0], step=step)
-    if all(isinstance(v, fx.Proxy) for v in values):
-        nodes = [v.node for v in values]
-        if all(nd.target in (_stream_chunk, _stream_context) for nd in nodes):
-            stream = record.stream
-            if stream is None or any(
-                nd.args[1] != stream.key or nd.args[2] != i for i, nd in enumerate(nodes)
-            ):
-                raise CaptureError(
-                    "stream-consumer",
-                    f"parameter '{pname}' of loop body {record.name} must receive the chunks of the "
-                    "stream being iterated, one per iteration, in order",
-                    where,
-                )
-            role: Literal["chunk", "context"] = (
-                "chunk" if nodes[0].target is _stream_chunk else "context"
-            )
-            return ParamPlan(pname, role, dep(nodes[0].args[0]))
-        select = _select_pattern(nodes)
-        if select is not None:
-            base, dim, start, step = select
-            return ParamPlan(pname, "select", dep(base), start=start, step=step, dim=dim)
-    if bounded_by_count and all(not isinstance(v, fx.Proxy) for v in values):
-        return ParamPlan(pname, "table", table=list(values))
-    raise CaptureError(
-        "per-step-input",
-        f"parameter '{pname}' of loop body {record.name} changes every iteration in a way capture "
-        "cannot express; per-iteration values must be Python ints affine in the loop index, "
-        "`x[k]` / `x[:, k]` indexing with the loop index, stream chunks, or (in loops of a fixed "
-        "count) Python numbers; otherwise compute it inside the body or carry it",
-        where,
-    )
-
-
-def _select_pattern(nodes: list[fx.Node]) -> tuple[fx.Node, int, int, int] | None:
-    """``x[k]`` / ``x[:, :, k]`` with one int index affine in the iteration: (x, dim, start,
-    step), else None."""
-    if not all(nd.op == "call_function" and nd.target is operator.getitem for nd in nodes):
-        return None
-    bases = {nd.args[0] for nd in nodes}
-    if len(bases) != 1:
-        return None
-    indices = [nd.args[1] if isinstance(nd.args[1], tuple) else (nd.args[1],) for nd in nodes]
-    if len({len(ix) for ix in indices}) != 1:
-        return None
-    width = len(indices[0])
-    varying = [p for p in range(width) if len({repr(ix[p]) for ix in indices}) > 1]
-    if len(varying) != 1:
-        return None
-    pos = varying[0]
-    full = slice(None, None, None)
-    if any(ix[p] != full for ix in indices for p in range(width) if p != pos):
-        return None
-    ints: list[int] = []
-    for ix in indices:
-        v = ix[pos]
-        if not isinstance(v, int) or isinstance(v, bool):
-            return None
-        ints.append(v)
-    step = ints[1] - ints[0]
-    if any(v != ints[0] + i * step for i, v in enumerate(ints)):
-        return None
-    base = nodes[0].args[0]
-    assert isinstance(base, fx.Node)
-    return base, pos, ints[0], step
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, fx.Proxy) or isinstance(b, fx.Proxy):
-        return isinstance(a, fx.Proxy) and isinstance(b, fx.Proxy) and a.node is b.node
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return a is b
-    return type(a) is type(b) and a == b
 
 
 def _output_labels(record: LoopRecord, params: list[ParamPlan]) -> list[str]:

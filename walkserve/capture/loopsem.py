@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.chunk import ChunkPolicy, ChunkSpan, split
 
 Chunks = list[tuple[torch.Tensor, ChunkSpan]]
@@ -172,7 +172,7 @@ def bound_inputs(node: ir.LoopNode) -> list[str]:
     if isinstance(node.trips, ir.InputTrips):
         names.append(node.trips.input)
     elif isinstance(node.trips, ir.ExprTrips):
-        names += ir.expr_inputs(node.trips.expr)
+        names += dataflow.expr_inputs(node.trips.expr)
     if isinstance(node.max_iters, str):
         names.append(node.max_iters)
     return list(dict.fromkeys(names))

@@ -35,7 +35,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator, Mapping
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.loopsem import format_int, streamed_outputs
 from walkserve.capture.sections import (
     DynamicLoop,
@@ -194,7 +194,7 @@ class _TextWalk:
         self.graph = graph
         self.walk = walk
         self.meta = meta
-        self.nodes = {n.name: n for n in ir.iter_nodes(walk.body)}
+        self.nodes = {n.name: n for n in dataflow.iter_nodes(walk.body)}
 
     def lines(self) -> Iterator[str]:
         w = self.walk
@@ -299,7 +299,7 @@ class _DotWalk:
     def __init__(self, walk: ir.Walk) -> None:
         self.walk = walk
         self.ids: dict[str, str] = {i.name: f"in:{i.name}" for i in walk.inputs}
-        for node in ir.iter_nodes(walk.body):
+        for node in dataflow.iter_nodes(walk.body):
             if isinstance(node, ir.Op):
                 self.ids[node.name] = f"op:{node.name}"
             else:
@@ -327,7 +327,7 @@ class _DotWalk:
         for key, arg in w.outputs.items():
             target = "out:" + key
             yield f"  {_q(target)} [label={_q(key + (' (state)' if key in w.state else ''))}, shape=house];"
-            for ref in dict.fromkeys(ir.arg_refs(arg)):
+            for ref in dict.fromkeys(dataflow.arg_refs(arg)):
                 self.edge(ref, target)
         yield from self.edges
         yield "}"
@@ -337,7 +337,7 @@ class _DotWalk:
         for node in block.nodes:
             if isinstance(node, ir.Op):
                 yield pad + self.op(node, prefix)
-                for ref in dict.fromkeys(ir.node_inputs(node)):
+                for ref in dict.fromkeys(dataflow.node_inputs(node)):
                     self.edge(ref, self.ids[node.name])
             else:
                 yield from self.loop(node, prefix, depth)
@@ -404,7 +404,7 @@ class _DotWalk:
         if isinstance(node.trips, ir.InputTrips):
             bounds.setdefault(node.trips.input, []).append("trips")
         if isinstance(node.trips, ir.ExprTrips):
-            for name in ir.expr_inputs(node.trips.expr):
+            for name in dataflow.expr_inputs(node.trips.expr):
                 bounds.setdefault(name, []).append("trips")
         if isinstance(node.max_iters, str):
             bounds.setdefault(node.max_iters, []).append("max_iters")
@@ -418,7 +418,7 @@ class _DotWalk:
             )
 
     def edge_from_arg(self, arg: ir.Arg, target: str, **attrs: str) -> None:
-        for ref in dict.fromkeys(ir.arg_refs(arg)):
+        for ref in dict.fromkeys(dataflow.arg_refs(arg)):
             self.edge(ref, target, **attrs)
 
 

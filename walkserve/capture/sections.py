@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,11 @@ def levels(block: ir.Block) -> dict[str, int]:
     producer: dict[str, str] = {}  # value -> node name
     level: dict[str, int] = {}
     for node in block.nodes:
-        up = max((level[producer[v]] for v in ir.node_inputs(node) if v in producer), default=-1)
+        up = max(
+            (level[producer[v]] for v in dataflow.node_inputs(node) if v in producer), default=-1
+        )
         level[node.name] = up + 1 if is_heavy(node) else up
-        for out in ir.node_outputs(node):
+        for out in dataflow.node_outputs(node):
             producer[out] = node.name
     return level
 
@@ -165,19 +167,21 @@ def plain_inputs(node: ir.Node) -> list[str]:
     """Values a node reads in its enclosing scope, without repeats, except stream chunks
     (those arrive over the streaming edge)."""
     if isinstance(node, ir.Op):
-        return list(dict.fromkeys(ir.node_inputs(node)))
-    return list(dict.fromkeys(r for p in node.params for r in ir.role_refs(p.role, streams=False)))
+        return list(dict.fromkeys(dataflow.node_inputs(node)))
+    return list(
+        dict.fromkeys(r for p in node.params for r in dataflow.role_refs(p.role, streams=False))
+    )
 
 
 def edges(walk: ir.Walk) -> list[Edge]:
     """Plain edges of the walk and of every loop body (block order), then streaming edges."""
     producer: dict[str, str] = {}
-    for node in ir.iter_nodes(walk.body):
-        for out in ir.node_outputs(node):
+    for node in dataflow.iter_nodes(walk.body):
+        for out in dataflow.node_outputs(node):
             producer[out] = node.name
     found = [
         Edge(v, producer.get(v), node.name, walk.values.get(v))
-        for node in ir.iter_nodes(walk.body)
+        for node in dataflow.iter_nodes(walk.body)
         for v in plain_inputs(node)
     ]
     found += [

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from typeguard import typechecked
 
-from walkserve.capture import ir, rng, shims
+from walkserve.capture import dataflow, ir, rng, shims
 from walkserve.capture.api import ACTIVE_HOOK, WalkSpec, walk_specs
 from walkserve.capture.convert import BlockConverter
 from walkserve.capture.errors import CaptureError, traced_value_error
@@ -28,8 +28,9 @@ from walkserve.capture.lint import lint
 from walkserve.capture.loops import finalize_scope
 from walkserve.capture.loopsem import LoopError
 from walkserve.capture.model import CapturedModel
+from walkserve.capture.records import Scope
 from walkserve.capture.serialize import tensor_to_data
-from walkserve.capture.tracer import CONST_PREFIX, Scope, WalkTracer
+from walkserve.capture.tracer import CONST_PREFIX, WalkTracer
 
 META_LOOP_ITERATIONS = 2
 
@@ -131,7 +132,7 @@ def _sample_run(runner: Interpreter, walk: ir.Walk, state: Mapping[str, Any]) ->
         loop = next(
             (
                 n
-                for n in ir.iter_nodes(walk.body)
+                for n in dataflow.iter_nodes(walk.body)
                 if isinstance(n, ir.LoopNode) and f"loop {n.name} " in str(e)
             ),
             None,

@@ -16,7 +16,8 @@ arguments of that iteration and stands for its outputs:
 iteration's output is carried, one that never changes is invariant, one that changes is a
 per-step input; ``torch.cat``/``stack`` of every iteration's output is an accumulated channel;
 ``if <traced bool>: break`` after a call (``to_bool``) is the stop of a DynamicLoop. This
-module owns the recording; ``loops`` the analysis; ``convert`` the translation to the IR.
+module owns the recording; ``records`` the markers and records it writes; ``loops`` the
+analysis; ``convert`` the translation to the IR.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import inspect
 import itertools
 import operator
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,88 +35,19 @@ from walkserve.capture import ir, rng, trips
 from walkserve.capture.api import ComponentSpec, LoopSpec, _Hook, component_spec
 from walkserve.capture.chunk import ChunkPolicy, LeftContext
 from walkserve.capture.errors import CaptureError, user_source
+from walkserve.capture.records import (
+    Iteration,
+    LoopRecord,
+    Scope,
+    StreamInfo,
+    _loop_iter,
+    _stream_chunk,
+    _stream_context,
+)
 
 SAMPLE_ITERATIONS = trips.SAMPLE_ITERATIONS
 
 CONST_PREFIX = "__const__."
-
-
-def _loop_iter(key: int, index: int, *args: Any) -> Any:
-    """Marker target: one recorded iteration of loop ``key`` (never executed)."""
-    raise RuntimeError("_loop_iter is a tracing marker and never runs")
-
-
-def _loop_node(key: int, deps: list[Any]) -> Any:
-    """Marker target: a finalized loop; ``deps`` are the outer values it reads."""
-    raise RuntimeError("_loop_node is a tracing marker and never runs")
-
-
-def _loop_channel(loop: Any, channel: str) -> Any:
-    """Marker target: one output channel of a finalized loop."""
-    raise RuntimeError("_loop_channel is a tracing marker and never runs")
-
-
-def _stream_chunk(source: Any, stream: int, index: int) -> Any:
-    """Marker target: chunk ``index`` of stream ``stream`` of ``source``."""
-    raise RuntimeError("_stream_chunk is a tracing marker and never runs")
-
-
-def _stream_context(source: Any, stream: int, index: int) -> Any:
-    """Marker target: left-context length of chunk ``index``."""
-    raise RuntimeError("_stream_context is a tracing marker and never runs")
-
-
-MARKERS = (_loop_iter, _loop_node, _loop_channel, _stream_chunk, _stream_context)
-
-
-@dataclass
-class Iteration:
-    node: fx.Node
-    args: list[Any]  # per body parameter: the value passed (Proxy, scalar, tensor, other)
-    outputs: list[fx.Node]  # per body output: the node standing for it
-    source: str | None
-
-
-@dataclass
-class StreamInfo:
-    key: int
-    source: fx.Node
-    policy: ChunkPolicy
-    dim: int
-    origin: str | None
-    consumer: LoopRecord | None = None
-
-
-@dataclass
-class LoopRecord:
-    """Everything recorded about one loop instance in one graph."""
-
-    key: int
-    name: str
-    fn: Callable[..., Any]
-    spec: LoopSpec
-    params: list[str]
-    static: dict[str, Any]  # parameters baked into the body (not tensors or scalars)
-    body: fx.Graph
-    n_outputs: int
-    single_output: bool
-    source: str | None
-    iterations: list[Iteration] = field(default_factory=list)
-    checks: list[fx.Node] = field(default_factory=list)  # stop predicates, one per check
-    trip: ir.IntExpr | None = None  # range(<expr>) / iterations(<expr>) of walk inputs
-    stream: StreamInfo | None = None
-    closed: bool = False
-    carries: bool = False  # some argument was a previous iteration's output
-    finalized: Any = None  # loops.Finalized, set by loops.finalize
-
-
-@dataclass
-class Scope:
-    """One graph being recorded: a walk or a loop body."""
-
-    graph: fx.Graph
-    loops: list[LoopRecord] = field(default_factory=list)
-    streams: list[StreamInfo] = field(default_factory=list)
 
 
 class WalkTracer(fx.Tracer, _Hook):

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.interpret import Interpreter, InterpreterError
 from walkserve.capture.loopsem import loop_bound, loop_channels, step_value, stream_chunks, truth
 from walkserve.capture.model import CapturedModel
@@ -318,7 +318,7 @@ class BatchedRunner:
         self.all_ops: dict[str, dict[str, ir.Op]] = {}
         self.all_loops: dict[str, dict[str, ir.LoopNode]] = {}
         for walk in captured.graph.walks.values():
-            nodes = ir.iter_nodes(walk.body)
+            nodes = dataflow.iter_nodes(walk.body)
             self.all_ops[walk.name] = {n.name: n for n in nodes if isinstance(n, ir.Op)}
             self.all_loops[walk.name] = {n.name: n for n in nodes if isinstance(n, ir.LoopNode)}
         self.interp = Interpreter(captured)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.batchdims import BatchAnalysis, analyze
 from walkserve.lowering.compile import check_capturable, compile_plan
@@ -66,7 +66,7 @@ def lower(
     walks: dict[str, BlockPlan] = {}
     for name, walk in captured.graph.walks.items():
         block = split_block(walk.body, policy)
-        ops = {n.name: n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.Op)}
+        ops = {n.name: n for n in dataflow.iter_nodes(walk.body) if isinstance(n, ir.Op)}
         _annotate(
             block, ops, analysis, name, captured, device, batch_buckets(max_batch), check_capture
         )

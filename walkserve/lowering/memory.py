@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from typeguard import typechecked
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.placement import PlacementError, check_field_types, format_size
 from walkserve.lowering.resolved import NodePlacement, ResolvedPlacement
@@ -300,9 +300,9 @@ def _attribute_bytes(resolved: ResolvedPlacement, captured: CapturedModel) -> di
         for op in flow.ops.values():
             for rank in placed[op.name].ranks:
                 needed[rank].update(_tensor_args([*op.args, *op.kwargs.values()]))
-        for loop in (n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)):
+        for loop in (n for n in dataflow.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)):
             for param in loop.params:
-                attrs = _tensor_args(ir.role_args(param.role))
+                attrs = _tensor_args(dataflow.role_args(param.role))
                 for reader in flow.readers[param.name]:
                     for rank in placed[reader].ranks:
                         needed[rank].update(attrs)
@@ -340,7 +340,7 @@ def _kv_pools(
     request reuse one cache: a prefill's cache is the decode loop's carried state)."""
     per_request: dict[str, int] = defaultdict(int)
     for walk in captured.walks.values():
-        for loop in (n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)):
+        for loop in (n for n in dataflow.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)):
             for path, nbytes in _loop_kv_bytes(loop, walk, captured, limits).items():
                 per_request[path] = max(per_request[path], nbytes)
     for rank, path, degree in _components_on_ranks(resolved):
@@ -369,7 +369,7 @@ def _loop_kv_bytes(
     for op in loop.body.nodes:
         info = captured.graph.components.get(op.target) if isinstance(op, ir.Op) else None
         if isinstance(op, ir.Op) and info is not None and info.engine == "kv_cache":
-            read = dict.fromkeys(v for v in ir.node_inputs(op) if v in growing)
+            read = dict.fromkeys(v for v in dataflow.node_inputs(op) if v in growing)
             out[op.target] += sum(_meta_bytes(growing[v], limits.max_len) for v in read)
     return out
 
@@ -390,7 +390,7 @@ def _stream_buffers(
     ops that read its chunks. The buffer can hold the producer's whole accumulated channel:
     its per-iteration bytes x the producer loop's maximum trips."""
     for name, walk in captured.walks.items():
-        loops = {n.name: n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)}
+        loops = {n.name: n for n in dataflow.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)}
         for stream in walk.streams:
             producer = next(lp for lp in loops.values() if stream.source in lp.accumulated)
             step = walk.values.get(producer.outputs[producer.accumulated[stream.source].output])
@@ -419,8 +419,8 @@ def _chunk_reader_ranks(
         and p.role.source.stream == stream.name
     }
     ranks: set[int] = set()
-    for op in ir.iter_nodes(consumer.body):
-        if isinstance(op, ir.Op) and chunks & set(ir.node_inputs(op)):
+    for op in dataflow.iter_nodes(consumer.body):
+        if isinstance(op, ir.Op) and chunks & set(dataflow.node_inputs(op)):
             ranks.update(placed[op.name].ranks)
     return sorted(ranks)
 

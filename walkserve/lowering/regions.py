@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.loopsem import bound_inputs
 from walkserve.lowering.plan import BlockPlan, LoopPlan, NodePlan, RegionPlan
 
@@ -49,7 +49,7 @@ __all__ = ["conductor_values", "find_regions"]
 def find_regions(walk: ir.Walk, block: BlockPlan) -> list[RegionPlan]:
     """The regions of ``walk`` as placed in ``block`` (its plan), outer blocks first."""
     finder = _Finder(walk)
-    pinned = {r for a in walk.outputs.values() for r in ir.arg_refs(a)}
+    pinned = {r for a in walk.outputs.values() for r in dataflow.arg_refs(a)}
     finder.block(walk.body, block, [], pinned)
     return finder.found
 
@@ -62,7 +62,7 @@ class _Finder:
         self.apart: list[tuple[str, str, ir.StreamEdge]] = []  # ... between two regions
         # streams from a rank-local loop into one the conductor drives
         self.to_conductor: list[tuple[str, str, ir.StreamEdge]] = []
-        nodes = ir.iter_nodes(walk.body)
+        nodes = dataflow.iter_nodes(walk.body)
         self.ir_nodes: dict[str, ir.Node] = {n.name: n for n in nodes}
         self.streams = {e.name: e for e in walk.streams}
 
@@ -161,7 +161,7 @@ class _Finder:
             if item.name not in run:
                 later |= set(self._reads(item))
         if not path:
-            later |= {r for a in self.walk.outputs.values() for r in ir.arg_refs(a)}
+            later |= {r for a in self.walk.outputs.values() for r in dataflow.arg_refs(a)}
         outputs = [v for item in members for v in self._makes(item) if v in later]
         trips: dict[str, None] = {}
         for item in members:
@@ -218,22 +218,22 @@ class _Finder:
             out: list[str] = []
             for name in item.ops:
                 node = self.ir_nodes[name]
-                out += [r for r in ir.node_inputs(node) if r not in inside]
+                out += [r for r in dataflow.node_inputs(node) if r not in inside]
             return out
         node = self.ir_nodes[item.name]
         streamed = {e.source for _, c, e in [*self.edges, *self.to_conductor] if c == item.name}
-        return [v for v in ir.node_inputs(node) if v not in streamed]
+        return [v for v in dataflow.node_inputs(node) if v not in streamed]
 
     def _makes(self, item: NodePlan | LoopPlan) -> list[str]:
         if isinstance(item, NodePlan):
             return list(item.ops)
-        return ir.node_outputs(self.ir_nodes[item.name])
+        return dataflow.node_outputs(self.ir_nodes[item.name])
 
     def _loops(self, item: NodePlan | LoopPlan) -> Iterator[ir.LoopNode]:
         node = self.ir_nodes[item.name]
         if isinstance(node, ir.LoopNode):
             yield node
-            for inner in ir.iter_nodes(node.body):
+            for inner in dataflow.iter_nodes(node.body):
                 if isinstance(inner, ir.LoopNode):
                     yield inner
 
@@ -250,7 +250,7 @@ class _Finder:
             ch: item.name
             for item in items
             if isinstance(item, LoopPlan)
-            for ch in ir.node_outputs(self.ir_nodes[item.name])
+            for ch in dataflow.node_outputs(self.ir_nodes[item.name])
         }
         names = {i.name for i in items}
         return [
@@ -277,7 +277,7 @@ def conductor_values(walk: ir.Walk, regions: list[RegionPlan]) -> list[str]:
     out: dict[str, None] = {}
     for name, arg in walk.outputs.items():
         if name not in walk.state:
-            out.update(dict.fromkeys(ir.arg_refs(arg)))
+            out.update(dict.fromkeys(dataflow.arg_refs(arg)))
     inside = {
         (tuple(r.path), item) for r in regions for item in r.items
     }  # (block path, item name) run by a rank
@@ -290,7 +290,7 @@ def conductor_values(walk: ir.Walk, regions: list[RegionPlan]) -> list[str]:
             for p in node.params:
                 role = p.role
                 if isinstance(role, ir.PerStep) and isinstance(role.source, ir.SelectStep):
-                    out.update(dict.fromkeys(ir.arg_refs(role.source.source)))
+                    out.update(dict.fromkeys(dataflow.arg_refs(role.source.source)))
                 if isinstance(role, ir.PerStep) and isinstance(role.source, ir.ChunkStep):
                     out[role.source.source] = None  # a whole value cut into chunks
             if node.stop is not None:

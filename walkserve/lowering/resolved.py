@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from typeguard import typechecked
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.model import CapturedModel
 from walkserve.capture.sections import parallel_groups
 from walkserve.lowering.placement import Placement, PlacementError, PlacementWarning, split_key
@@ -120,13 +120,13 @@ def _check_rule_target(key: str, captured: CapturedModel, where: str = "rule") -
         return
     if walk_name not in captured.walks:
         raise _unknown(f"{where} {key!r}: unknown walk", walk_name, captured.walks)
-    nodes = {n.name: n for n in ir.iter_nodes(captured.walks[walk_name].body)}
-    components = [name for name, n in nodes.items() if ir.is_component(n)]
+    nodes = {n.name: n for n in dataflow.iter_nodes(captured.walks[walk_name].body)}
+    components = [name for name, n in nodes.items() if dataflow.is_component(n)]
     node = nodes.get(node_name)
     if node is None:
         raise _unknown(f"{where} {key!r}: walk {walk_name!r} has no node", node_name, components)
     if isinstance(node, ir.LoopNode):
-        body = [n.name for n in ir.iter_nodes(node.body) if ir.is_component(n)]
+        body = [n.name for n in dataflow.iter_nodes(node.body) if dataflow.is_component(n)]
         raise PlacementError(
             f"{where} {key!r} names a loop; loops are not placed, the nodes of their body are: "
             f"{', '.join(body)}"
@@ -149,7 +149,7 @@ def _unknown(what: str, name: str, known: Sequence[str] | Mapping[str, Any]) -> 
 
 
 def _place_walk(placement: Placement, walk: ir.Walk) -> dict[str, NodePlacement]:
-    ops = [n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.Op)]
+    ops = [n for n in dataflow.iter_nodes(walk.body) if isinstance(n, ir.Op)]
     placed = {
         op.name: _place_component(placement, walk.name, op) for op in ops if op.kind == "component"
     }

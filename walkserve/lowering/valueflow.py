@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Callable
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 
 __all__ = ["ValueFlow", "node_io", "value_readers"]
 
@@ -27,7 +27,7 @@ __all__ = ["ValueFlow", "node_io", "value_readers"]
 class ValueFlow:
     """The value flow of one walk (see the module docstring). ``readers[value]``: ops reading
     it; ``becomes[value]`` / ``comes_from[value]``: the loop-boundary links; ``order[op]``: the
-    op's position in the walk (``ir.iter_nodes`` order)."""
+    op's position in the walk (``dataflow.iter_nodes`` order)."""
 
     def __init__(self, walk: ir.Walk) -> None:
         self.values = walk.values
@@ -36,18 +36,18 @@ class ValueFlow:
         self.readers: defaultdict[str, list[str]] = defaultdict(list)
         self.becomes: defaultdict[str, list[str]] = defaultdict(list)
         self.comes_from: defaultdict[str, list[str]] = defaultdict(list)
-        for node in ir.iter_nodes(walk.body):
+        for node in dataflow.iter_nodes(walk.body):
             if isinstance(node, ir.Op):
                 self.order[node.name] = len(self.order)
                 self.ops[node.name] = node
-                for value in ir.node_inputs(node):
+                for value in dataflow.node_inputs(node):
                     self.readers[value].append(node.name)
             else:
                 self._add_loop(node)
 
     def _add_loop(self, loop: ir.LoopNode) -> None:
         for param in loop.params:
-            sources = ir.role_refs(param.role)
+            sources = dataflow.role_refs(param.role)
             if isinstance(param.role, ir.Carried):
                 sources.append(loop.outputs[param.role.output])
             for value in sources:
@@ -68,7 +68,7 @@ class ValueFlow:
         """Component ops whose non-tensor output (a tuple, a structured value) ``op`` reads."""
         return [
             value
-            for value in ir.node_inputs(self.ops[op])
+            for value in dataflow.node_inputs(self.ops[op])
             if self.is_component(value) and isinstance(self.values.get(value), ir.OpaqueMeta)
         ]
 
@@ -93,10 +93,10 @@ class ValueFlow:
             if self.is_component(value):
                 return [value], []
             if value in self.ops:
-                return [], ir.node_inputs(self.ops[value])
+                return [], dataflow.node_inputs(self.ops[value])
             return [], self.comes_from[value]
 
-        return _search(ir.node_inputs(self.ops[op]), step)
+        return _search(dataflow.node_inputs(self.ops[op]), step)
 
 
 def _search(start: list[str], step: Callable[[str], tuple[list[str], list[str]]]) -> list[str]:
@@ -125,16 +125,16 @@ def value_readers(walk: ir.Walk) -> dict[str, set[str]]:
     def visit(block: ir.Block) -> None:
         for n in block.nodes:
             if isinstance(n, ir.Op):
-                add(ir.node_inputs(n), n.name)
+                add(dataflow.node_inputs(n), n.name)
             else:
                 add(
-                    [*ir.node_inputs(n), *n.outputs, *([n.stop] if n.stop else [])],
+                    [*dataflow.node_inputs(n), *n.outputs, *([n.stop] if n.stop else [])],
                     f"<loop {n.name}>",
                 )
                 visit(n.body)
 
     visit(walk.body)
-    add([r for a in walk.outputs.values() for r in ir.arg_refs(a)], "<walk outputs>")
+    add([r for a in walk.outputs.values() for r in dataflow.arg_refs(a)], "<walk outputs>")
     add([e.source for e in walk.streams], "<stream>")
     return readers
 
@@ -147,7 +147,7 @@ def node_io(
     inside = set(names)
     inputs: dict[str, None] = {}
     for name in names:
-        for ref in ir.node_inputs(ops[name]):
+        for ref in dataflow.node_inputs(ops[name]):
             if ref not in inside:
                 inputs[ref] = None
     outputs = [name for name in names if readers.get(name, set()) - inside]

@@ -64,7 +64,7 @@ import itertools
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.inputs import check_inputs
 from walkserve.capture.interpret import MAX_TRANSITIONS, Interpreter
 from walkserve.capture.loopsem import (
@@ -164,13 +164,13 @@ class Conductor(FrameDriver):
         self._early: dict[str, list[tuple[str, Any, tuple[str, ...]]]] = {}
         for name, walk in captured.graph.walks.items():
             self._early[name] = [
-                (k, a, tuple(ir.arg_refs(a)))
+                (k, a, tuple(dataflow.arg_refs(a)))
                 for k, a in walk.outputs.items()
                 if k not in walk.state
             ]
             if name not in plan.walks:
                 raise ValueError(f"the plan has no walk {name!r}; was it lowered from this model?")
-            pinned = {r for a in walk.outputs.values() for r in ir.arg_refs(a)}
+            pinned = {r for a in walk.outputs.values() for r in dataflow.arg_refs(a)}
             builder = SpecBuilder(captured, walk, plan, fast_loops)
             spec = builder.block(walk.body, plan.walks[name], pinned, True)
             self._walks[name] = spec

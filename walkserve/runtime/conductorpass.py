@@ -33,7 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.batched import merges_calls
 from walkserve.lowering.plan import ExecutablePlan
@@ -72,7 +72,7 @@ class ConductorPass:
         captured, plan, pool = self.captured, self.plan, self.pool
         nodes = {(w, n.name): n for w in plan.walks for n in plan.nodes(w)}
         self._ops: dict[str, dict[str, ir.Op]] = {
-            w.name: {n.name: n for n in ir.iter_nodes(w.body) if isinstance(n, ir.Op)}
+            w.name: {n.name: n for n in dataflow.iter_nodes(w.body) if isinstance(n, ir.Op)}
             for w in captured.graph.walks.values()
         }
         # what the conductor is to do, run in order by whichever thread makes the next pass

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.inputs import InputError
 from walkserve.capture.loopsem import LoopError, eval_int, format_int
 
@@ -147,7 +147,7 @@ def _check_tensor(
 
 
 def _check_loops(w: ir.Walk, given: Mapping[str, Any], most: int) -> None:
-    for node in ir.iter_nodes(w.body):
+    for node in dataflow.iter_nodes(w.body):
         if not isinstance(node, ir.LoopNode):
             continue
         bound = _bound(node, given)
@@ -173,7 +173,7 @@ def _bound(node: ir.LoopNode, given: Mapping[str, Any]) -> tuple[int, str, str] 
         if count is not None:
             found = (count, trips.input, f"{trips.input} = {count}")
     elif isinstance(trips, ir.ExprTrips):
-        reads = ir.expr_inputs(trips.expr)
+        reads = dataflow.expr_inputs(trips.expr)
         if reads and all(n in given for n in reads):
             try:
                 count = eval_int(trips.expr, given)

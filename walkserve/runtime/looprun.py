@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.interpret import Interpreter
 from walkserve.lowering.plan import LoopPlan, NodePlan
 from walkserve.runtime.loopcohort import CohortSpec, cohort_spec
@@ -164,7 +164,7 @@ def loop_plans(regions: RegionWalks) -> dict[tuple[str, str], tuple[ir.LoopNode,
     """Every loop of the region walks, by (region walk, loop name), with its body plan."""
     out: dict[tuple[str, str], tuple[ir.LoopNode, LoopPlan]] = {}
     for name, walk in regions.captured.graph.walks.items():
-        loops = {n.name: n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)}
+        loops = {n.name: n for n in dataflow.iter_nodes(walk.body) if isinstance(n, ir.LoopNode)}
 
         def visit(block: Any) -> None:
             for item in block.nodes:
@@ -217,7 +217,7 @@ class LoopCompiler:
                 tuple(affine),
                 tuple(select),
                 tuple(table),
-                ops := {n.name: n for n in ir.iter_nodes(node.body) if isinstance(n, ir.Op)},
+                ops := {n.name: n for n in dataflow.iter_nodes(node.body) if isinstance(n, ir.Op)},
                 {
                     n.name: (
                         [self._getter(a) for a in ops[n.ops[0]].args],

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.plan import BlockPlan, ExecutablePlan, LoopPlan, NodePlan, RegionPlan
 
@@ -80,7 +80,7 @@ def _region_walk(
     for item in items:
         names |= set(item.ops) if isinstance(item, NodePlan) else {item.name}
     nodes = [n for n in body.nodes if n.name in names]
-    loops = {n.name for n in ir.iter_nodes(ir.Block([], nodes)) if isinstance(n, ir.LoopNode)}
+    loops = {n.name for n in dataflow.iter_nodes(ir.Block([], nodes)) if isinstance(n, ir.LoopNode)}
     inputs = [ir.WalkInput(v, walk.values.get(v)) for v in [*region.inputs, *region.trip_inputs]]
     inner = ir.Walk(
         name=name,

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.interpret import Interpreter
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.batched import DEFER, BatchedComponent, BatchStats, build_callables
@@ -114,7 +114,7 @@ class NodeRunner:
         self._nodes: dict[tuple[str, str], _Node] = {}
         for walk_name in plan.walks:
             walk = captured.graph.walks[walk_name]
-            ops = {n.name: n for n in ir.iter_nodes(walk.body) if isinstance(n, ir.Op)}
+            ops = {n.name: n for n in dataflow.iter_nodes(walk.body) if isinstance(n, ir.Op)}
             for node in plan.nodes(walk_name):
                 if rank is not None and rank not in node.ranks:
                     continue

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from walkserve.capture import ir
+from walkserve.capture import dataflow, ir
 from walkserve.capture.chunk import ChunkPolicy, FixedChunk, LeftContext, SlidingWindow
 from walkserve.capture.model import CapturedModel
 from walkserve.lowering.plan import BlockPlan, ExecutablePlan, NodePlan, RegionPlan
@@ -94,7 +94,10 @@ class LoopSpec:
         made = {s.op.name for s in node.ops}
         params = {p.name for p in self.node.params}
         args = [*first.args, *first.kwargs.values()]
-        if first.kind != "component" or not {r for a in args for r in ir.arg_refs(a)} <= params:
+        if (
+            first.kind != "component"
+            or not {r for a in args for r in dataflow.arg_refs(a)} <= params
+        ):
             return None
         if any(not set(s.reads) <= made for s in node.ops[1:]):
             return None
@@ -131,13 +134,13 @@ def loop_reads(node: ir.LoopNode) -> tuple[tuple[str, ...], tuple[str, ...]]:
     for p in node.params:
         role = p.role
         if isinstance(role, ir.Carried):
-            need += ir.arg_refs(role.init)
+            need += dataflow.arg_refs(role.init)
         elif isinstance(role, ir.Invariant):
-            need += ir.arg_refs(role.value)
+            need += dataflow.arg_refs(role.value)
         elif isinstance(role.source, ir.SelectStep):
-            step += ir.arg_refs(role.source.source)
+            step += dataflow.arg_refs(role.source.source)
         elif isinstance(role.source, ir.TableStep):
-            step += [r for v in role.source.values for r in ir.arg_refs(v)]
+            step += [r for v in role.source.values for r in dataflow.arg_refs(v)]
     return unique(need + step), unique(step)
 
 
@@ -167,7 +170,7 @@ class SpecBuilder:
         self.region_at: dict[tuple[str, ...], dict[str, RegionPlan]] = {}
         for r in plan.regions.get(walk.name, []):
             self.region_at.setdefault(tuple(r.path), {})[r.items[0]] = r
-        nodes = ir.iter_nodes(walk.body)
+        nodes = dataflow.iter_nodes(walk.body)
         self.ops = {n.name: n for n in nodes if isinstance(n, ir.Op)}
         self.loops = {n.name: n for n in nodes if isinstance(n, ir.LoopNode)}
         self.edges = {s.name: s for s in walk.streams}
@@ -201,7 +204,7 @@ class SpecBuilder:
                 ops = []
                 for name in pn.ops:
                     op = self.ops[name]
-                    ops.append(OpSpec(op, unique(ir.node_inputs(op))))
+                    ops.append(OpSpec(op, unique(dataflow.node_inputs(op))))
                     planned.add(name)
                 nodes.append(NodeSpec(pn.name, tuple(ops)))
             else:
@@ -299,8 +302,8 @@ class SpecBuilder:
     def _speculative(self, node: ir.LoopNode) -> bool:
         components = [
             self.graph.components[n.target].speculative
-            for n in ir.iter_nodes(node.body)
-            if ir.is_component(n) and isinstance(n, ir.Op)
+            for n in dataflow.iter_nodes(node.body)
+            if dataflow.is_component(n) and isinstance(n, ir.Op)
         ]
         return node.speculative and all(components)
 
@@ -364,7 +367,7 @@ class SpecBuilder:
         search there)."""
         made_by: dict[str, ir.Node] = {}
         for n in block.nodes:
-            for v in ir.node_outputs(n):
+            for v in dataflow.node_outputs(n):
                 made_by[v] = n
         nodes: set[str] = set()
         values: set[str] = set()
@@ -379,7 +382,7 @@ class SpecBuilder:
                 continue
             nodes.add(node.name)
             if isinstance(node, ir.Op):
-                todo += ir.node_inputs(node)
+                todo += dataflow.node_inputs(node)
             elif node.name in loops:
                 todo += loops[node.name].need
         return nodes, values
