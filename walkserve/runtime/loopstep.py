@@ -32,7 +32,7 @@ by one at the next step, so that a bad request fails alone (the runner's failure
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from walkserve.capture import ir
@@ -116,9 +116,14 @@ class LoopStepper(SharedSteps):
             self._produced.pop(key, None)
 
     def _blocked(self, run: LoopRun) -> bool:
-        for ch in run.start.streams:
-            allowed = self._credit.get((run.request, ch))
-            if allowed is not None and self._produced.get((run.request, ch), 0) + 1 > allowed:
+        return self._over_credit([(run.request, ch) for ch in run.start.streams])
+
+    def _over_credit(self, keys: Iterable[tuple[str, str]]) -> bool:
+        """Whether one more item of any of ``keys`` (request, channel) is beyond its credit."""
+        credit, produced = self._credit, self._produced
+        for key in keys:
+            allowed = credit.get(key)
+            if allowed is not None and produced.get(key, 0) + 1 > allowed:
                 return True
         return False
 
@@ -277,12 +282,7 @@ class LoopStepper(SharedSteps):
         plan = band.streams
         if plan is None or plan.cohort is not band.cohort:
             return not any(map(self._blocked, band.runs))
-        credit, produced = self._credit, self._produced
-        for key in plan.keys:  # ``_blocked`` of each streaming run, at once
-            allowed = credit.get(key)
-            if allowed is not None and produced.get(key, 0) + 1 > allowed:
-                return False
-        return True
+        return not self._over_credit(plan.keys)  # ``_blocked`` of each streaming run, at once
 
     def reporting(self) -> bool:
         """Whether reports wait (``reports``)."""
