@@ -22,6 +22,7 @@ from walkserve.capture.chunk import (
 from walkserve.capture.chunk import split as chunk_split
 from walkserve.capture.loopsem import LoopError
 from walkserve.runtime.frames import Stream
+from walkserve.runtime.stepvalues import StepBlock, StepValues
 from walkserve.runtime.walkspec import StreamSpec
 
 
@@ -61,6 +62,57 @@ def test_extend_is_append_of_each(
     for i in range(one.ready()):
         (a, span_a), (b, span_b) = one.chunk(i), many.chunk(i)
         assert span_a == span_b and torch.equal(a, b)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    layout=testing.accumulation_layouts(),
+    parts=st.lists(  # (steps, as a block or as single pieces) per extend
+        st.tuples(st.integers(1, 5), st.booleans()), min_size=1, max_size=4
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_a_block_of_steps_is_buffered_as_its_steps_are(
+    layout: tuple[str, int, int], parts: list[tuple[int, bool]], seed: int
+) -> None:
+    """A ``StepBlock`` (a cohort's steps of one run, steps first) is buffered as one piece
+    joined as its source joins steps; every chunk cut from it is the one appending its steps
+    one by one cuts, blocks and single pieces mixed in one ``StepValues`` or not."""
+    mode, ndim, dim = layout
+    g = torch.Generator().manual_seed(seed)
+    shape = [1, 2, 3][:ndim]
+    one, many = _stream(mode, dim), _stream(mode, dim)
+    values: StepValues | None = None
+    for steps, blocked in parts:
+        block = torch.randn([steps, 4, *shape], generator=g).narrow(1, 1, 1).squeeze(1)
+        for k in range(steps):
+            one.append(block[k])
+        part = StepBlock(block) if blocked else list(block.unbind(0))
+        if values is None:
+            values = StepValues(part)
+        else:
+            values.add(part)
+        if steps % 2:  # now and then handed over at once
+            many.extend(values)
+            values = None
+    if values is not None:
+        many.extend(values)
+    assert (many.n, many.dim) == (one.n, one.dim)
+    one.finished = many.finished = True
+    for i in range(one.ready()):
+        (a, span_a), (b, span_b) = one.chunk(i), many.chunk(i)
+        assert span_a == span_b and torch.equal(a, b)
+
+
+def test_step_values_read_as_their_steps() -> None:
+    block = torch.arange(6.0).reshape(3, 2)
+    values = StepValues([torch.zeros(2)])
+    values.add(StepBlock(block))
+    assert len(values) == 4
+    assert torch.equal(values[2], block[1]) and torch.equal(values[-1], block[2])
+    assert [v.tolist() for v in values] == [[0.0, 0.0], [0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    with pytest.raises(IndexError):
+        values[4]
 
 
 def test_pieces_of_other_layouts_are_taken_one_by_one() -> None:

@@ -54,7 +54,8 @@ Modules, by role:
                   command socket read by the engine's thread; engine: its engine loop
     rankscheduler what a rank runs next (pure); rankreports: its steps and reports;
                   regionwalk: regions as walks; loopstep: the fast path for simple loops
-                  (pure); runner: runs a batch of one node
+                  (pure); stepvalues: a cohort's streamed steps kept as one block; runner:
+                  runs a batch of one node
     messages      every message on a socket (msgspec structs, never pickle)
     transport, shm, shmreader, tensorcodec, peers   how values move: inline, shared memory
                   (shm: segments and their owner; shmreader: the read side), rank to rank

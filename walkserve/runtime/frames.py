@@ -19,6 +19,7 @@ import torch
 from walkserve.capture import ir
 from walkserve.capture.chunk import ChunkSpan, take
 from walkserve.capture.loopsem import LoopError
+from walkserve.runtime.stepvalues import StepBlock, segments
 from walkserve.runtime.walkspec import BlockSpec, LoopSpec, RegionSpec, StreamSpec
 from walkserve.runtime.workitem import WorkItem
 
@@ -58,6 +59,12 @@ class Stream:
         acc = self.spec.acc
         if acc is not None and acc.mode == "stack":
             piece = piece.unsqueeze(acc.dim if acc.dim >= 0 else acc.dim + piece.dim() + 1)
+        self._add(piece)
+
+    def _add(self, piece: torch.Tensor) -> None:
+        """Buffer ``piece``, laid out as its source accumulates it (a stacked one with its
+        stacking dim): its items along the chunk dim."""
+        acc = self.spec.acc
         dim = self.spec.edge.dim if self.spec.edge.dim >= 0 else self.spec.edge.dim + piece.dim()
         if acc is not None:
             acc_dim = acc.dim if acc.dim >= 0 else acc.dim + piece.dim()
@@ -73,7 +80,31 @@ class Stream:
 
     def extend(self, pieces: Sequence[Any]) -> None:
         """``append`` of each of ``pieces`` in order (a producer's items a rank held: several
-        steps'), the layout checks made once where they all have the first's number of dims."""
+        steps'), the layout checks made once where they all have the first's number of dims;
+        a ``StepBlock`` among them (``stepvalues.segments``) is buffered as one piece, joined
+        as its source joins the steps' pieces (one view, not a piece per step)."""
+        for part in segments(pieces):
+            if isinstance(part, StepBlock):
+                self._add_block(part)
+            else:
+                self._extend(part)
+
+    def _add_block(self, steps: StepBlock) -> None:
+        acc, block = self.spec.acc, steps.block
+        if self.closed or len(steps) == 0:
+            return
+        nd = block.dim() - 1  # a piece's dims
+        joined = nd + 1 if acc is not None and acc.mode == "stack" else nd
+        if acc is None or nd < 1 or not -joined <= acc.dim < joined:
+            self._extend(list(steps))  # no join to follow: step by step, each checked
+            return
+        if acc.mode == "stack":  # the steps at the stacking dim
+            self._add(block.movedim(0, acc.dim % (nd + 1)))
+            return
+        d = acc.dim % nd  # cat: [steps, .., n at d, ..] -> [.., steps * n at d, ..]
+        self._add(block.movedim(0, d).flatten(d, d + 1))
+
+    def _extend(self, pieces: Sequence[Any]) -> None:
         if not pieces:
             return
         first = pieces[0]

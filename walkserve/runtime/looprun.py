@@ -17,6 +17,7 @@ from walkserve.lowering.plan import LoopPlan, NodePlan
 from walkserve.runtime.loopcohort import CohortSpec, cohort_spec
 from walkserve.runtime.loopjoin import Join, joinable
 from walkserve.runtime.regionwalk import RegionWalks
+from walkserve.runtime.stepvalues import StepBlock
 from walkserve.runtime.workitem import LoopStart
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ def streamed_items(
 ) -> Iterator[tuple[int, str, int, Sequence[Any]]]:
     """``(item, channel, first index, values)`` of streamed loop reports, in each run's
     channel's order: the rows of consecutive steps of one cohort (``LoopStreamedRows.follows``)
-    cut with one stack and one cut per run, not one cut per run and step."""
+    cut with one stack and one cut per run, not one cut per run and step, and left as that
+    cut (a ``StepBlock``: not one tensor per step unless read so)."""
     by_channel: dict[str, list[LoopStreamed | LoopStreamedRows]] = {}
     for rep in reports:
         by_channel.setdefault(rep.channel, []).append(rep)
@@ -107,7 +109,7 @@ def streamed_items(
                 continue
             joint = torch.stack([b.piece for b in block])  # [steps, ...the piece]
             for item, first, at, n in rep.runs:
-                cut = joint.narrow(rep.dim + 1, at, n).unbind(0)
+                cut = StepBlock(joint.narrow(rep.dim + 1, at, n))
                 yield item, rep.channel, first + rep.step, cut
 
 

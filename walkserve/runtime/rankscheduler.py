@@ -57,6 +57,7 @@ from walkserve.runtime.rankreports import (
 )
 from walkserve.runtime.regionwalk import RegionWalks, region_walk_name
 from walkserve.runtime.runner import ItemResult, Runnable
+from walkserve.runtime.stepvalues import StepValues
 
 __all__ = ["RankScheduler"]
 
@@ -359,20 +360,20 @@ class RankScheduler:
                         self.conductor.fail(rep.item, rep.error)
                 continue
             # each run's channel's items at once (the fast lane's held ones: many steps')
-            runs: dict[tuple[int, str], tuple[int, list[Any]]] = {}
+            runs: dict[tuple[int, str], tuple[int, StepValues]] = {}
             group = cast("Iterator[LoopStreamed | LoopStreamedRows]", reps)  # the group's key
             for item, channel, index, values in streamed_items(group):
                 at = runs.get((item, channel))
                 if at is not None and at[0] + len(at[1]) == index:
-                    at[1].extend(values)
+                    at[1].add(values)
                     continue
                 if at is not None:
                     self._streamed(item, channel, *at)
-                runs[(item, channel)] = (index, list(values))
+                runs[(item, channel)] = (index, StepValues(values))
             for (item, channel), at in runs.items():
                 self._streamed(item, channel, *at)
 
-    def _streamed(self, item: int, channel: str, index: int, values: list[Any]) -> None:
+    def _streamed(self, item: int, channel: str, index: int, values: Sequence[Any]) -> None:
         # items that only joined a stream buffer leave the rank settled: the fast lane steps
         # a producer feeding a windowed consumer until a window forms
         if self.conductor.streamed_run(item, channel, index, values):
