@@ -65,12 +65,20 @@ class StepValues(_Steps):
     __slots__ = ("n", "parts")
 
     def __init__(self, first: Sequence[Any]) -> None:
-        self.parts: list[Sequence[Any]] = [first]
-        self.n = len(first)
+        self.parts: list[Sequence[Any]] = []
+        self.n = 0
+        self.add(first)
 
     def add(self, more: Sequence[Any]) -> None:
-        self.parts.append(more)
+        """``more`` after the items so far: a block kept whole, single pieces joined to the
+        single pieces before them (one list, taken at once)."""
         self.n += len(more)
+        if isinstance(more, StepBlock):
+            self.parts.append(more)
+        elif self.parts and isinstance(self.parts[-1], list):
+            self.parts[-1].extend(more)
+        else:
+            self.parts.append(list(more))
 
     def __len__(self) -> int:
         return self.n
