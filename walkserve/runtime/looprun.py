@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LoopStreamed:
     item: int
     channel: str
@@ -45,7 +45,7 @@ class LoopStreamed:
     value: Any
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LoopStreamedRows:
     """One cohort step's committed piece of ``channel`` for several runs at once: ``runs``
     holds ``(item, first, offset, rows)``, the ``LoopStreamed`` of run ``item`` being

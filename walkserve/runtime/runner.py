@@ -69,7 +69,7 @@ class RunItem:
     joined: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ItemResult:
     """What one item produced (``{op: value}``; a map item's: ``each``, one per call), the
     error it raised, or ``deferred``."""
