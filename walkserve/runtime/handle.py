@@ -38,7 +38,7 @@ class RequestHandle:
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _outputs: dict[str, Any] = field(default_factory=dict, repr=False)
     _error: str | None = field(default=None, repr=False)
-    _items: queue.Queue[Any] = field(default_factory=queue.Queue, repr=False)
+    _items: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue, repr=False)
     _waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(
         default_factory=list, repr=False
     )
