@@ -37,7 +37,6 @@ from walkserve.runtime.frames import (
 from walkserve.runtime.walkspec import (
     BlockSpec,
     LoopSpec,
-    RegionSpec,
 )
 from walkserve.runtime.workitem import (
     UNLIMITED,
@@ -157,7 +156,7 @@ class LoopDriver:
                 sources[p.name] = value(role.source.source, f.env)
             elif isinstance(role.source, ir.TableStep):
                 sources[p.name] = [value(v, f.env) for v in role.source.values]
-        channels = tuple(ch for ch in ls.visible.channels())
+        channels, spec = ls.fast_item
         start = LoopStart(
             node.name,
             loop_bound(node, req.walk_inputs, None),
@@ -189,7 +188,6 @@ class LoopDriver:
             outputs=channels,
             loop=start,
         )
-        spec = RegionSpec(node.name, (), (), channels, ls.emit, {}, (), ls.feeds)
         self._issue(item, Pending(req, f, node.name, channels, {}, item, spec))
         self._feeding(req, f, item.id, ls.feeds)
 

@@ -82,6 +82,13 @@ class LoopSpec:
         return MAP_AHEAD if self.speculative and not carried and node.stop is None else 2
 
     @functools.cached_property
+    def fast_item(self) -> tuple[tuple[str, ...], RegionSpec]:
+        """A fast loop's item, as its every run is: the channels it defines, and the region
+        it is to the conductor (the same for every request)."""
+        channels = tuple(self.visible.channels())
+        return channels, RegionSpec(self.node.name, (), (), channels, self.emit, {}, (), self.feeds)
+
+    @functools.cached_property
     def map_node(self) -> NodeSpec | None:
         """Its one node, where the loop is a map (``ahead``: no iteration depends on another)
         whose iterations may go out as one item (``Conductor(maps=...)``): a flat body whose
