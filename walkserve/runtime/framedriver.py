@@ -25,7 +25,7 @@ from typing import Any
 from walkserve.runtime.frames import Forward, Frame, Pending, RequestState, Stream
 from walkserve.runtime.regionitems import RegionItems
 from walkserve.runtime.walkspec import BlockSpec, NodeSpec
-from walkserve.runtime.workitem import NodeKind, WorkItem
+from walkserve.runtime.workitem import NodeKind
 
 __all__ = ["FrameDriver"]
 
@@ -117,15 +117,12 @@ class FrameDriver(RegionItems):
             if f.uses.get(s.op.name, 0) - internal.get(s.op.name, 0) > 0
             or s.op.name in f.spec.pinned
         )
-        item = WorkItem(
-            id=next(self._ids),
-            request=req.id,
-            walk=req.walk,
-            node=node.name,
-            kind=kind,
-            ops=tuple(s.op.name for s in ops),
-            frame=f.path,
-            speculative=f.in_speculation(),
+        item = self._work_item(
+            req,
+            f,
+            node.name,
+            kind,
+            tuple(s.op.name for s in ops),
             call=call,
             env=env,
             outputs=outputs,

@@ -43,6 +43,7 @@ from walkserve.runtime.workitem import (
     Credit,
     Event,
     LoopStart,
+    NodeKind,
     StreamItem,
     WorkItem,
 )
@@ -88,6 +89,30 @@ class LoopDriver:
 
     def _node_failed(self, p: Pending, error: str) -> None:
         raise NotImplementedError
+
+    def _work_item(
+        self,
+        req: RequestState,
+        f: Frame,
+        node: str,
+        kind: NodeKind,
+        ops: tuple[str, ...] = (),
+        path: tuple[int, ...] | None = None,
+        **fields: Any,
+    ) -> WorkItem:
+        """A new item of ``req`` in frame ``f`` (at ``path`` when not the frame's own: a map
+        item's first iteration), speculative where ``f`` is; ``fields``: the rest of it."""
+        return WorkItem(
+            id=next(self._ids),
+            request=req.id,
+            walk=req.walk,
+            node=node,
+            kind=kind,
+            ops=ops,
+            frame=f.path if path is None else path,
+            speculative=f.in_speculation(),
+            **fields,
+        )
 
     def _issue(self, item: WorkItem, pending: Pending) -> None:
         """Queue ``item`` for ``ready()``, with what the conductor keeps of it (``pending``:
@@ -176,18 +201,7 @@ class LoopDriver:
         f.waiting.remove(ls)
         for r in ls.need:
             self._consume(f, r)
-        item = WorkItem(
-            id=next(self._ids),
-            request=req.id,
-            walk=req.walk,
-            node=node.name,
-            kind="loop",
-            ops=(),
-            frame=f.path,
-            speculative=f.in_speculation(),
-            outputs=channels,
-            loop=start,
-        )
+        item = self._work_item(req, f, node.name, "loop", outputs=channels, loop=start)
         self._issue(item, Pending(req, f, node.name, channels, {}, item, spec))
         self._feeding(req, f, item.id, ls.feeds)
 
@@ -324,15 +338,13 @@ class LoopDriver:
         assert node is not None
         parent = run.parent
         ops = tuple(s.op.name for s in node.ops)
-        item = WorkItem(
-            id=next(self._ids),
-            request=req.id,
-            walk=req.walk,
-            node=node.name,
-            kind="component",
-            ops=ops,
-            frame=(*parent.path, first),
-            speculative=parent.in_speculation(),
+        item = self._work_item(
+            req,
+            parent,
+            node.name,
+            "component",
+            ops,
+            path=(*parent.path, first),
             outputs=tuple(dict.fromkeys(run.spec.node.outputs)),
             calls=tuple(calls),
         )

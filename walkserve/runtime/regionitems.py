@@ -16,7 +16,7 @@ from walkserve.capture.loopsem import LoopError
 from walkserve.runtime.frames import Forward, Frame, Pending, RequestState
 from walkserve.runtime.loopdriver import LoopDriver
 from walkserve.runtime.walkspec import RegionSpec
-from walkserve.runtime.workitem import UNLIMITED, Credit, Feed, StreamItem, WorkItem
+from walkserve.runtime.workitem import UNLIMITED, Credit, Feed, StreamItem
 
 __all__ = ["RegionItems"]
 
@@ -209,18 +209,8 @@ class RegionItems(LoopDriver):
             env[t] = req.walk_inputs[t]
         for r in rs.reads:
             self._consume(f, r)
-        item = WorkItem(
-            id=next(self._ids),
-            request=req.id,
-            walk=req.walk,
-            node=rs.name,
-            kind="region",
-            ops=(),
-            frame=f.path,
-            speculative=f.in_speculation(),
-            env=env,
-            outputs=rs.outputs,
-            stream=bool(req.stream),
+        item = self._work_item(
+            req, f, rs.name, "region", env=env, outputs=rs.outputs, stream=bool(req.stream)
         )
         self._issue(item, Pending(req, f, rs.name, rs.outputs, {}, item, rs))
         for stream in rs.fed:
