@@ -250,7 +250,7 @@ class NodeRunner:
         op = entry.ops[entry.plan.ops[0]]
         calls: list[tuple[list[Any], dict[str, Any]]] = []
         good: list[Runnable] = []
-        counts: list[int] = []  # calls of each good item (a map item's: its iterations')
+        counts: list[int | None] = []  # a good map item's calls (its iterations'); None: one
         failed: dict[int, ItemResult] = {}
         for it in items:
             many = getattr(it, "calls", None)
@@ -259,7 +259,7 @@ class NodeRunner:
                     calls.append(it.call if it.call is not None else self._call(op, it.env))
                 else:
                     calls += many
-                counts.append(1 if many is None else len(many))
+                counts.append(None if many is None else len(many))
                 good.append(it)
             except Exception as e:
                 failed[it.id] = ItemResult(it.id, error=f"node {op.name}: {e}")
@@ -278,11 +278,12 @@ class NodeRunner:
         done: dict[int, ItemResult] = {}
         at = 0
         for it, n in zip(good, counts):
-            if getattr(it, "calls", None) is None:
+            if n is None:
                 done[it.id] = self._finish(entry, it, {op.name: outs[at]})
+                at += 1
             else:
                 done[it.id] = self._each(entry, it, outs[at : at + n])
-            at += n
+                at += n
         done |= failed
         return [done[it.id] for it in items]
 
