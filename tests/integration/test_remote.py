@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import zmq
 
 from walkserve import capture
 from walkserve.adapters.examples import example_placement
-from walkserve.adapters.registry import load_model
+from walkserve.adapters.registry import capture_model, load_model
 from walkserve.lowering.placement import Placement
 from walkserve.runtime.config import PoolConfig
 from walkserve.runtime.messages import Join, encode
@@ -95,9 +96,14 @@ _PORTS = iter(range(41000 + (os.getpid() % 400) * 20, 10**6, 2))
 
 
 def start_workers(
-    hosts: Hosts, port: int, ranks: list[int], keys: Path, extra: list[str] | None = None
+    hosts: Hosts,
+    port: int,
+    ranks: list[int],
+    keys: Path,
+    extra: list[str] | None = None,
+    path: str = str(ROOT),
 ) -> list[Any]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE")
     return [
         subprocess.Popen(
             [
@@ -251,3 +257,45 @@ def test_speech_stages_on_another_host_without_shared_memory(
     finally:
         codes = stop(workers)
     assert codes == [0, 0], f"remote worker exit codes {codes} ({hosts.how})"
+
+
+def test_values_between_hosts_go_rank_to_rank_through_mooncake(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """Rank 0 here, rank 1 on the other host, data through Mooncake: a 1 MiB value made on
+    rank 0 is read by rank 1's loop, whose 1 MiB result is read by rank 0 again. Each rank
+    keeps what it made and exports it; the reader pulls it with one Mooncake read, so the
+    server process handles neither (its transports count the bytes), and every held value and
+    exported block is freed when the request ends."""
+    ok, why = mooncake_available()
+    if not ok:
+        pytest.skip(f"mooncake-transfer-engine does not import here: {why}")
+    from waiting import settled, wait_for
+
+    here = str(Path(__file__).resolve().parent)  # rank_local_models, for the remote worker
+    model, port = "rank_local_models:two_stage", next(_PORTS)
+    captured = capture_model(model)
+    placement = Placement.from_dict(
+        {"ranks": 2, "nodes": {"widen": [0], "step": [1], "reduce": [0]}, "hosts": {1: "b"}}
+    )
+    workers = start_workers(hosts, port, [1], tmp_path, path=f"{ROOT}{os.pathsep}{here}")
+    try:
+        pool = PoolConfig(
+            bind=f"tcp://{hosts.server_ip}:{port}", keys_dir=str(tmp_path), remote_data="mooncake"
+        )
+        with serve(captured, placement, pool_config=pool) as server:
+            assert server.pool.config.remote_ranks == (1,)
+            paths = (server.pool._transport, server.pool.remote_transport)
+            for k in range(3):
+                inputs = {"x": torch.randn(1, 4), "steps": 2 + k}
+                before = sum(t.bytes_in + t.bytes_out for t in paths)
+                got = server.run(inputs, "looped", timeout=120)
+                assert_outputs_match(got, captured.run(inputs, "looped"))
+                moved = sum(t.bytes_in + t.bytes_out for t in paths) - before
+                assert moved < 4096, moved  # inputs and the [1, 4] result, not 2 MiB
+                assert wait_for(lambda: settled(server)), server.stats()
+            stats = server.stats()
+            assert stats.ranks[0].objects == 0 and stats.ranks[1].objects == 0
+    finally:
+        codes = stop(workers)
+    assert codes == [0], f"remote worker exit codes {codes} ({hosts.how})"

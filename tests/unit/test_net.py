@@ -163,3 +163,35 @@ def test_mooncake_transport_round_trip_reuses_registered_buffers(engines) -> Non
     payload = producer.send(huge, "r")
     assert not isinstance(payload, MooncakeHandle)
     assert torch.equal(consumer.receive(payload, "r")[0], huge)
+
+
+def test_a_held_tensor_is_exported_for_other_hosts_and_freed_with_its_key(engines) -> None:  # type: ignore[no-untyped-def]
+    """``ObjectStore.hold`` with exports: the reference names a block of the producer's send
+    buffer (``at``) that another engine reads one-sided; the block lives as long as the key
+    (released, or its request dropped), and a tensor that finds no room is not held (its
+    bytes go to the conductor instead)."""
+    from walkserve.runtime.net.mooncake import SendPool
+    from walkserve.runtime.transport import ObjectStore
+
+    a, b = engines
+    store = ObjectStore(0, exports=SendPool(a))
+    x = torch.randn(64, 33)
+    ref = store.hold("r", x)
+    assert ref is not None and isinstance(ref.at, MooncakeHandle) and ref.shape == [64, 33]
+    assert torch.equal(store.get("r", ref), x)  # in place on its own rank
+    assert torch.equal(b.pull(ref.at), x) and b.recv_arena.in_use == 0  # from another host
+    assert store.exported == 1 and a.send_arena.in_use == 1
+    store.release("r", [ref.key, "o-unknown"])
+    assert store.exported == 0 and a.send_arena.in_use == 0 and len(store) == 0
+    refs = [store.hold("q", torch.full((8,), float(k))) for k in range(3)]
+    assert all(r is not None and r.at is not None for r in refs)
+    assert a.send_arena.in_use == 3
+    assert store.drop("q") == 3
+    assert store.exported == 0 and a.send_arena.in_use == 0
+    assert store.hold("q", torch.ones(4)) is not None  # a dropped request keeps nothing
+    assert a.send_arena.in_use == 0 and len(store) == 0
+    assert store.hold("r", torch.zeros(5 << 20, dtype=torch.uint8)) is None  # no room
+    assert len(store) == 0 and a.send_arena.in_use == 0
+    plain = ObjectStore(1)  # one host: held, nothing exported
+    kept = plain.hold("r", x)
+    assert kept is not None and kept.at is None and plain.exported == 0

@@ -32,8 +32,9 @@ node, speculating one iteration of a dynamic loop ahead (``Conductor(speculate=)
 
 Where values live (``ObjectRef``): a value stays on the rank that made it unless a client or the
 conductor itself needs its bytes (``ExecutablePlan.conductor_values``); a consumer on another
-rank pulls it from there (``peers``), never through the server process, which releases it
-(``Release``) when its last reader is done.
+rank pulls it from there (``peers`` on one host; across hosts one Mooncake read of the block
+its producer exported, ``remote_data="mooncake"``), never through the server process, which
+releases it (``Release``) when its last reader is done.
 
 Modules, by role:
 

@@ -145,6 +145,9 @@ class PoolConfig:
     # their tensors travel inline (no shared memory between hosts); ``keys_dir`` holds the
     # server's and the remote ranks' key files (made where missing). ``remote_data``: how
     # tensors travel to and from remote ranks: inline in the messages, or Mooncake transfers.
+    # With "mooncake", a value one rank makes and another host's rank reads goes between
+    # them (the reader pulls the block the producer exported), not through this process;
+    # with "inline", every value a remote rank reads or makes passes through it.
     bind: str | None = None
     remote_ranks: tuple[int, ...] = ()
     keys_dir: str | None = None

@@ -445,8 +445,10 @@ class EngineLoop:
         try:
             for name, value in values.items():
                 if needed is not None and self._holds(name, value, needed):
-                    out[name] = self.objects.put(request, value)
-                    continue
+                    ref = self.objects.hold(request, value)
+                    if ref is not None:  # else no room where other hosts read: the bytes go
+                        out[name] = ref
+                        continue
                 out[name] = payload = self.transport.send(value, request)
                 written += shm_handles(payload)
         except Exception as e:

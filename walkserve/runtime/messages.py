@@ -78,11 +78,14 @@ class ObjectRef(msgspec.Struct, frozen=True, tag="object", tag_field="type", wea
     then says what the tensor is). Only that worker resolves a key, and only for the request
     that made it; a consumer on another rank of the same host pulls a held tensor from it
     directly (``Fetch``), never through the server process; an object never leaves it. The
-    conductor's process releases a key (``Release``) when its last reader is done."""
+    conductor's process releases a key (``Release``) when its last reader is done. ``at``: where
+    a held tensor's bytes wait for readers on other hosts (a block of the producer's Mooncake
+    send buffer, read one-sided by the consumer, ``net.mooncake``), freed with the key."""
 
     rank: NonNegInt
     key: ObjectKey
     shape: list[NonNegInt] | None = None
+    at: MooncakeHandle | None = None
 
 
 class Seq(msgspec.Struct, frozen=True, tag="seq", tag_field="type"):
@@ -249,6 +252,11 @@ class WorkerSetup(_Msg, frozen=True):
     hold: bool = False  # keep values no one needs the bytes of (the server's conductor asks)
     loader: Name = "walkserve.adapters.registry:load_model"  # module:function(model, seed)
     tp: TPJoin | None = None  # this rank's tensor-parallel group (joined before loading)
+    # "mooncake": ranks on other hosts read the tensors this one holds, and it reads theirs,
+    # through Mooncake (``ObjectRef.at``); ``exchange_host``: the address its engine listens
+    # at when its data path to the conductor has none (a spawned worker)
+    exchange: Literal["", "mooncake"] = ""
+    exchange_host: Annotated[str, msgspec.Meta(max_length=255)] = "127.0.0.1"
 
 
 class Fatal(_Msg, frozen=True):

@@ -14,7 +14,9 @@ shared-memory pool; the server process carries only the ``ObjectRef`` that names
 The peer thread answers from the store and never waits on anything else, so two ranks
 fetching from each other cannot deadlock. A value that is not a tensor (a cache object) is
 refused: objects never leave their process. Peer sockets are ``ipc://`` files in the server's
-private directory (one host); across hosts values still go through the server.
+private directory (the ranks it spawned, on its host). Across hosts a consumer reads a held
+tensor with one Mooncake read of the block its producer exported (``ObjectRef.at``), with no
+socket of this module (``workerinbox``; ``PoolConfig.remote_data``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import zmq
 
@@ -109,6 +109,7 @@ class RankLife(NodeBatches):
         remote = state.rank in self.config.remote_ranks
         data = self.remote_data(state.rank) if remote else "shm"
         speculate, limit = self._scheduling
+        exchange = self._exchange()
         setup = WorkerSetup(
             model,
             seed,
@@ -119,20 +120,38 @@ class RankLife(NodeBatches):
             data,
             speculate,
             limit,
-            self._peers(),
-            self.hold,
+            {} if remote else self._peers(),
+            self.hold and (exchange != "" or not self.config.remote_ranks),
             tp=self._tp.get(state.rank),
+            exchange=exchange,
+            exchange_host=self._exchange_host(),
         )
         self._send_setup(state, encode(setup))
 
     def _peers(self) -> dict[int, str]:
-        """Every rank's peer socket, when all ranks share this host and its private
-        directory (else none: values then travel through this process)."""
+        """The peer socket of every rank this process spawned (they share this host and its
+        private directory)."""
         from walkserve.runtime.peers import peer_address
 
-        if self._tmpdir is None or self.config.remote_ranks:
+        if self._tmpdir is None:
             return {}
-        return {r: peer_address(self._tmpdir, r) for r in self._ranks}
+        local = [r for r in self._ranks if r not in self.config.remote_ranks]
+        return {r: peer_address(self._tmpdir, r) for r in local}
+
+    def _exchange(self) -> Literal["", "mooncake"]:
+        """How held values reach ranks on other hosts: ``mooncake`` when tensors to and from
+        them travel through Mooncake (each rank exports what it holds and pulls the others'),
+        else none (``""``: with ranks on other hosts, nothing is held then, and values go
+        through this process)."""
+        remote = self.config.remote_ranks
+        return "mooncake" if remote and self.config.remote_data == "mooncake" else ""
+
+    def _exchange_host(self) -> str:
+        """Where a worker of this host listens for Mooncake reads: the bind address's host."""
+        from walkserve.runtime.net.remote import parse_tcp
+
+        bind = self.config.bind
+        return parse_tcp(bind)[0] if bind and bind.startswith("tcp://") else "127.0.0.1"
 
     def _on_attach(self, state: RankState, msg: AttachPools) -> None:
         if len(msg.pools) != 1 or state.spec is not None:

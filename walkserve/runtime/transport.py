@@ -41,7 +41,7 @@ import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -100,6 +100,18 @@ class LocalTransport(Transport):
 # ------------------------------------------------------------------------ object store
 
 
+_GONE = object()
+
+
+class Exports(Protocol):
+    """Where held tensors wait for readers on other hosts (``net.mooncake.SendPool``): ``write``
+    a tensor's bytes (None: no room), ``ack`` frees them."""
+
+    def write(self, t: torch.Tensor) -> Any: ...
+
+    def ack(self, handle: Any) -> None: ...
+
+
 class ObjectStore:
     """A worker's per-request store of the values it keeps where they were made: objects
     that cannot leave its process, and tensors no one needs the bytes of elsewhere.
@@ -112,11 +124,23 @@ class ObjectStore:
 
     A dropped request stays dropped: a value a late step makes for it (a speculative step still
     running when the request ended) is not kept, so nothing outlives its request. Thread-safe:
-    the receive and peer threads resolve while the run thread stores."""
+    the receive and peer threads resolve while the run thread stores.
 
-    def __init__(self, rank: int, max_per_request: int = 4096, remember_dropped: int = 65536):
+    ``exports`` (ranks on several hosts): ``hold`` also writes a held tensor where readers on
+    other hosts pull it from (a block of this process's Mooncake send buffer; the reference's
+    ``at``), and the block is freed when its key is released or its request dropped."""
+
+    def __init__(
+        self,
+        rank: int,
+        max_per_request: int = 4096,
+        remember_dropped: int = 65536,
+        exports: Exports | None = None,
+    ):
         self.rank = rank
         self.max_per_request = max_per_request
+        self.exports = exports
+        self._exported: dict[tuple[str, str], Any] = {}  # (request, key) -> its export
         self._objects: dict[str, dict[str, Any]] = {}
         self._dropped: dict[str, None] = {}  # insertion-ordered, bounded
         self._remember_dropped = remember_dropped
@@ -124,6 +148,25 @@ class ObjectStore:
         self._lock = threading.Lock()
 
     def put(self, request_id: str, obj: Any) -> ObjectRef:
+        """Keep ``obj`` for ``request_id``: its reference (readable here and, for a tensor, by
+        the ranks of this host)."""
+        return self._put(request_id, obj, None)
+
+    def hold(self, request_id: str, tensor: torch.Tensor) -> ObjectRef | None:
+        """``put`` of a tensor that readers on any rank may pull: with ``exports``, its bytes
+        are written there too (``at``); None when they cannot be (no room): send its bytes
+        instead."""
+        if self.exports is None:
+            return self._put(request_id, tensor, None)
+        at = self.exports.write(tensor)
+        if at is None:
+            return None
+        ref = self._put(request_id, tensor, at)
+        if ref.at is None:  # not kept (a dropped request's, or too many)
+            self.exports.ack(at)
+        return ref
+
+    def _put(self, request_id: str, obj: Any, at: Any) -> ObjectRef:
         shape = list(obj.shape) if isinstance(obj, torch.Tensor) else None
         with self._lock:
             key = f"o{next(self._keys)}"
@@ -136,18 +179,35 @@ class ObjectStore:
                     "is it never cancelled?"
                 )
             objects[key] = obj
-        return ObjectRef(self.rank, key, shape)
+            if at is not None:
+                self._exported[(request_id, key)] = at
+        return ObjectRef(self.rank, key, shape, at)
 
     def release(self, request_id: str, keys: Sequence[str]) -> None:
         """Forget ``keys`` of ``request_id`` (unknown keys: nothing)."""
+        freed = []
         with self._lock:
             objects = self._objects.get(request_id)
             if objects is None:
                 return
             for key in keys:
-                objects.pop(key, None)
+                if objects.pop(key, _GONE) is not _GONE and self._exported:
+                    freed.append(self._exported.pop((request_id, key), None))
             if not objects:
                 del self._objects[request_id]
+        self._unexport(freed)
+
+    def _unexport(self, exported: Sequence[Any]) -> None:
+        if self.exports is not None:
+            for at in exported:
+                if at is not None:
+                    self.exports.ack(at)
+
+    @property
+    def exported(self) -> int:
+        """Held tensors whose bytes wait in ``exports`` for readers on other hosts."""
+        with self._lock:
+            return len(self._exported)
 
     def get(self, request_id: str, ref: ObjectRef) -> Any:
         if ref.rank != self.rank:
@@ -169,7 +229,10 @@ class ObjectStore:
             self._dropped[request_id] = None
             if len(self._dropped) > self._remember_dropped:
                 del self._dropped[next(iter(self._dropped))]
-            return len(self._objects.pop(request_id, {}))
+            objects = self._objects.pop(request_id, {})
+            freed = [self._exported.pop((request_id, k), None) for k in objects]
+        self._unexport(freed)
+        return len(objects)
 
     def __len__(self) -> int:
         with self._lock:

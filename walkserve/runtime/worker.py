@@ -74,9 +74,11 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import zmq
 
     from walkserve.runtime.engine import EngineLoop
@@ -154,6 +156,7 @@ class Worker(WorkerInbox):
         self._kv_last: dict[str, KVStats] = {}
         self.peer_server: PeerServer | None = None
         self.peers: PeerClient | None = None
+        self.pull: Callable[[Any], Any] | None = None
         self._orphaned = False  # the conductor process died: clean what it left
         self._next_beat = 0.0  # when the watch thread sends the next heartbeat
         self.tp: TPMember | None = None
@@ -340,6 +343,8 @@ class Worker(WorkerInbox):
                 self.config.inline_max_bytes,
             )
             self.peers = PeerClient(self._ctx, self.rank, dict(setup.peers), self.reader)
+        if setup.exchange == "mooncake":  # ranks on other hosts read what this one holds
+            self._exchange(setup)
         runner = NodeRunner(captured, plan, self.rank)
         scheduler = RankScheduler(
             region_walks(captured, plan, self.rank),
@@ -356,9 +361,27 @@ class Worker(WorkerInbox):
             self.transport,
             self.objects,
             self._send,
-            hold=setup.hold and self.peers is not None,
+            hold=setup.hold and (self.peers is not None or self.pull is not None),
             counters=component_counters(model),
         )
+
+    def _exchange(self, setup: WorkerSetup) -> None:
+        """Held tensors exported through Mooncake for readers on other hosts, and theirs
+        pulled from them: the engine of the data path to the conductor where there is one (a
+        remote rank's), else one listening at ``setup.exchange_host``."""
+        from walkserve.runtime.net.mooncake import (
+            MooncakeConfig,
+            MooncakeEngine,
+            MooncakeTransport,
+            SendPool,
+        )
+
+        if isinstance(self.transport, MooncakeTransport):
+            engine = self.transport.engine
+        else:
+            engine = MooncakeEngine(MooncakeConfig(host=setup.exchange_host))
+        self.objects.exports = SendPool(engine)
+        self.pull = engine.pull
 
     # ------------------------------------------------------------------ threads
 

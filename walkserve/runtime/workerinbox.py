@@ -55,6 +55,7 @@ class WorkerInbox:
     engine: EngineLoop
     transport: ShmTransport
     peers: PeerClient | None
+    pull: Callable[[Any], Any] | None  # a held tensor of another host, by its ``at``
     objects: Any  # transport.ObjectStore
     _rx: zmq.Socket[bytes]
     _poller: zmq.Poller
@@ -179,24 +180,35 @@ class WorkerInbox:
 
     def _receive(self, inputs: Any, request_id: str, handles: list[Any]) -> dict[str, Any]:
         """The values of ``inputs`` (payloads by name): held ones of other ranks pulled from
-        them first (``peers``), in one round trip per rank."""
+        them first: from a rank of this host through its peer socket (``peers``, one round
+        trip per rank), from another host's by one Mooncake read of the block the reference
+        names (``pull``)."""
         from walkserve.runtime.messages import ObjectRef, Seq
 
         remote: list[ObjectRef] = []
+        pulled: list[ObjectRef] = []
+        near = self.peers.peers if self.peers is not None else {}
         todo = list(inputs.values())
         while todo:
             p = todo.pop()
             if isinstance(p, ObjectRef) and p.rank != self.rank:
-                remote.append(p)
+                if p.rank not in near and p.at is not None and self.pull is not None:
+                    pulled.append(p)
+                else:
+                    remote.append(p)
             elif isinstance(p, Seq):
                 todo += p.items
-        if remote:
-            if self.peers is None:
+        if remote or pulled:
+            if remote and self.peers is None:
                 raise ValueError(
                     f"values held by ranks {sorted({r.rank for r in remote})} "
                     "cannot reach this rank (no peer sockets)"
                 )
-            self.transport.fetched = self.peers.fetch(request_id, remote)
+            fetched = self.peers.fetch(request_id, remote) if remote and self.peers else {}
+            for ref in pulled:
+                assert self.pull is not None
+                fetched[(ref.rank, ref.key)] = self.pull(ref.at)
+            self.transport.fetched = fetched
         try:
             env = {}
             for name, payload in inputs.items():

@@ -18,6 +18,15 @@ Small tensors (under ``inline_max_bytes``), scalars and sequences travel as ``Sh
 sends them (inline); unencodable objects stay in the worker's object store. A tensor larger
 than the free space of the send buffer also travels inline (logged once): correctness first.
 
+Rank to rank across hosts, the same blocks: a worker's ``ObjectStore`` exports each tensor it
+holds into its ``SendPool`` (its ``ObjectRef`` carries the handle as ``at``), a consumer rank on
+another host pulls it with ``MooncakeEngine.pull`` (no message to the producer), and the block
+is freed when the server releases the key, or the request ends (``Release``, ``Cancel``)::
+
+    rank 0 (host A): store[k] = t; at = send_pool.write(t) --ObjectRef(0, k, at)--> server
+    server: routes the reference                           --RunBatch / StartRegions--> rank 1
+    rank 1 (host B): engine.pull(at)  (one transfer_sync_read from rank 0's send buffer)
+
 The import of ``mooncake`` happens when an engine is made; it needs Debian's ``libibverbs1``
 (and ``librdmacm1``) even for TCP. ``available()`` says whether it imports, and why not.
 """
@@ -175,13 +184,36 @@ class MooncakeEngine:
                 f"transfer_sync_read of {nbytes} bytes from {session} returned {rc}"
             )
 
+    def pull(self, handle: MooncakeHandle) -> torch.Tensor:
+        """A fresh tensor with the bytes ``handle`` names (one remote read into the receive
+        buffer, one copy out)."""
+        header = handle.header
+        out = torch.empty(header.shape, dtype=header.torch_dtype)
+        if not header.nbytes:
+            return out
+        arena = self.recv_arena
+        offset = arena.alloc(header.nbytes)
+        if offset is None:
+            raise MooncakeError(
+                f"a {header.nbytes}-byte tensor does not fit the free Mooncake receive buffer "
+                f"({arena.size} bytes); raise MooncakeConfig.recv_bytes"
+            )
+        try:
+            self.read(handle.session, handle.addr, offset, header.nbytes)
+            ctypes.memmove(out.data_ptr(), arena.base + offset, header.nbytes)
+        finally:
+            arena.free(offset)
+        return out
+
     def close(self) -> None:
         for arena in (self.send_arena, self.recv_arena):
             self.engine.unregister_memory(arena.base)
 
 
-class _SendPool:
-    """What ``ShmTransport`` calls its pool (``write``, ``ack``), on the send buffer."""
+class SendPool:
+    """Blocks of the send buffer that readers pull: what ``ShmTransport`` calls its pool
+    (``write``, ``ack``), and where a worker's ``ObjectStore`` exports the tensors it holds for
+    ranks on other hosts (``transport.Exports``)."""
 
     def __init__(self, engine: MooncakeEngine) -> None:
         self.engine = engine
@@ -234,7 +266,7 @@ class MooncakeTransport(ShmTransport):
         objects: ObjectStore | None = None,
     ) -> None:
         self.engine = engine
-        self._send_pool = _SendPool(engine)
+        self._send_pool = SendPool(engine)
         self.reads = 0  # tensors received through the engine
         super().__init__(
             cast(Any, self._send_pool),
@@ -278,23 +310,7 @@ class MooncakeTransport(ShmTransport):
 
     def read(self, handle: MooncakeHandle) -> torch.Tensor:
         """A fresh tensor with the bytes ``handle`` names (one remote read, one copy)."""
-        header = handle.header
-        out = torch.empty(header.shape, dtype=header.torch_dtype)
-        if not header.nbytes:
-            return out
-        arena = self.engine.recv_arena
-        offset = arena.alloc(header.nbytes)
-        if offset is None:
-            raise MooncakeError(
-                f"a {header.nbytes}-byte tensor does not fit the free Mooncake receive buffer "
-                f"({arena.size} bytes); raise MooncakeConfig.recv_bytes"
-            )
-        try:
-            self.engine.read(handle.session, handle.addr, offset, header.nbytes)
-            ctypes.memmove(out.data_ptr(), arena.base + offset, header.nbytes)
-        finally:
-            arena.free(offset)
-        return out
+        return self.engine.pull(handle)
 
     def release(self, tokens: Sequence[Any]) -> None:
         for handle in tokens:
@@ -311,6 +327,7 @@ __all__ = [
     "MooncakeEngine",
     "MooncakeError",
     "MooncakeTransport",
+    "SendPool",
     "available",
     "local_ip_towards",
 ]
