@@ -156,6 +156,8 @@ def test_mooncake_transport_round_trip_reuses_registered_buffers(engines) -> Non
         assert torch.equal(got[0], value[0]) and torch.equal(got[1], value[1])
         assert torch.equal(got[2][0], value[2][0]) and got[2][1:] == [3.5, None]
         assert producer.held == 2
+        tensors = 300 * 7 * 4 + 10 * 8 + 64 * 64 * 4  # every tensor counts, whichever path
+        assert producer.bytes_out == consumer.bytes_in == tensors * (1 + _)
         producer.release(tokens)
         assert producer.held == 0 and b.recv_arena.in_use == 0
     assert (a.send_arena.base, b.recv_arena.base) == registered

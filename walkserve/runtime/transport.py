@@ -267,7 +267,7 @@ class ShmTransport(Transport):
         # (rank, key) -> a value another rank holds, fetched before the payload is read
         # (``peers.PeerClient``): only a worker resolves another rank's references.
         self.fetched: dict[tuple[int, str], Any] = {}
-        self.bytes_in = 0  # tensor bytes read (inline or shared memory)
+        self.bytes_in = 0  # tensor bytes read (inline, shared memory or Mooncake)
         self.exhausted = 0  # tensors sent inline because the pool had no free slot
         self.bytes_out = 0  # tensor bytes written
 

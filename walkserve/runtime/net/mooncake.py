@@ -286,7 +286,9 @@ class MooncakeTransport(ShmTransport):
             handle = self._send_pool.write(value)
             if handle is not None:
                 written.append(handle)
+                self.bytes_out += handle.header.nbytes
                 return handle  # type: ignore[return-value]
+            self.bytes_out += value.numel() * value.element_size()
             return inline(value.detach().to("cpu").contiguous())
         return super()._pack(value, request_id, written)
 
@@ -294,6 +296,7 @@ class MooncakeTransport(ShmTransport):
         if isinstance(payload, MooncakeHandle):
             tensor = self.read(payload)
             self.reads += 1
+            self.bytes_in += payload.header.nbytes
             tokens.append(payload)
             return tensor
         return super()._unpack(payload, request_id, tokens)
