@@ -27,7 +27,8 @@ class Steps:
     """Consecutive pieces of an accumulated channel held as one tensor, steps first
     (``block[k]`` is the piece of the k-th of them): what a batch of runs that stepped together
     leaves each run, one view instead of one tensor per step. ``loop_channels`` joins it as it
-    joins the pieces it stands for."""
+    joins the pieces it stands for. Its block is the run's own (a view of rows no one else
+    reads or writes), so a channel that is one ``Steps`` may be a view of it."""
 
     __slots__ = ("block",)
 
@@ -61,7 +62,9 @@ def _joined(pieces: list[Any], mode: str, dim: int) -> torch.Tensor:
         else:  # stacked at d: the steps axis moved there
             parts.append(p.block.movedim(0, dim % (ndim + 1)))
     flush()
-    return torch.cat(parts, dim=dim)  # a new tensor, even of one part (as cat and stack make)
+    if len(parts) == 1:  # one join (new), or one Steps: a view of the run's own block, laid
+        return parts[0].contiguous()  # out as the channel is where the cohort stacked it so
+    return torch.cat(parts, dim=dim)
 
 
 def int_input(inputs: Mapping[str, Any], name: str) -> int:

@@ -234,7 +234,8 @@ class Cohort:
                 block = stacked.get(ch)
                 if block is None:  # one narrow per piece (shapes differ, or one piece)
                     return [v.narrow(dim, a, n) for v in vs]
-                return [Steps(block.narrow(dim + 1, a, n))]  # the run's rows of every step
+                # the run's rows of every step, steps first (a view of its own rows)
+                return [Steps(block.narrow(dim, a, n).movedim(dim + 1, 0))]
 
             out.append({ch: pieces(ch, vs) for ch, vs in self.pieces.items()})
         return out
@@ -423,9 +424,11 @@ def _cut(value: Any, dim: int | None, spans: list[tuple[int, int]]) -> Any:
 
 
 def _stacked(pieces: list[Any], dim: int | None) -> torch.Tensor | None:
-    """A channel's pieces as one tensor, steps first (one copy, so that each run's rows are one
-    narrow, a ``Steps``, not one narrow per piece and run), or None when they do not stack
-    (no batch dim, shapes that differ, fewer than two pieces: cut one by one then)."""
+    """A channel's pieces as one tensor, the steps axis right after the batch dim ``dim`` (one
+    copy, so that each run's rows are one narrow, a ``Steps``, not one narrow per piece and
+    run; and, as a channel stacked after its batch dim is, one block of memory per run, which
+    ``loop_channels`` hands on without another copy), or None when they do not stack (no
+    batch dim, shapes that differ, fewer than two pieces: cut one by one then)."""
     if dim is None or dim < 0 or len(pieces) < 2:
         return None
     if not all(isinstance(v, torch.Tensor) for v in pieces):
@@ -433,7 +436,7 @@ def _stacked(pieces: list[Any], dim: int | None) -> torch.Tensor | None:
     first = pieces[0].shape
     if any(v.shape != first for v in pieces):
         return None
-    return torch.stack(pieces, 0)
+    return torch.stack(pieces, dim + 1)
 
 
 def _left(spec: CohortSpec, m: Member) -> int:
