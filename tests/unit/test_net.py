@@ -197,3 +197,18 @@ def test_a_held_tensor_is_exported_for_other_hosts_and_freed_with_its_key(engine
     plain = ObjectStore(1)  # one host: held, nothing exported
     kept = plain.hold("r", x)
     assert kept is not None and kept.at is None and plain.exported == 0
+
+
+def test_a_held_view_does_not_keep_its_whole_block() -> None:
+    """A tensor held for a request that is a view of a larger block (a cohort's rows) is kept
+    as a copy of its own rows, so that the block is freed with its other views."""
+    from walkserve.runtime.transport import ObjectStore
+
+    store = ObjectStore(0)
+    block = torch.randn(16, 30, 8)
+    rows = block.narrow(0, 3, 1)
+    kept = store.get("r", store.put("r", rows))
+    assert torch.equal(kept, rows)
+    assert kept.untyped_storage().nbytes() == rows.numel() * rows.element_size()
+    whole = torch.randn(4, 4)
+    assert store.get("r", store.put("r", whole)) is whole  # its own storage: kept as it is

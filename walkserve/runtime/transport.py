@@ -167,7 +167,11 @@ class ObjectStore:
         return ref
 
     def _put(self, request_id: str, obj: Any, at: Any) -> ObjectRef:
-        shape = list(obj.shape) if isinstance(obj, torch.Tensor) else None
+        shape = None
+        if isinstance(obj, torch.Tensor):
+            shape = list(obj.shape)
+            if obj.untyped_storage().nbytes() > obj.numel() * obj.element_size():
+                obj = obj.clone()  # a view of a larger block (a cohort's): not kept whole
         with self._lock:
             key = f"o{next(self._keys)}"
             if request_id in self._dropped:
