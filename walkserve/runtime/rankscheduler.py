@@ -230,7 +230,6 @@ class RankScheduler:
         steps: list[Step] = []
         for walk, node, group, loops in todo:
             for part in _parts(group, self.max_batch):
-                self._count_batch(part, loops)
                 steps.append(Step(walk, node, part, None, loops))
         steps += self._external
         self._external = []
@@ -254,13 +253,7 @@ class RankScheduler:
         if not step.loops or len(step.items) != 1 or not self._settled or self._external:
             return None
         band = self.loops.lane_of(step.items[0].id)
-        if band is None:
-            return None
-        n = len(band.runs)  # schedule's count of it (``_count_batch``): each commit counts
-        self.batch_sizes[n] -= 1
-        if not self.batch_sizes[n]:
-            del self.batch_sizes[n]
-        return self._lane(band)
+        return None if band is None else self._lane(band)
 
     def _lane(self, band: Band) -> Lane:
         item = self.loops.lane_item(band)
@@ -290,9 +283,11 @@ class RankScheduler:
 
         return Lane(band.loop.walk, band.loop.body[0].name, item, band.cohort.call, commit)
 
-    def _count_batch(self, items: Sequence[Runnable], loops: bool) -> None:
-        """Record a step's size: its requests (a loop stepper's joined item holds several)."""
-        n = sum(getattr(it, "joined", 0) or 1 for it in items) if loops else len(items)
+    def _count_batch(self, step: Step) -> None:
+        """Record the size of a step that ran: its requests (a loop stepper's joined item holds
+        several). A lane counts its own steps, one per commit."""
+        items = step.items
+        n = sum(getattr(it, "joined", 0) or 1 for it in items) if step.loops else len(items)
         self.batch_sizes[n] = self.batch_sizes.get(n, 0) + 1
 
     def update(self, step: Step, results: Sequence[ItemResult]) -> None:
@@ -300,6 +295,7 @@ class RankScheduler:
         if step.external is not None:
             self._reports.append(NodeBatchDone(step.external, list(results)))
             return
+        self._count_batch(step)
         if step.loops:
             self.loops.update(results)
             self._loop_reports()
