@@ -38,7 +38,7 @@ from walkserve.runtime.messages import Join, encode
 from walkserve.runtime.net.auth import KeyPair, load_worker_keys
 from walkserve.runtime.net.mooncake import MooncakeTransport
 from walkserve.runtime.net.mooncake import available as mooncake_available
-from walkserve.runtime.server import Server, serve
+from walkserve.runtime.server import RequestFailed, Server, serve
 from walkserve.runtime.worker import routing_id
 from walkserve.testing import assert_outputs_match, mixed_requests
 
@@ -296,6 +296,20 @@ def test_values_between_hosts_go_rank_to_rank_through_mooncake(
                 assert wait_for(lambda: settled(server)), server.stats()
             stats = server.stats()
             assert stats.ranks[0].objects == 0 and stats.ranks[1].objects == 0
+            # cancelled while rank 1 loops over the value it pulled: nothing stays held
+            handle = server.submit({"x": torch.randn(1, 4), "steps": 100_000}, "looped")
+            assert wait_for(lambda: server.stats().ranks[1].runs == 1, timeout=60)
+            handle.cancel()
+            with pytest.raises(RequestFailed, match="cancelled"):
+                handle.result(timeout=60)
+            assert wait_for(lambda: settled(server)), server.stats()
+            stats = server.stats()
+            assert stats.ranks[0].objects == 0 and stats.ranks[1].objects == 0
+            assert stats.ranks[1].runs == 0
+            inputs = {"x": torch.randn(1, 4), "steps": 1}
+            assert_outputs_match(
+                server.run(inputs, "looped", timeout=120), captured.run(inputs, "looped")
+            )
     finally:
         codes = stop(workers)
     assert codes == [0], f"remote worker exit codes {codes} ({hosts.how})"
