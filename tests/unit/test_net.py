@@ -123,6 +123,19 @@ def test_cross_host_edges_of_cfg_branches() -> None:
         hops = (e.src_host == "b") + (e.dst_host == "b")
         assert e.seconds == pytest.approx(hops * link.seconds(e.nbytes))
     assert all(math.isnan(e.seconds) for e in cross_host_edges(captured, plan, split, {}))
+    # rank to rank (Mooncake): one hop whichever way; none between nodes of host b
+    direct = cross_host_edges(captured, plan, split, {1: link}, direct=True)
+    crossing = [e for e in edges if e.src_host != e.dst_host or e.producer is None]
+    assert [(e.value, e.consumer) for e in direct] == [(e.value, e.consumer) for e in crossing]
+    assert all(e.seconds == pytest.approx(link.seconds(e.nbytes)) for e in direct)
+    # both ranks on one other host: through the conductor that is two hops, directly none
+    away = Placement.from_dict({**base.to_dict(), "hosts": {0: "b", 1: "b"}})
+    links = {0: link, 1: link}
+    between = [e for e in cross_host_edges(captured, plan, away, links) if e.producer]
+    assert between and all(e.seconds == pytest.approx(2 * link.seconds(e.nbytes)) for e in between)
+    assert all(
+        e.producer is None for e in cross_host_edges(captured, plan, away, links, direct=True)
+    )
 
 
 @pytest.fixture(scope="module")

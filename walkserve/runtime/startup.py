@@ -158,7 +158,10 @@ def serve(
         if placement.hosts:
             from walkserve.runtime.net.link import cross_host_edges, format_edges
 
-            server.cross_host_edges = cross_host_edges(captured, plan, placement, pool.links)
+            direct = pool.hold and pool.config.remote_data == "mooncake"  # rank to rank
+            server.cross_host_edges = cross_host_edges(
+                captured, plan, placement, pool.links, direct=direct
+            )
             if server.cross_host_edges:
                 log.warning("edges that cross hosts:\n%s", format_edges(server.cross_host_edges))
         return server

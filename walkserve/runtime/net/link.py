@@ -5,11 +5,15 @@ Owns ``LinkModel``, ``fit_link`` (least squares over (bytes, seconds) samples) a
 ``cross_host_edges``. What crosses its boundary: samples in, frozen dataclasses out; no
 process or socket here (``WorkerPool.measure_link`` times the probes at start-up).
 
-Every value between plan nodes travels through the conductor (the hub of the control plane):
-an edge from a node on rank ``a`` to one on rank ``b`` is two hops, ``host(a) -> conductor``
-and ``conductor -> host(b)``; each hop that leaves a host costs ``alpha + bytes / beta`` of
-the link of the remote rank on it. Bytes come from the value shapes the capture observed on
-the sample inputs (a dimension that varies counts as ``max_len``).
+Through the conductor (inline data between hosts), an edge from a node on rank ``a`` to one on
+rank ``b`` is two hops, ``host(a) -> conductor`` and ``conductor -> host(b)``; each hop that
+leaves the conductor's host costs ``alpha + bytes / beta`` of the link of the remote rank on
+it. ``direct`` (Mooncake between ranks: the consumer pulls the value from its producer) makes
+it one hop, ``host(a) -> host(b)``: none between ranks of one host, the remote rank's link
+where one end is the conductor's host, and the slower of the two measured links between two
+other hosts (each link is measured to the conductor's host). A value the conductor itself
+holds (a client's input) is one hop either way. Bytes come from the value shapes the capture
+observed on the sample inputs (a dimension that varies counts as ``max_len``).
 """
 
 from __future__ import annotations
@@ -96,10 +100,11 @@ def cross_host_edges(
     links: Mapping[int, LinkModel],
     default: LinkModel | None = None,
     max_len: int = 1,
+    direct: bool = False,
 ) -> list[CrossHostEdge]:
     """The edges of ``plan`` whose value leaves a host (see the module docstring). ``links``:
     the measured link per remote rank; ``default`` for ranks without one (else their
-    estimate is nan)."""
+    estimate is nan); ``direct``: values go rank to rank, not through the conductor."""
 
     def hop(rank: int, nbytes: int) -> float:
         if placement.host_of(rank) == LOCAL_HOST:
@@ -121,10 +126,15 @@ def cross_host_edges(
                 producer, src = made.get(value, (None, None))
                 src_host = LOCAL_HOST if src is None else placement.host_of(src)
                 dst_host = placement.host_of(dst)
-                if src_host == dst_host == LOCAL_HOST:
+                if src_host == dst_host and (direct or src_host == LOCAL_HOST):
                     continue
                 nbytes = _value_bytes(walk.values.get(value), max_len)
-                seconds = (0.0 if src is None else hop(src, nbytes)) + hop(dst, nbytes)
+                if src is None:
+                    seconds = hop(dst, nbytes)
+                elif direct:  # one hop; between two other hosts, the slower measured link
+                    seconds = max(hop(src, nbytes), hop(dst, nbytes))
+                else:
+                    seconds = hop(src, nbytes) + hop(dst, nbytes)
                 out.append(
                     CrossHostEdge(
                         walk_name, value, producer, node.name, src_host, dst_host, nbytes, seconds
