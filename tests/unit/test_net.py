@@ -186,7 +186,7 @@ def test_a_held_tensor_is_exported_for_other_hosts_and_freed_with_its_key(engine
     (released, or its request dropped), and a tensor that finds no room is not held (its
     bytes go to the conductor instead)."""
     from walkserve.runtime.net.mooncake import SendPool
-    from walkserve.runtime.transport import ObjectStore
+    from walkserve.runtime.transport import ObjectStore, TransportError
 
     a, b = engines
     store = ObjectStore(0, exports=SendPool(a))
@@ -207,6 +207,13 @@ def test_a_held_tensor_is_exported_for_other_hosts_and_freed_with_its_key(engine
     assert a.send_arena.in_use == 0 and len(store) == 0
     assert store.hold("r", torch.zeros(5 << 20, dtype=torch.uint8)) is None  # no room
     assert len(store) == 0 and a.send_arena.in_use == 0
+    few = ObjectStore(0, max_per_request=1, exports=SendPool(a))
+    assert few.hold("r", x) is not None
+    with pytest.raises(TransportError, match="holds 1 values"):
+        few.hold("r", x)  # one too many: refused, and its block freed
+    assert few.exported == 1 and a.send_arena.in_use == 1
+    few.drop("r")
+    assert a.send_arena.in_use == 0
     plain = ObjectStore(1)  # one host: held, nothing exported
     kept = plain.hold("r", x)
     assert kept is not None and kept.at is None and plain.exported == 0

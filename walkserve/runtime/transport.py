@@ -161,8 +161,12 @@ class ObjectStore:
         at = self.exports.write(tensor)
         if at is None:
             return None
-        ref = self._put(request_id, tensor, at)
-        if ref.at is None:  # not kept (a dropped request's, or too many)
+        try:
+            ref = self._put(request_id, tensor, at)
+        except BaseException:  # too many held for the request: nothing stays exported
+            self.exports.ack(at)
+            raise
+        if ref.at is None:  # not kept (a dropped request's)
             self.exports.ack(at)
         return ref
 
