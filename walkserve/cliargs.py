@@ -175,7 +175,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--remote-data",
         choices=("inline", "mooncake"),
         default="inline",
-        help="tensors to and from remote ranks: inline on the control socket, or Mooncake",
+        help="tensors to and from remote ranks: inline on the control socket (every value a "
+        "remote rank reads or makes goes through the server), or Mooncake (values also go "
+        "rank to rank between hosts)",
     )
 
     sv.add_argument(
