@@ -227,16 +227,14 @@ class WorkerPool(IoLoop):
         self._remote_transport: Transport = ShmTransport(
             self._shm, self._reader, inline_max_bytes=INLINE_ALL
         )
-        if self.config.remote_ranks and self.config.remote_data == "mooncake":
+        if self._exchange() == "mooncake":
             from walkserve.runtime.net.mooncake import (
                 MooncakeConfig,
                 MooncakeEngine,
                 MooncakeTransport,
             )
-            from walkserve.runtime.net.remote import parse_tcp
 
-            assert self.config.bind is not None
-            engine = MooncakeEngine(MooncakeConfig(host=parse_tcp(self.config.bind)[0]))
+            engine = MooncakeEngine(MooncakeConfig(host=self._exchange_host()))
             self._remote_transport = MooncakeTransport(
                 engine, inline_max_bytes=self.config.inline_max_bytes
             )

@@ -121,7 +121,7 @@ class RankLife(NodeBatches):
             speculate,
             limit,
             {} if remote else self._peers(),
-            self.hold and (exchange != "" or not self.config.remote_ranks),
+            self.passes_rank_to_rank(),
             tp=self._tp.get(state.rank),
             exchange=exchange,
             exchange_host=self._exchange_host(),
@@ -147,11 +147,18 @@ class RankLife(NodeBatches):
         return "mooncake" if remote and self.config.remote_data == "mooncake" else ""
 
     def _exchange_host(self) -> str:
-        """Where a worker of this host listens for Mooncake reads: the bind address's host."""
+        """Where a Mooncake engine of this host listens (this process's, its spawned
+        workers'): the bind address's host (``PoolConfig`` checked it is ``tcp://``)."""
         from walkserve.runtime.net.remote import parse_tcp
 
         bind = self.config.bind
-        return parse_tcp(bind)[0] if bind and bind.startswith("tcp://") else "127.0.0.1"
+        return parse_tcp(bind)[0] if bind is not None else "127.0.0.1"
+
+    def passes_rank_to_rank(self) -> bool:
+        """Whether every rank holds what it makes and its readers pull it from there, on other
+        hosts too (``_exchange``), rather than the values of remote ranks going through this
+        process."""
+        return self.hold and (self._exchange() != "" or not self.config.remote_ranks)
 
     def _on_attach(self, state: RankState, msg: AttachPools) -> None:
         if len(msg.pools) != 1 or state.spec is not None:

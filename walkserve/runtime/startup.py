@@ -158,9 +158,8 @@ def serve(
         if placement.hosts:
             from walkserve.runtime.net.link import cross_host_edges, format_edges
 
-            direct = pool.hold and pool.config.remote_data == "mooncake"  # rank to rank
             server.cross_host_edges = cross_host_edges(
-                captured, plan, placement, pool.links, direct=direct
+                captured, plan, placement, pool.links, direct=pool.passes_rank_to_rank()
             )
             if server.cross_host_edges:
                 log.warning("edges that cross hosts:\n%s", format_edges(server.cross_host_edges))

@@ -198,17 +198,18 @@ class WorkerInbox:
                     remote.append(p)
             elif isinstance(p, Seq):
                 todo += p.items
-        if remote or pulled:
-            if remote and self.peers is None:
+        fetched: dict[tuple[int, str], Any] = {}
+        if remote:
+            if self.peers is None:
                 raise ValueError(
                     f"values held by ranks {sorted({r.rank for r in remote})} "
                     "cannot reach this rank (no peer sockets)"
                 )
-            fetched = self.peers.fetch(request_id, remote) if remote and self.peers else {}
-            for ref in pulled:
-                assert self.pull is not None
-                fetched[(ref.rank, ref.key)] = self.pull(ref.at)
-            self.transport.fetched = fetched
+            fetched = self.peers.fetch(request_id, remote)
+        if pulled:
+            assert self.pull is not None
+            fetched |= {(r.rank, r.key): self.pull(r.at) for r in pulled}
+        self.transport.fetched = fetched
         try:
             env = {}
             for name, payload in inputs.items():
