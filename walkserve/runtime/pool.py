@@ -200,13 +200,16 @@ class WorkerPool(IoLoop):
         self._commands.setsockopt(zmq.LINGER, 0)
         self._send_lock = threading.Lock()
         curve = ("", "", "")  # server public, worker public, worker secret (Z85)
-        if self.config.bind is not None:
-            commands, curve = self._secure_tcp(ranks)
-        elif self.config.address == "ipc" and zmq.has("ipc"):
+        if (self.config.address == "ipc" or self.config.bind is not None) and zmq.has("ipc"):
+            # the sockets of this host's processes: the spawned ranks' peer sockets, and
+            # without ``bind`` the conductor's own; mode 0700: ours alone; the pid in its name
+            # lets a later server sweep it
             sweep_stale_dirs(tempfile.gettempdir())  # of servers that were killed
-            # mode 0700: ours alone; the pid in its name lets a later server sweep it
             self._tmpdir = tempfile.mkdtemp(prefix=f"walkserve-{os.getpid()}-")
             weakref.finalize(self, shutil.rmtree, self._tmpdir, True)  # if never closed
+        if self.config.bind is not None:
+            commands, curve = self._secure_tcp(ranks)
+        elif self._tmpdir is not None:
             self.address = f"ipc://{self._tmpdir}/reports"
             self._reports.bind(self.address)
             commands = f"ipc://{self._tmpdir}/commands"
