@@ -262,11 +262,12 @@ def test_speech_stages_on_another_host_without_shared_memory(
 def test_values_between_hosts_go_rank_to_rank_through_mooncake(
     hosts: Hosts, tmp_path: Path
 ) -> None:
-    """Rank 0 here, rank 1 on the other host, data through Mooncake: a 1 MiB value made on
-    rank 0 is read by rank 1's loop, whose 1 MiB result is read by rank 0 again. Each rank
-    keeps what it made and exports it; the reader pulls it with one Mooncake read, so the
-    server process handles neither (its transports count the bytes), and every held value and
-    exported block is freed when the request ends."""
+    """Ranks 0 and 2 here, rank 1 on the other host, data through Mooncake: a 1 MiB value
+    made on rank 0 is read by rank 1's loop, whose 1 MiB result is read by rank 2. Each rank
+    keeps what it made and exports it for the other host; the reader pulls it with one
+    Mooncake read, so the server process handles neither (its transports count the bytes),
+    and every held value and exported block is freed when the request ends. A value read only
+    on its own host (rank 0's, by rank 2, in ``direct``) is held and not exported."""
     ok, why = mooncake_available()
     if not ok:
         pytest.skip(f"mooncake-transfer-engine does not import here: {why}")
@@ -276,7 +277,7 @@ def test_values_between_hosts_go_rank_to_rank_through_mooncake(
     model, port = "rank_local_models:two_stage", next(_PORTS)
     captured = capture_model(model)
     placement = Placement.from_dict(
-        {"ranks": 2, "nodes": {"widen": [0], "step": [1], "reduce": [0]}, "hosts": {1: "b"}}
+        {"ranks": 3, "nodes": {"widen": [0], "step": [1], "reduce": [2]}, "hosts": {1: "b"}}
     )
     workers = start_workers(hosts, port, [1], tmp_path, path=f"{ROOT}{os.pathsep}{here}")
     try:
@@ -286,6 +287,11 @@ def test_values_between_hosts_go_rank_to_rank_through_mooncake(
         with serve(captured, placement, pool_config=pool) as server:
             assert server.pool.config.remote_ranks == (1,)
             paths = (server.pool._transport, server.pool.remote_transport)
+
+            def exported() -> list[int]:
+                ranks = server.stats().ranks
+                return [ranks[r].counters.get("objects/exported", 0) for r in range(3)]
+
             for k in range(3):
                 inputs = {"x": torch.randn(1, 4), "steps": 2 + k}
                 before = sum(t.bytes_in + t.bytes_out for t in paths)
@@ -294,8 +300,17 @@ def test_values_between_hosts_go_rank_to_rank_through_mooncake(
                 moved = sum(t.bytes_in + t.bytes_out for t in paths) - before
                 assert moved < 4096, moved  # inputs and the [1, 4] result, not 2 MiB
                 assert wait_for(lambda: settled(server)), server.stats()
+            assert exported() == [3, 3, 0]  # rank 0's value for rank 1, rank 1's for rank 2
+            for _ in range(2):  # rank 0's value read by rank 2 only: one host, no export
+                inputs = {"x": torch.randn(1, 4)}
+                before = sum(t.bytes_in + t.bytes_out for t in paths)
+                got = server.run(inputs, "direct", timeout=120)
+                assert_outputs_match(got, captured.run(inputs, "direct"))
+                assert sum(t.bytes_in + t.bytes_out for t in paths) - before < 4096
+                assert wait_for(lambda: settled(server)), server.stats()
+            assert exported() == [3, 3, 0]
             stats = server.stats()
-            assert stats.ranks[0].objects == 0 and stats.ranks[1].objects == 0
+            assert all(stats.ranks[r].objects == 0 for r in range(3))
             # cancelled while rank 1 loops over the value it pulled: nothing stays held
             handle = server.submit({"x": torch.randn(1, 4), "steps": 100_000}, "looped")
             assert wait_for(lambda: server.stats().ranks[1].runs == 1, timeout=60)
@@ -304,7 +319,7 @@ def test_values_between_hosts_go_rank_to_rank_through_mooncake(
                 handle.result(timeout=60)
             assert wait_for(lambda: settled(server)), server.stats()
             stats = server.stats()
-            assert stats.ranks[0].objects == 0 and stats.ranks[1].objects == 0
+            assert all(stats.ranks[r].objects == 0 for r in range(3))
             assert stats.ranks[1].runs == 0
             inputs = {"x": torch.randn(1, 4), "steps": 1}
             assert_outputs_match(

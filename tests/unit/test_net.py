@@ -217,6 +217,15 @@ def test_a_held_tensor_is_exported_for_other_hosts_and_freed_with_its_key(engine
     plain = ObjectStore(1)  # one host: held, nothing exported
     kept = plain.hold("r", x)
     assert kept is not None and kept.at is None and plain.exported == 0
+    # read on this host only (``export=False``): held, not written to the send buffer
+    near = ObjectStore(0, exports=SendPool(a))
+    kept = near.hold("r", x, export=False)
+    assert kept is not None and kept.at is None and torch.equal(near.get("r", kept), x)
+    assert near.exported == 0 and a.send_arena.in_use == 0
+    assert near.hold("r", x) is not None and a.send_arena.in_use == 1
+    assert near.counters() == {"objects/exported": 1, "objects/exported_bytes": x.nbytes}
+    near.drop("r")
+    assert a.send_arena.in_use == 0
 
 
 def test_a_held_view_does_not_keep_its_whole_block() -> None:

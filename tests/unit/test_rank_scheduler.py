@@ -87,6 +87,30 @@ def test_a_loop_across_ranks_is_driven_by_the_conductor() -> None:
     assert plan.conductor_values["generate"] == ["decoder"]
 
 
+def test_the_plan_names_the_ranks_that_may_read_each_value() -> None:
+    """``plan.readers``: a node's readers are the ranks of the nodes that read it, a value
+    streamed into another region's loop is read by that loop's rank, and a value that leaves
+    the walk (a client's, or the next walk's) is not listed: any rank may read it."""
+    from walkserve.capture import dataflow
+    from walkserve.lowering.valueflow import value_readers
+
+    for name, ranks in (("example-speech", 2), ("example-cfg-image", 2)):
+        captured, plan, _ = setup(name, ranks)
+        for walk_name, ir_walk in captured.graph.walks.items():
+            readers = plan.readers[walk_name]
+            outputs = {r for a in ir_walk.outputs.values() for r in dataflow.arg_refs(a)}
+            assert not outputs & set(readers)
+            by_op = {op: n.ranks for n in plan.nodes(walk_name) for op in n.ops}
+            for value, names in value_readers(ir_walk).items():
+                if value in outputs:
+                    continue
+                for reader in names & set(by_op):
+                    assert set(by_op[reader]) <= set(readers[value]), (value, reader)
+    _, plan, _ = setup("example-speech", 2)
+    assert plan.readers["speak"]["think_step.out3.all"] == [1]  # the talker's stream
+    assert set().union(*map(set, plan.readers["speak"].values())) == {0, 1}
+
+
 # ------------------------------------------------------------------- fabricated results
 
 

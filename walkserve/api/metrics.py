@@ -322,6 +322,9 @@ COMPONENT_COUNTERS = {
     "loop_stepper).",
     "lane_steps": "Cohort steps made by a rank's fast lane, with no scheduling pass.",
     "joined_steps": "Loop steps whose requests' calls were joined into one call.",
+    "exported": "Held values a rank wrote to its Mooncake send buffer for readers on other "
+    "hosts (component objects).",
+    "exported_bytes": "Bytes of those values.",
 }
 
 

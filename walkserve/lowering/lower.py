@@ -32,7 +32,7 @@ from walkserve.lowering.plan import (
 from walkserve.lowering.regions import conductor_values, find_regions
 from walkserve.lowering.resolved import resolve
 from walkserve.lowering.split import POLICIES, GluePolicy, split_block
-from walkserve.lowering.valueflow import node_io, value_readers
+from walkserve.lowering.valueflow import node_io, reader_ranks, value_readers
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -92,6 +92,9 @@ def lower(
     plan.conductor_values = {
         name: conductor_values(walk, plan.regions.get(name, []))
         for name, walk in captured.graph.walks.items()
+    }
+    plan.readers = {
+        name: reader_ranks(walk, plan.walks[name]) for name, walk in captured.graph.walks.items()
     }
     return plan
 

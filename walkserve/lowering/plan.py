@@ -136,6 +136,9 @@ class ExecutablePlan(msgspec.Struct):
     # per walk: values whose bytes the conductor's process needs (``regions.conductor_values``);
     # every other value stays on the rank that made it
     conductor_values: dict[str, list[str]] = {}
+    # per walk: the ranks that may read each value (``valueflow.reader_ranks``; absent: any
+    # rank may), so that a rank exports a value it holds only for readers on other hosts
+    readers: dict[str, dict[str, list[int]]] = {}
     glue_policy: str = "fuse"
     max_batch: int = 32
     tp_groups: list[TPGroupPlan] = []

@@ -20,8 +20,9 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 
 from walkserve.capture import dataflow, ir
+from walkserve.lowering.plan import BlockPlan, NodePlan
 
-__all__ = ["ValueFlow", "node_io", "value_readers"]
+__all__ = ["ValueFlow", "node_io", "reader_ranks", "value_readers"]
 
 
 class ValueFlow:
@@ -137,6 +138,51 @@ def value_readers(walk: ir.Walk) -> dict[str, set[str]]:
     add([r for a in walk.outputs.values() for r in dataflow.arg_refs(a)], "<walk outputs>")
     add([e.source for e in walk.streams], "<stream>")
     return readers
+
+
+def reader_ranks(walk: ir.Walk, block: BlockPlan) -> dict[str, list[int]]:
+    """The ranks that may read each value of ``walk`` as placed in ``block``: those of the
+    nodes that read it, and every rank of a loop body whose plumbing reads it (its sources,
+    body outputs and stop) or that consumes it as a stream. A value that leaves the walk (its
+    outputs: a client's, or the next walk's state) is not listed: any rank may read it."""
+    op_ranks: dict[str, list[int]] = {}
+    loop_ranks: dict[str, set[int]] = {}
+
+    def visit(plan: BlockPlan) -> set[int]:
+        ranks: set[int] = set()
+        for item in plan.nodes:
+            if isinstance(item, NodePlan):
+                for op in item.ops:
+                    op_ranks[op] = item.ranks
+                ranks.update(item.ranks)
+            else:
+                ranks |= loop_ranks.setdefault(item.name, visit(item.body))
+        return ranks
+
+    visit(block)
+    consumers: dict[str, list[str]] = {}
+    for edge in walk.streams:
+        consumers.setdefault(edge.source, []).append(edge.consumer)
+    out: dict[str, list[int]] = {}
+    for value, readers in value_readers(walk).items():
+        ranks: set[int] = set()
+        for reader in readers:
+            if reader == "<walk outputs>":
+                break
+            if reader == "<stream>":
+                found = [loop_ranks.get(c) for c in consumers.get(value, [])]
+            elif reader.startswith("<loop "):
+                found = [loop_ranks.get(reader[len("<loop ") : -1])]
+            else:
+                found = [None if reader not in op_ranks else set(op_ranks[reader])]
+            if not found or any(f is None for f in found):
+                break  # a reader that is not placed: any rank may read it
+            for f in found:
+                assert f is not None
+                ranks |= f
+        else:
+            out[value] = sorted(ranks)
+    return out
 
 
 def node_io(

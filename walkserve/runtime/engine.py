@@ -163,6 +163,7 @@ class EngineLoop:
         send: Callable[[m.Message], None],
         *,
         hold: bool = False,
+        here: frozenset[int] | None = None,
         coalesce_s: float = 0.002,
         counters: Callable[[], dict[str, int]] | None = None,
     ) -> None:
@@ -178,6 +179,14 @@ class EngineLoop:
         # more than TINY bytes that neither a client nor the conductor needs the bytes of.
         self.hold = hold
         self._conductor_values = {w: frozenset(v) for w, v in plan.conductor_values.items()}
+        # A held tensor is also exported (``ObjectStore.hold``) only when a rank that may read
+        # it (``ExecutablePlan.readers``) is not ``here``, the ranks whose values this one
+        # reads in place or through shared memory (None: export everything held).
+        self._here = here
+        self._readers = {
+            w: {v: frozenset(ranks) for v, ranks in values.items()}
+            for w, values in plan.readers.items()
+        }
         self._walk_of = scheduler.regions.walk_of
         self._commands: queue.SimpleQueue[Command | list[Command] | None] = queue.SimpleQueue()
         self._requests: dict[int, str] = {}  # region item -> request (for encoding)
@@ -293,6 +302,7 @@ class EngineLoop:
                     stats.wasted_steps,
                     sizes,
                     self.scheduler.loops.counters()
+                    | self.objects.counters()
                     | (self.counters() if self.counters is not None else {}),
                 )
             )
@@ -445,7 +455,7 @@ class EngineLoop:
         try:
             for name, value in values.items():
                 if needed is not None and self._holds(name, value, needed):
-                    ref = self.objects.hold(request, value)
+                    ref = self.objects.hold(request, value, self._read_elsewhere(walk, name))
                     if ref is not None:  # else no room where other hosts read: the bytes go
                         out[name] = ref
                         continue
@@ -455,6 +465,13 @@ class EngineLoop:
             self.transport.release(written)
             return f"outputs could not be sent: {type(e).__name__}: {e}"
         return out
+
+    def _read_elsewhere(self, walk: str | None, name: str) -> bool:
+        """Whether a rank that is not ``here`` may read value ``name`` of ``walk``."""
+        if self._here is None or walk is None:
+            return True
+        ranks = self._readers.get(walk, {}).get(name)
+        return ranks is None or not ranks <= self._here
 
     def _holds(self, name: str, value: Any, needed: frozenset[str]) -> bool:
         return (

@@ -141,6 +141,8 @@ class ObjectStore:
         self.max_per_request = max_per_request
         self.exports = exports
         self._exported: dict[tuple[str, str], Any] = {}  # (request, key) -> its export
+        self.exports_written = 0  # tensors written to ``exports`` so far, and their bytes
+        self.bytes_exported = 0
         self._objects: dict[str, dict[str, Any]] = {}
         self._dropped: dict[str, None] = {}  # insertion-ordered, bounded
         self._remember_dropped = remember_dropped
@@ -152,15 +154,17 @@ class ObjectStore:
         the ranks of this host)."""
         return self._put(request_id, obj, None)
 
-    def hold(self, request_id: str, tensor: torch.Tensor) -> ObjectRef | None:
-        """``put`` of a tensor that readers on any rank may pull: with ``exports``, its bytes
-        are written there too (``at``); None when they cannot be (no room): send its bytes
-        instead."""
-        if self.exports is None:
+    def hold(self, request_id: str, tensor: torch.Tensor, export: bool = True) -> ObjectRef | None:
+        """``put`` of a tensor that readers on other ranks may pull: with ``exports`` and
+        ``export`` (a reader may be on another host), its bytes are written there too
+        (``at``); None when they cannot be (no room): send its bytes instead."""
+        if self.exports is None or not export:
             return self._put(request_id, tensor, None)
         at = self.exports.write(tensor)
         if at is None:
             return None
+        self.exports_written += 1
+        self.bytes_exported += tensor.numel() * tensor.element_size()
         try:
             ref = self._put(request_id, tensor, at)
         except BaseException:  # too many held for the request: nothing stays exported
@@ -210,6 +214,13 @@ class ObjectStore:
             for at in exported:
                 if at is not None:
                     self.exports.ack(at)
+
+    def counters(self) -> dict[str, int]:
+        """Exports so far, for a rank's stats (``objects/exported``, ``objects/exported_bytes``)."""
+        return {
+            "objects/exported": self.exports_written,
+            "objects/exported_bytes": self.bytes_exported,
+        }
 
     @property
     def exported(self) -> int:

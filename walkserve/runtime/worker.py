@@ -362,6 +362,7 @@ class Worker(WorkerInbox):
             self.objects,
             self._send,
             hold=setup.hold and (self.peers is not None or self.pull is not None),
+            here=frozenset({self.rank, *(setup.peers if self.peers is not None else ())}),
             counters=component_counters(model),
         )
 
