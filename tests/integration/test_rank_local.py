@@ -133,3 +133,41 @@ def test_a_killed_rank_fails_its_region_runs_and_the_other_rank_serves_on() -> N
             server.run(inputs, "direct", timeout=120), captured.run(inputs, "direct")
         )
         assert wait_for(lambda: settled(server)), server.stats()
+
+
+def test_a_rank_that_slept_is_woken_while_a_request_is_admitted() -> None:
+    """``WorkerPool.wake``: a request that finds a rank idle for longer than its idle spin
+    sends it ``Wake`` first, so that it wakes while the request is admitted, then the work; a
+    rank still spinning gets none, and neither does one that never spins (it would sleep again
+    at once)."""
+    import msgspec
+
+    from walkserve.runtime.messages import decode
+
+    captured = capture_model("rank_local_models:long")
+    with serve(captured, pool_config=PoolConfig(idle_spin_s=0.005)) as server:
+        pool = server.pool
+        sent: list[str] = []
+        send = pool._send
+
+        def spy(state: object, data: bytes, **kw: bool) -> None:
+            sent.append(type(decode(data)).__name__)
+            send(state, data, **kw)  # type: ignore[arg-type]
+
+        pool._send = spy  # type: ignore[method-assign]
+
+        def served(busy_at: float) -> list[str]:
+            for state in pool._ranks.values():
+                state.busy_at = busy_at
+            sent.clear()
+            inputs = {"h": torch.randn(1, 8), "steps": 5, "fail_at": -1}
+            assert_outputs_match(
+                server.run(inputs, "spin", timeout=120), captured.run(inputs, "spin")
+            )
+            return list(sent)
+
+        assert served(0.0)[:2] == ["Wake", "StartRegions"]  # idle since long ago
+        assert "Wake" not in served(float("inf"))  # busy a moment ago: still spinning
+        pool._worker_config = msgspec.structs.replace(pool._worker_config, idle_spin_s=0.0)
+        assert "Wake" not in served(0.0)
+        assert wait_for(lambda: settled(server)), server.stats()

@@ -456,6 +456,12 @@ class ProbeReply(_Msg, frozen=True):
     rank: NonNegInt
 
 
+class Wake(_Msg, frozen=True):
+    """Nothing to do: work for the rank is on its way (a request is being admitted). A rank
+    that slept since its last work starts polling for it now, while the conductor still
+    admits the request, instead of being woken by the work itself."""
+
+
 Message: TypeAlias = (
     Hello
     | AttachPools
@@ -484,6 +490,7 @@ Message: TypeAlias = (
     | Fetched
     | FeedStream
     | GrantCredit
+    | Wake
 )
 
 _encoder = msgspec.msgpack.Encoder()

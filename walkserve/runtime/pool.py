@@ -82,6 +82,7 @@ from walkserve.runtime.messages import (
     KVStats,
     Shutdown,
     TPJoin,
+    Wake,
     encode,
 )
 from walkserve.runtime.net.link import LinkModel
@@ -119,6 +120,7 @@ from walkserve.runtime.transport import (
 from walkserve.runtime.worker import worker_main
 
 log = logging.getLogger("walkserve.pool")
+_WAKE = encode(Wake())
 
 
 class WorkerPool(IoLoop):
@@ -318,9 +320,28 @@ class WorkerPool(IoLoop):
             with contextlib.suppress(zmq.ZMQError):  # a dead worker holds nothing any more
                 self._send(state, data)
 
+    def wake(self) -> None:
+        """Tell every ready rank that may sleep (its last command or report is older than
+        its idle spin) that work is on its way (``Wake``), so that it wakes while a request is
+        admitted rather than when the work reaches it (any thread; cheap when none sleeps).
+        On this 2-core VM a rank idle for 20 ms took ~200 us to read a command after it was
+        sent, against ~7 us while it spins."""
+        spin = self._worker_config.idle_spin_s
+        if spin <= 0:  # ranks that never spin sleep again at once: waking them is no use
+            return
+        now = time.monotonic()
+        with self._lock:
+            asleep = [
+                s for s in self._ranks.values() if s.status == "ready" and now - s.busy_at > spin
+            ]
+        for state in asleep:
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(state, _WAKE)
+
     def _send(self, state: RankState, data: bytes, *, now: bool = False) -> None:
         """Send a command to ``state``'s process; while the rank restarts it waits in its
         backlog (``now``: its setup and ``Shutdown``, which are for the new process itself)."""
+        state.busy_at = time.monotonic()
         with self._send_lock:
             if state.waiting and not now:
                 state.backlog.append(data)

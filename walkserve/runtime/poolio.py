@@ -165,6 +165,8 @@ class IoLoop(RankLife):
         if handler is None:
             log.warning("rank %d sent an unexpected %s", state.rank, type(msg).__name__)
             return
+        if type(msg) is not Heartbeat:
+            state.busy_at = state.last_seen or 0.0
         if getattr(msg, "rank", state.rank) != state.rank:
             log.warning("rank %d sent a message for rank %s", state.rank, msg.rank)  # type: ignore[union-attr]
             return

@@ -109,6 +109,7 @@ class RankState:
     exitcode: int | None = None
     error: str | None = None
     last_seen: float | None = None
+    busy_at: float = 0.0  # its last command or report but heartbeats (``WorkerPool.wake``)
     spec: ShmPoolSpec | None = None
     kv: list[KVStats] = field(default_factory=list)  # from its last heartbeat
     settled: threading.Event = field(default_factory=threading.Event)  # ready, or never will be

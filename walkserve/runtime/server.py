@@ -170,6 +170,7 @@ class Server(ConductorPass):
             # its thread must not take the GIL from the dispatch that its request waits for
             self._admitted.append(lambda: done.set_result(handle))
 
+        self.pool.wake()  # a rank that slept wakes while this request is admitted
         self._passes.post(admit, submission=at_wait)
         return handle, done
 

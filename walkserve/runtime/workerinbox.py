@@ -17,7 +17,8 @@ A node batch (``RunBatch``), region starts (``StartRegions``) and fed stream pie
 first (``peers``, one round trip per rank), shared-memory inputs are acknowledged at once (they
 were copied out), and the work is queued for the engine (``EngineLoop.put``; a message's region
 starts together, ``put_all``). An input that cannot be read fails its items or runs here, with a
-report, and nothing reaches the engine. ``Ack`` releases this rank's output slots; ``Probe`` is
+report, and nothing reaches the engine. ``Wake`` (work on its way, sent while the rank slept)
+only restarts the idle spin. ``Ack`` releases this rank's output slots; ``Probe`` is
 a link measurement; ``Shutdown`` stops the loop.
 """
 
@@ -90,6 +91,7 @@ class WorkerInbox:
             Shutdown,
             StartRegions,
             StatsQuery,
+            Wake,
         )
 
         self._rx = rx
@@ -115,6 +117,7 @@ class WorkerInbox:
             GrantCredit: lambda m: engine.put(CreditItems(m.item, m.channel, m.items)),
             Shutdown: lambda m: self._stop(),
             Probe: self._on_probe,
+            Wake: lambda m: None,  # its read restarted the idle spin: nothing else to do
         }
 
     def _close_inbox(self) -> None:
