@@ -111,6 +111,42 @@ def test_the_plan_names_the_ranks_that_may_read_each_value() -> None:
     assert set().union(*map(set, plan.readers["speak"].values())) == {0, 1}
 
 
+@component
+class _Tanh(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h)
+
+
+class _Carried(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.step, self.head = _Tanh(), _Tanh()
+
+    @walk
+    def run(self, h: torch.Tensor, steps: int) -> dict[str, Any]:
+        for _ in iterations(steps):
+            h = self.turn(h)
+        return {"y": self.head(h)}
+
+    @loop
+    def turn(self, h: torch.Tensor) -> torch.Tensor:
+        return self.step(h)  # type: ignore[no-any-return]
+
+
+def test_a_loop_body_output_is_read_where_its_terminal_channel_is() -> None:
+    """A body output of a loop the conductor drives becomes the next iteration's carried
+    value and, after the last one, the terminal channel read after the loop: its readers are
+    the body's rank and that reader's (whose bytes the conductor routes there from the body)."""
+    model, sample = _Carried().eval(), {"h": torch.randn(1, 4), "steps": 3}
+    captured = capture.trace(model, sample)
+    placement = Placement.from_dict({"ranks": 2, "nodes": {"step": [0], "head": [1]}})
+    plan = lower(captured, sample, placement, check_capture=False, regions=False)
+    (loop_node,) = captured.graph.walks["run"].body.nodes[:1]
+    (body_output,) = loop_node.outputs  # type: ignore[union-attr]
+    assert plan.readers["run"][body_output] == [0, 1]
+    assert plan.readers["run"]["h"] == [0]  # the carried value's first iteration only
+
+
 # ------------------------------------------------------------------- fabricated results
 
 

@@ -141,47 +141,28 @@ def value_readers(walk: ir.Walk) -> dict[str, set[str]]:
 
 
 def reader_ranks(walk: ir.Walk, block: BlockPlan) -> dict[str, list[int]]:
-    """The ranks that may read each value of ``walk`` as placed in ``block``: those of the
-    nodes that read it, and every rank of a loop body whose plumbing reads it (its sources,
-    body outputs and stop) or that consumes it as a stream. A value that leaves the walk (its
-    outputs: a client's, or the next walk's state) is not listed: any rank may read it."""
-    op_ranks: dict[str, list[int]] = {}
-    loop_ranks: dict[str, set[int]] = {}
-
-    def visit(plan: BlockPlan) -> set[int]:
-        ranks: set[int] = set()
-        for item in plan.nodes:
-            if isinstance(item, NodePlan):
-                for op in item.ops:
-                    op_ranks[op] = item.ranks
-                ranks.update(item.ranks)
-            else:
-                ranks |= loop_ranks.setdefault(item.name, visit(item.body))
-        return ranks
-
-    visit(block)
-    consumers: dict[str, list[str]] = {}
-    for edge in walk.streams:
-        consumers.setdefault(edge.source, []).append(edge.consumer)
+    """The ranks that may read the bytes of each value of ``walk`` as placed in ``block``: the
+    ranks of the ops that read it or anything it becomes at a loop boundary (a loop parameter
+    read inside the body, a carried value's next iteration, a terminal channel read after the
+    loop, a streamed channel's chunks). A value that reaches the walk's outputs (a client's,
+    or the next walk's state) is not listed, nor one read by an op no node runs: any rank may
+    read those."""
+    op_ranks = {op: node.ranks for node in _plan_nodes(block) for op in node.ops}
+    flow = ValueFlow(walk)
+    leaving = {r for a in walk.outputs.values() for r in dataflow.arg_refs(a)}
     out: dict[str, list[int]] = {}
-    for value, readers in value_readers(walk).items():
-        ranks: set[int] = set()
-        for reader in readers:
-            if reader == "<walk outputs>":
-                break
-            if reader == "<stream>":
-                found = [loop_ranks.get(c) for c in consumers.get(value, [])]
-            elif reader.startswith("<loop "):
-                found = [loop_ranks.get(reader[len("<loop ") : -1])]
-            else:
-                found = [None if reader not in op_ranks else set(op_ranks[reader])]
-            if not found or any(f is None for f in found):
-                break  # a reader that is not placed: any rank may read it
-            for f in found:
-                assert f is not None
-                ranks |= f
-        else:
-            out[value] = sorted(ranks)
+    for value in {*flow.ops, *flow.readers, *flow.becomes}:
+        reach = _search([value], lambda v: ([v], flow.becomes[v]))  # value and all it becomes
+        readers = [op for v in reach for op in flow.readers[v]]
+        if leaving.isdisjoint(reach) and all(op in op_ranks for op in readers):
+            out[value] = sorted({r for op in readers for r in op_ranks[op]})
+    return out
+
+
+def _plan_nodes(block: BlockPlan) -> list[NodePlan]:
+    out: list[NodePlan] = []
+    for item in block.nodes:
+        out += [item] if isinstance(item, NodePlan) else _plan_nodes(item.body)
     return out
 
 
