@@ -83,6 +83,7 @@ def test_greedy_tokens_equal_generate(checkpoint: Checkpoint, tp: int, replicas:
         leaders = list(range(0, tp * replicas, tp))
         dispatched = {r for w in server.plan.walks for n in server.plan.nodes(w) for r in n.ranks}
         assert dispatched == set(leaders)  # followers run what their leader sends them
+        assert server.pool._working == set(leaders)  # nor are they woken for work (``wake``)
         assert_replies(serve_all(server, reqs), want)
         assert_replies(serve_all(server, reqs[:2]), want[:2])  # the group goes on after a crowd
         if replicas > 1:  # the work split: every replica took over a quarter of the items
