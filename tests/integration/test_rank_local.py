@@ -168,6 +168,13 @@ def test_a_rank_that_slept_is_woken_while_a_request_is_admitted() -> None:
 
         assert served(0.0)[:2] == ["Wake", "StartRegions"]  # idle since long ago
         assert "Wake" not in served(float("inf"))  # busy a moment ago: still spinning
+        # quiet for long, but in the middle of a loop (a lane reports at its end): busy
+        long = server.submit({"h": torch.randn(1, 8), "steps": 10**6, "fail_at": -1}, "spin")
+        assert wait_for(lambda: server.stats().ranks[0].runs == 1, timeout=60)
+        assert "Wake" not in served(0.0)
+        long.cancel()
+        with pytest.raises(RequestFailed, match="cancelled"):
+            long.result(timeout=60)
         pool._worker_config = msgspec.structs.replace(pool._worker_config, idle_spin_s=0.0)
         assert "Wake" not in served(0.0)
         assert wait_for(lambda: settled(server)), server.stats()

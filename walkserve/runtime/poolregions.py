@@ -62,6 +62,10 @@ class RegionTraffic:
         self._releases: collections.deque[tuple[int, str, str]] = collections.deque()
         self._stats_seq = itertools.count()
 
+    def running(self, rank: int) -> bool:
+        """Whether ``rank`` runs a region item now (the caller holds the pool's lock)."""
+        return bool(self._regions.get(rank))
+
     def owns(self, handle: Token) -> bool:
         """Whether ``handle`` is an input slot of a region start or feed (then released)."""
         with self.pool._lock:
