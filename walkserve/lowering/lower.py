@@ -94,7 +94,7 @@ def lower(
         for name, walk in captured.graph.walks.items()
     }
     plan.readers = {
-        name: reader_ranks(walk, plan.walks[name]) for name, walk in captured.graph.walks.items()
+        name: reader_ranks(walk, plan.nodes(name)) for name, walk in captured.graph.walks.items()
     }
     return plan
 

@@ -20,7 +20,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 
 from walkserve.capture import dataflow, ir
-from walkserve.lowering.plan import BlockPlan, NodePlan
+from walkserve.lowering.plan import NodePlan
 
 __all__ = ["ValueFlow", "node_io", "reader_ranks", "value_readers"]
 
@@ -140,14 +140,14 @@ def value_readers(walk: ir.Walk) -> dict[str, set[str]]:
     return readers
 
 
-def reader_ranks(walk: ir.Walk, block: BlockPlan) -> dict[str, list[int]]:
-    """The ranks that may read the bytes of each value of ``walk`` as placed in ``block``: the
-    ranks of the ops that read it or anything it becomes at a loop boundary (a loop parameter
-    read inside the body, a carried value's next iteration, a terminal channel read after the
-    loop, a streamed channel's chunks). A value that reaches the walk's outputs (a client's,
+def reader_ranks(walk: ir.Walk, nodes: list[NodePlan]) -> dict[str, list[int]]:
+    """The ranks that may read the bytes of each value of ``walk`` as placed in ``nodes`` (its
+    plan's, ``ExecutablePlan.nodes``): the ranks of the ops that read it or anything it
+    becomes at a loop boundary (a loop parameter read inside the body, a carried value's next
+    iteration, a terminal channel read after the loop, a streamed channel's chunks). A value that reaches the walk's outputs (a client's,
     or the next walk's state) is not listed, nor one read by an op no node runs: any rank may
     read those."""
-    op_ranks = {op: node.ranks for node in _plan_nodes(block) for op in node.ops}
+    op_ranks = {op: node.ranks for node in nodes for op in node.ops}
     flow = ValueFlow(walk)
     leaving = {r for a in walk.outputs.values() for r in dataflow.arg_refs(a)}
     out: dict[str, list[int]] = {}
@@ -156,13 +156,6 @@ def reader_ranks(walk: ir.Walk, block: BlockPlan) -> dict[str, list[int]]:
         readers = [op for v in reach for op in flow.readers[v]]
         if leaving.isdisjoint(reach) and all(op in op_ranks for op in readers):
             out[value] = sorted({r for op in readers for r in op_ranks[op]})
-    return out
-
-
-def _plan_nodes(block: BlockPlan) -> list[NodePlan]:
-    out: list[NodePlan] = []
-    for item in block.nodes:
-        out += [item] if isinstance(item, NodePlan) else _plan_nodes(item.body)
     return out
 
 
