@@ -166,6 +166,9 @@ def test_chunks_as_the_consumer_takes_them_are_the_whole_sequence_cut(
             x, _ = s.chunk(len(got))
             got.append(x.clone())
             s.release(policy.retain_from(len(got)))
+            for piece in s.pieces:  # a view of a cut piece holds at most twice its bytes
+                held = piece.untyped_storage().nbytes()
+                assert held <= 2 * piece.numel() * piece.element_size()
             most -= 1
 
     at = 0
@@ -178,6 +181,28 @@ def test_chunks_as_the_consumer_takes_them_are_the_whole_sequence_cut(
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), i
+
+
+def test_a_window_sliding_over_one_long_piece_copies_its_tail_once_per_halving() -> None:
+    """Releasing the items before each window keeps a view of the piece's tail until the
+    memory under it is more than twice the tail (then a copy): a window sliding over a long
+    piece copies it O(log n) times, not once per window (quadratic in the piece's length)."""
+    n = 1024
+    policy = SlidingWindow(4, 1, EndOfStream.DROP)
+    edge = ir.StreamEdge("s", "loop.acc", "consumer", 1, policy.to_json())
+    s = Stream(StreamSpec(edge, policy, "loop", ir.Accumulated(0, "cat", 1), backpressure=True))
+    whole = torch.arange(n, dtype=torch.float32).reshape(1, n)
+    s.append(whole.clone())
+    s.finished = True
+    copies, storage = 0, s.pieces[0].untyped_storage().data_ptr()
+    for i in range(s.ready()):
+        x, _ = s.chunk(i)
+        assert torch.equal(x, whole[:, i : i + 4]), i
+        s.release(policy.retain_from(i + 1))
+        now = s.pieces[0].untyped_storage().data_ptr()
+        copies += now != storage
+        storage = now
+    assert copies <= 10  # log2(1024): each copy at least halves what the piece holds
 
 
 def test_a_later_piece_that_does_not_join_fails_only_the_chunk_that_reads_it() -> None:

@@ -166,14 +166,21 @@ class Stream:
         return x
 
     def release(self, before: int) -> None:
-        """Drop items ``< before``; a piece cut in two keeps a copy of its tail only."""
+        """Drop items ``< before``. A piece cut in two keeps a view of its tail until the
+        memory under that view is more than twice the tail's; then it keeps a copy of the
+        tail. So a stream holds at most about twice the bytes of its live items, and a window
+        sliding over one long piece (a token stream's pieces, joined once by ``_join``) copies
+        the tail once per halving, not once per window (quadratic in the piece's length)."""
         while self.pieces and self.base + self.sizes[0] <= before:
             self.base += self.sizes.popleft()
             self.pieces.popleft()
         if self.pieces and self.base < before:
             cut = before - self.base
             rest = self.sizes[0] - cut
-            self.pieces[0] = self.pieces[0].narrow(self.dim, cut, rest).clone()
+            tail = self.pieces[0].narrow(self.dim, cut, rest)
+            if tail.untyped_storage().nbytes() > 2 * tail.numel() * tail.element_size():
+                tail = tail.clone()
+            self.pieces[0] = tail
             self.sizes[0] = rest
             self.base = before
 
