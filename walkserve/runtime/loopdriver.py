@@ -245,7 +245,9 @@ class LoopDriver:
                 items[-1].append(self._map_call(run, chunked))
             if items[0]:
                 for stream in chunked:  # what their chunks released, at once
-                    self._grant(run.parent, run.parent.streams[stream])
+                    s = run.parent.streams[stream]
+                    s.release(s.spec.policy.retain_from(run.started))
+                    self._grant(run.parent, s)
                 first = run.started - sum(map(len, items))
                 for calls in items:
                     self._issue_map(req, run, first, calls)
@@ -314,7 +316,7 @@ class LoopDriver:
         """Start the next iteration of a map as a call of its node's component (its item is
         ``_issue_map``'s): its arguments, from its parameters' values; the streams it cut a
         chunk of join ``chunked``."""
-        values, cut = self._iteration_values(run)
+        values, cut = self._iteration_values(run, release=False)  # the caller releases
         chunked.update(cut)
         run.started += 1
         run.flying += 1
@@ -370,9 +372,12 @@ class LoopDriver:
         run.flying -= n
         return p.request
 
-    def _iteration_values(self, run: LoopRun) -> tuple[dict[str, Any], list[str]]:
+    def _iteration_values(
+        self, run: LoopRun, release: bool = True
+    ) -> tuple[dict[str, Any], list[str]]:
         """The values of the next iteration's parameters, and the streams it cut a chunk of
-        (their items before the next chunk released: grant their producers the credit that
+        (their items before the next chunk released, unless not ``release``: a map starting
+        several windows releases once after the last; grant their producers the credit that
         frees)."""
         ls, i, parent = run.spec, run.started, run.parent
         node = ls.node
@@ -397,9 +402,10 @@ class LoopDriver:
                 values[p.name] = step_value(
                     role, i, lambda a: self._interp.value(a, parent.env), None
                 )
-        for stream in chunks:
-            s = parent.streams[stream]
-            s.release(s.spec.policy.retain_from(i + 1))
+        if release:
+            for stream in chunks:
+                s = parent.streams[stream]
+                s.release(s.spec.policy.retain_from(i + 1))
         return values, list(chunks)
 
     def _settle(self, req: RequestState, run: LoopRun) -> bool:
