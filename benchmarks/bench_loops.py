@@ -53,7 +53,11 @@ from walkserve.benchmarking import tree_cpu_seconds, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = int(os.environ.get("BENCH_THREADS", "0")) or None  # None: default_threads(1)
-ROUNDS = 5  # rounds of the concurrent measurement: the median's figures are reported
+# rounds of the concurrent measurement (each a new batch, eager then served): the median
+# round's figures are reported. On the 2-core VM one round's ratio ranged 2.0-4.7 within one
+# run of 15 (its speed changes within tens of ms, and the two sides of a round run at different
+# moments); the median of 5 moved with that
+ROUNDS = 15
 BLOCK = 10  # requests per block of the back-to-back measurement
 # factory, walk, inputs(seed, loop length), (short, standard, long) loop lengths: the standard
 # one is the measurement, the other two place it on the overhead model
