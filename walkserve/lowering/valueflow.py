@@ -144,9 +144,9 @@ def reader_ranks(walk: ir.Walk, nodes: list[NodePlan]) -> dict[str, list[int]]:
     """The ranks that may read the bytes of each value of ``walk`` as placed in ``nodes`` (its
     plan's, ``ExecutablePlan.nodes``): the ranks of the ops that read it or anything it
     becomes at a loop boundary (a loop parameter read inside the body, a carried value's next
-    iteration, a terminal channel read after the loop, a streamed channel's chunks). A value that reaches the walk's outputs (a client's,
-    or the next walk's state) is not listed, nor one read by an op no node runs: any rank may
-    read those."""
+    iteration, a terminal channel read after the loop, a streamed channel's chunks). A value
+    that reaches the walk's outputs (a client's, or the next walk's state) is not listed, nor
+    one read by an op no node runs: any rank may read those."""
     op_ranks = {op: node.ranks for node in nodes for op in node.ops}
     flow = ValueFlow(walk)
     leaving = {r for a in walk.outputs.values() for r in dataflow.arg_refs(a)}
