@@ -459,6 +459,11 @@ def _loops(data: dict[str, Any], src: str) -> list[Row]:
         parts.append(
             f"{name}: batch 1 served {_secs(r['served_p50_s'])} vs eager {_secs(r['eager_p50_s'])}"
             f" ({_x(r['served_over_eager'])}, target 1.2x"
+            + (
+                f"; each request's pair: median {_x(r['paired_served_over_eager'])}"
+                if r.get("paired_served_over_eager")
+                else ""
+            )
             + (f"; CPU {_x(r['cpu_served_over_eager'])}" if r.get("cpu_served_over_eager") else "")
             + ")"
             + (
