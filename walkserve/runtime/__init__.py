@@ -43,8 +43,9 @@ Modules, by role:
                   out to the handles); passes: who makes a pass, and when (a burst of
                   submissions in one); handle: RequestHandle, what a caller holds of a request
     conductor     the walk state machine (pure); framedriver (its frames: passes, node
-                  items), loopdriver (its loops), regionitems (its region items: streams,
-                  feeds, credit), workitem, walkspec, frames: its parts
+                  items), loopdriver (its loops), loopmaps (a map's iterations as
+                  items), regionitems (its region items: streams, feeds, credit),
+                  workitem, walkspec, frames: its parts
     batcher       the batching rule of the conductor's node items (pure)
     pool          the worker processes and sockets; poolio (the io thread: reports read and
                   dispatched by type, deaths seen at once), poolranks (a rank's start

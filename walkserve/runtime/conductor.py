@@ -13,8 +13,9 @@ This module holds the interface and the requests: submitting, results and failur
 cancelling, events, stats, entering and finishing walks, and advancing a request's state
 machine. ``Conductor`` inherits the rest: its frames and their node items from
 ``FrameDriver`` (``runtime.framedriver``), its region items from ``RegionItems``
-(``runtime.regionitems``) and its loops from ``LoopDriver`` (``runtime.loopdriver``); the
-state they share lives in ``runtime.frames``.
+(``runtime.regionitems``), its maps' items from ``MapItems`` (``runtime.loopmaps``) and its
+loops from ``LoopDriver`` (``runtime.loopdriver``); the state they share lives in
+``runtime.frames``.
 
 Data flow (every arrow is one method call on a ``Conductor``)::
 

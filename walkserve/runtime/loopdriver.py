@@ -69,7 +69,6 @@ class LoopDriver:
     _credit: dict[str, dict[str, int]]
     _produced: dict[str, dict[str, int]]
     _maps: frozenset[tuple[str, str]]  # (walk, node): a map's iterations go out as one item
-    _map_calls: int  # most calls in one map item
 
     # FrameDriver's hooks (runtime.framedriver)
     def _new_frame(
@@ -81,6 +80,10 @@ class LoopDriver:
         raise NotImplementedError
 
     def _kill(self, f: Frame) -> int:
+        raise NotImplementedError
+
+    # MapItems' (runtime.loopmaps): a map's windows started as items
+    def _pump_map(self, req: RequestState, run: LoopRun) -> bool:
         raise NotImplementedError
 
     # the conductor's hooks
@@ -237,23 +240,7 @@ class LoopDriver:
             return changed
         ls = run.spec
         if ls.map_node is not None and (req.walk, ls.map_node.name) in self._maps:
-            items: list[list[tuple[list[Any], dict[str, Any]]]] = [[]]
-            chunked: set[str] = set()
-            while self._can_start(req, run):  # every window that is ready: one item
-                if len(items[-1]) == self._map_calls:  # each at most a step's calls
-                    items.append([])
-                items[-1].append(self._map_call(run, chunked))
-            if items[0]:
-                for stream in chunked:  # what their chunks released, at once
-                    s = run.parent.streams[stream]
-                    s.release(s.spec.policy.retain_from(run.started))
-                    self._grant(run.parent, s)
-                first = run.started - sum(map(len, items))
-                for calls in items:
-                    self._issue_map(req, run, first, calls)
-                    first += len(calls)
-                changed = True
-            return self._settle(req, run) or changed
+            return self._pump_map(req, run) or changed
         while self._can_start(req, run):  # every iteration that may start: a map's windows
             frame = self._start_iteration(run)
             if ls.flat and self._pump(req, frame) and not any(frame.todo.values()):
@@ -311,66 +298,6 @@ class LoopDriver:
         run.frames[i] = frame
         run.started += 1
         return frame
-
-    def _map_call(self, run: LoopRun, chunked: set[str]) -> tuple[list[Any], dict[str, Any]]:
-        """Start the next iteration of a map as a call of its node's component (its item is
-        ``_issue_map``'s): its arguments, from its parameters' values; the streams it cut a
-        chunk of join ``chunked``."""
-        values, cut = self._iteration_values(run, release=False)  # the caller releases
-        chunked.update(cut)
-        run.started += 1
-        run.flying += 1
-        assert run.spec.map_node is not None
-        op = run.spec.map_node.ops[0].op
-        value = self._interp.value
-        return [value(a, values) for a in op.args], {
-            k: value(a, values) for k, a in op.kwargs.items()
-        }
-
-    def _issue_map(
-        self,
-        req: RequestState,
-        run: LoopRun,
-        first: int,
-        calls: list[tuple[list[Any], dict[str, Any]]],
-    ) -> None:
-        """Map iterations just started, ``first`` on (their ``calls``, in order), as one item
-        of its node; their values come back together (``_bind_map``)."""
-        node = run.spec.map_node
-        assert node is not None
-        parent = run.parent
-        ops = tuple(s.op.name for s in node.ops)
-        item = self._work_item(
-            req,
-            parent,
-            node.name,
-            "component",
-            ops,
-            path=(*parent.path, first),
-            outputs=tuple(dict.fromkeys(run.spec.node.outputs)),
-            calls=tuple(calls),
-        )
-        self._issue(item, Pending(req, parent, node.name, ops, {}, item, window=(run, first)))
-
-    def _bind_map(self, p: Pending, value: Any) -> RequestState | None:
-        """A map item's values (one mapping per iteration, in order) kept for their commit;
-        its request, to advance (None: failed)."""
-        assert p.window is not None
-        run, first = p.window
-        n = len(p.item.calls or ())
-        outputs = run.spec.node.outputs
-        if not isinstance(value, list) or len(value) != n:
-            got = len(value) if isinstance(value, list) else type(value).__name__
-            self._node_failed(p, f"a map item of {n} iterations got results for {got}")
-            return None
-        for k, values in enumerate(value):
-            missing = [o for o in outputs if o not in values]
-            if missing:
-                self._node_failed(p, f"result has no value for ops {missing}")
-                return None
-            run.results[first + k] = [values[o] for o in outputs]
-        run.flying -= n
-        return p.request
 
     def _iteration_values(
         self, run: LoopRun, release: bool = True

@@ -14,14 +14,14 @@ from typing import Any
 
 from walkserve.capture.loopsem import LoopError
 from walkserve.runtime.frames import Forward, Frame, Pending, RequestState
-from walkserve.runtime.loopdriver import LoopDriver
+from walkserve.runtime.loopmaps import MapItems
 from walkserve.runtime.walkspec import RegionSpec
 from walkserve.runtime.workitem import UNLIMITED, Credit, Feed, StreamItem
 
 __all__ = ["RegionItems"]
 
 
-class RegionItems(LoopDriver):
+class RegionItems(MapItems):
     """The region-item half of ``Conductor``'s state machine (see the module docstring)."""
 
     # the conductor's state these methods read (set by Conductor.__init__)
