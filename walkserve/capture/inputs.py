@@ -263,8 +263,14 @@ def _scalar(value: Any) -> Any:
     return value
 
 
+# a dtype's name as specs write it ("float32"), made once per dtype: every admission asks
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def _check_tensor(t: torch.Tensor, spec: ir.InputSpec, fail: Any) -> None:
-    dtype = str(t.dtype).removeprefix("torch.")
+    dtype = _DTYPE_NAMES.get(t.dtype)
+    if dtype is None:
+        dtype = _DTYPE_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
     if dtype != spec.dtype:
         fail("dtype", f"must be {spec.dtype}, got {dtype}")
     shape = spec.shape or []
@@ -274,23 +280,22 @@ def _check_tensor(t: torch.Tensor, spec: ir.InputSpec, fail: Any) -> None:
             f"must have {len(shape)} dimensions ({_describe_spec(spec)}), got shape {list(t.shape)}",
         )
     for d, (size, want) in enumerate(zip(t.shape, shape)):
-        what = (
-            "the batch dimension 0"
-            if d == 0 and isinstance(want, ir.DimRange)
-            else f"dimension {d}"
-        )
-        rule = "batch" if d == 0 else "shape"
-        if isinstance(want, int) and size != want:
-            fail(
-                rule,
-                f"{what} must be {want} ({_describe_spec(spec)}), got shape {list(t.shape)}; "
-                "the walk was captured with that size: if it may vary, declare it "
-                f"(@walk(inputs={{name: Input(dims={{{d}: 'dynamic'}})}}))",
-            )
-        if isinstance(want, ir.DimRange) and not (
+        if isinstance(want, int):
+            if size != want:
+                fail(
+                    "batch" if d == 0 else "shape",
+                    f"dimension {d} must be {want} ({_describe_spec(spec)}), got shape "
+                    f"{list(t.shape)}; the walk was captured with that size: if it may vary, "
+                    f"declare it (@walk(inputs={{name: Input(dims={{{d}: 'dynamic'}})}}))",
+                )
+        elif isinstance(want, ir.DimRange) and not (
             want.min <= size and (want.max is None or size <= want.max)
         ):
-            fail(rule, f"{what} must be in {_fmt_range(want.min, want.max)}, got {size}")
+            what = "the batch dimension 0" if d == 0 else f"dimension {d}"
+            fail(
+                "batch" if d == 0 else "shape",
+                f"{what} must be in {_fmt_range(want.min, want.max)}, got {size}",
+            )
     ranged = spec.min is not None or spec.max is not None
     if t.numel() == 0 or not (spec.finite or ranged):
         return
