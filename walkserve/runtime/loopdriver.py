@@ -8,7 +8,7 @@ it drives these through are ``FrameDriver``'s (``runtime.framedriver``), the req
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -288,8 +288,7 @@ class LoopDriver:
         ls, i, parent = run.spec, run.started, run.parent
         node = ls.node
         values, chunked = self._iteration_values(run)
-        for stream in chunked:
-            self._grant(parent, parent.streams[stream])
+        self._release_chunks(parent, chunked, i + 1)
         speculative = node.stop is not None and i > run.known
         if speculative:
             self._speculated += 1
@@ -299,13 +298,9 @@ class LoopDriver:
         run.started += 1
         return frame
 
-    def _iteration_values(
-        self, run: LoopRun, release: bool = True
-    ) -> tuple[dict[str, Any], list[str]]:
+    def _iteration_values(self, run: LoopRun) -> tuple[dict[str, Any], list[str]]:
         """The values of the next iteration's parameters, and the streams it cut a chunk of
-        (their items before the next chunk released, unless not ``release``: a map starting
-        several windows releases once after the last; grant their producers the credit that
-        frees)."""
+        (for ``_release_chunks`` once the iterations that cut them are started)."""
         ls, i, parent = run.spec, run.started, run.parent
         node = ls.node
         prev = run.frames.get(i - 1)
@@ -329,11 +324,15 @@ class LoopDriver:
                 values[p.name] = step_value(
                     role, i, lambda a: self._interp.value(a, parent.env), None
                 )
-        if release:
-            for stream in chunks:
-                s = parent.streams[stream]
-                s.release(s.spec.policy.retain_from(i + 1))
         return values, list(chunks)
+
+    def _release_chunks(self, f: Frame, streams: Iterable[str], before: int) -> None:
+        """Release the items of ``streams`` (of frame ``f``) that no chunk from iteration
+        ``before`` on reads, and grant their producers the credit that frees."""
+        for stream in streams:
+            s = f.streams[stream]
+            s.release(s.spec.policy.retain_from(before))
+            self._grant(f, s)
 
     def _settle(self, req: RequestState, run: LoopRun) -> bool:
         """Evaluate stops in order, commit complete iterations in order, finish the loop."""

@@ -37,10 +37,7 @@ class MapItems(LoopDriver):
             items[-1].append(self._map_call(run, chunked))
         changed = False
         if items[0]:
-            for stream in chunked:  # what their chunks released, at once
-                s = run.parent.streams[stream]
-                s.release(s.spec.policy.retain_from(run.started))
-                self._grant(run.parent, s)
+            self._release_chunks(run.parent, chunked, run.started)  # once for all of them
             first = run.started - sum(map(len, items))
             for calls in items:
                 self._issue_map(req, run, first, calls)
@@ -52,7 +49,7 @@ class MapItems(LoopDriver):
         """Start the next iteration of a map as a call of its node's component (its item is
         ``_issue_map``'s): its arguments, from its parameters' values; the streams it cut a
         chunk of join ``chunked`` (``_pump_map`` releases them)."""
-        values, cut = self._iteration_values(run, release=False)
+        values, cut = self._iteration_values(run)
         chunked.update(cut)
         run.started += 1
         run.flying += 1

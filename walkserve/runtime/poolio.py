@@ -155,7 +155,7 @@ class IoLoop(RankLife):
         if state is None or len(frames) != 2:
             self._from_unknown(frames)  # a remote rank's (new) process joins: poolremote
             return
-        state.last_seen = time.monotonic()
+        state.last_seen = now = time.monotonic()
         try:
             msg: Message = decode(frames[1])
         except MessageError as e:
@@ -166,7 +166,7 @@ class IoLoop(RankLife):
             log.warning("rank %d sent an unexpected %s", state.rank, type(msg).__name__)
             return
         if type(msg) is not Heartbeat:
-            state.busy_at = state.last_seen or 0.0
+            state.busy_at = now
         if getattr(msg, "rank", state.rank) != state.rank:
             log.warning("rank %d sent a message for rank %s", state.rank, msg.rank)  # type: ignore[union-attr]
             return
