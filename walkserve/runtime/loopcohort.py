@@ -38,6 +38,7 @@ accumulated pieces and last outputs are the rows of the joint ones that hold it.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,7 +197,30 @@ class Cohort:
     def dissolve(self) -> list[Left]:
         """Each run's rows of the cohort's state, in the order the runs joined (a run taken
         in by ``extend`` that has taken no step here: its carried rows, no last outputs)."""
-        return [self.left(k, pieces) for k, pieces in enumerate(self.seal())]
+        spec, sealed = self.spec, self.seal()
+        if len(self.rows) == 1:
+            return [self.left(0, sealed[0])]
+        # each joint value cut into every run's rows by one op, not one narrow per run
+        last: list[list[Any]] | None = None
+        if self.last is not None:
+            cols = [self._split(v, spec.out_dims[o]) for v, o in zip(self.last, spec.outputs)]
+            last = [[c[k] for c in cols] for k in range(len(self.rows))]
+        carried = {p: self._split(self.carried[p], d) for p, d in spec.carried_dims.items()}
+        return [
+            Left(
+                {p: vs[k] for p, vs in carried.items()},
+                None if last is None else last[k],
+                pieces,
+                self.steps,
+            )
+            for k, pieces in enumerate(sealed)
+        ]
+
+    def _split(self, value: Any, dim: int | None) -> Sequence[Any]:
+        """Every run's rows of a joint value batched along ``dim`` (None: the value, shared)."""
+        if dim is None:
+            return [value] * len(self.rows)
+        return value.split_with_sizes(self.rows, dim)
 
     def left(self, k: int, pieces: dict[str, list[Any]]) -> Left:
         """Run ``k``'s rows of the cohort's state, with its ``pieces`` (``seal``'s)."""
@@ -220,25 +244,26 @@ class Cohort:
         spec = self.spec
         out_dims = [spec.out_dims[o] for o in spec.outputs]
         acc_dims = {ch: out_dims[k] for ch, k in spec.accumulated.items()}
-        whole = len(self.rows) == 1
-        stacked = (
-            {} if whole else {ch: _stacked(vs, acc_dims[ch]) for ch, vs in self.pieces.items()}
-        )
-        out: list[dict[str, list[Any]]] = []
-        for at, n in zip(self.offsets, self.rows):
-
-            def pieces(ch: str, vs: list[Any], a: int = at, n: int = n) -> list[Any]:
-                dim = acc_dims[ch]
-                if whole or dim is None:
-                    return list(vs)
-                block = stacked.get(ch)
-                if block is None:  # one narrow per piece (shapes differ, or one piece)
-                    return [v.narrow(dim, a, n) for v in vs]
-                # the run's rows of every step, steps first (a view of its own rows)
-                return [Steps(block.narrow(dim, a, n).movedim(dim + 1, 0))]
-
-            out.append({ch: pieces(ch, vs) for ch, vs in self.pieces.items()})
-        return out
+        runs = len(self.rows)
+        if runs == 1:
+            return [{ch: list(vs) for ch, vs in self.pieces.items()}]
+        # per channel, every run's pieces (cut by one op for all runs, not one per run)
+        by_channel: dict[str, list[list[Any]]] = {}
+        for ch, vs in self.pieces.items():
+            dim = acc_dims[ch]
+            if dim is None:
+                by_channel[ch] = [list(vs) for _ in range(runs)]
+                continue
+            block = _stacked(vs, dim)
+            if block is None:  # each piece cut (shapes differ, or one piece)
+                by_channel[ch] = [
+                    list(p) for p in zip(*(v.split_with_sizes(self.rows, dim) for v in vs))
+                ]
+                continue
+            # each run's rows of every step, steps first (a view of its own rows)
+            steps_first = block.movedim(dim + 1, 0)  # the batch dim now at dim + 1
+            by_channel[ch] = [[Steps(b)] for b in steps_first.split_with_sizes(self.rows, dim + 1)]
+        return [{ch: cut[k] for ch, cut in by_channel.items()} for k in range(runs)]
 
 
 def cohort_spec(
@@ -399,7 +424,7 @@ def _cohort(
     slabs: dict[str, torch.Tensor],
     rebased: int = 0,
 ) -> Cohort:
-    offsets = [sum(rows[:k]) for k in range(len(rows))]
+    offsets = [0, *itertools.accumulate(rows)][:-1]
     return Cohort(
         spec, rows, length, fixed, carried, slabs, offsets=offsets, total=sum(rows), rebased=rebased
     )
