@@ -164,6 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
     from walkserve.api.app import ApiConfig, create_app
     from walkserve.api.profile import with_limits, without_tokenizer
     from walkserve.progress import StartupProgress
+    from walkserve.runtime import heap
     from walkserve.runtime.config import LaunchConfig, LoweringConfig, PoolConfig
     from walkserve.runtime.limits import WalkLimits
     from walkserve.runtime.server import serve
@@ -236,6 +237,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(server, profile, config)
         ranks = len(server.health())
+        # the model, the plan and the app live as long as this process: a full collection of
+        # the cyclic collector never walks them again (``runtime.heap``)
+        heap.freeze()
         progress.stage("ready")
         print(f"walkserve: serving {model} as {', '.join(names)} on {ranks} worker(s)", flush=True)
         scheme = "https" if args.ssl_certfile else "http"

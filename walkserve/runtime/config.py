@@ -154,6 +154,10 @@ class PoolConfig:
     remote_data: Literal["inline", "mooncake"] = "inline"
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     idle_spin_s: float | None = None
+    # each worker freezes its heap once set up (``runtime.heap``): the model, torch and the
+    # plan never walked again by a full collection of the cyclic collector (False: they are,
+    # as in any Python process; a comparison, or a search for a leak among them)
+    freeze_heap: bool = True
 
     def __post_init__(self) -> None:
         if self.idle_spin_s is not None and not 0 <= self.idle_spin_s <= MAX_IDLE_SPIN_S:
@@ -257,6 +261,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     curve_secret_key: str = ""
     generation: int = 0  # restarts of this rank before this process (its routing id)
     idle_spin_s: float = 0.0  # the engine polls without sleeping this long after its work
+    freeze_heap: bool = True  # ``PoolConfig.freeze_heap``
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -297,6 +302,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             curve_public_key=curve[1],
             curve_secret_key=curve[2],
             idle_spin_s=idle_spin(pool.idle_spin_s, ranks - len(pool.remote_ranks), threads),
+            freeze_heap=pool.freeze_heap,
         )
 
     def to_json(self) -> str:

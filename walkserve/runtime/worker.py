@@ -93,6 +93,7 @@ if TYPE_CHECKING:
     from walkserve.runtime.tp.member import TPMember
     from walkserve.runtime.transport import ObjectStore, ShmTransport
 
+from walkserve.runtime import heap
 from walkserve.runtime.components import KVEngine, component_counters, configure_kv
 from walkserve.runtime.config import KiB, WorkerConfig, default_threads, routing_id
 from walkserve.runtime.workerinbox import WorkerInbox
@@ -346,6 +347,7 @@ class Worker(WorkerInbox):
         if setup.exchange == "mooncake":  # ranks on other hosts read what this one holds
             self._exchange(setup)
         runner = NodeRunner(captured, plan, self.rank)
+        components = component_counters(model)
         scheduler = RankScheduler(
             region_walks(captured, plan, self.rank),
             speculate=setup.speculate,
@@ -363,8 +365,10 @@ class Worker(WorkerInbox):
             self._send,
             hold=setup.hold and (self.peers is not None or self.pull is not None),
             here=frozenset({self.rank, *(setup.peers if self.peers is not None else ())}),
-            counters=component_counters(model),
+            counters=lambda: components() | heap.counters(),
         )
+        if self.config.freeze_heap:  # what it holds now lives as long as the process
+            heap.freeze()
 
     def _exchange(self, setup: WorkerSetup) -> None:
         """Held tensors exported through Mooncake for readers on other hosts, and theirs
