@@ -60,8 +60,10 @@ class CapturedModel:
     ) -> str | None:
         """The walk after ``walk``: the model's ``next_walk`` if it defines one, else the
         walk's declared ``next``."""
-        custom = getattr(self.model, "next_walk", None)
-        if self.graph.custom_transition and callable(custom):
+        # the graph says first: a module's getattr of a name it lacks raises inside, which
+        # every walk's end would pay
+        custom = getattr(self.model, "next_walk", None) if self.graph.custom_transition else None
+        if callable(custom):
             nxt = custom(request, walk, outputs)
             if nxt is not None and nxt not in self.graph.walks:
                 raise ValueError(f"next_walk returned unknown walk {nxt!r}")
