@@ -39,6 +39,7 @@ from walkserve.runtime.poolstate import (
     WorkerPoolClosed,
     describe_exit,
     fail_future,
+    unreachable,
 )
 from walkserve.runtime.shm import (
     ShmError,
@@ -132,7 +133,7 @@ class NodeBatches(RemoteRanks):
         except zmq.ZMQError as e:  # its socket is gone (dead) or its queue is full
             pending = self._take(batch)
             if pending is not None:
-                error = WorkerDied(f"worker rank {rank} is unreachable: {e}", rank)
+                error = WorkerDied(unreachable(state, e), rank)
                 fail_future(pending.future, error)
         return future
 

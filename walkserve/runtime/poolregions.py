@@ -43,7 +43,7 @@ from walkserve.runtime.messages import (
     Value,
     encode,
 )
-from walkserve.runtime.poolstate import GONE, RankState, describe_exit
+from walkserve.runtime.poolstate import GONE, RankState, describe_exit, unreachable
 from walkserve.runtime.transport import Token, shm_handles
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class RegionTraffic:
         try:
             self.pool._send(state, data)
         except zmq.ZMQError as e:
-            self.fail_rank(rank, f"worker rank {rank} is unreachable: {e}")
+            self.fail_rank(rank, unreachable(state, e))
 
     def feed(
         self,

@@ -151,6 +151,18 @@ def recv_multipart(sock: zmq.Socket[bytes]) -> list[bytes] | None:
         return None
 
 
+def unreachable(state: RankState, error: Exception) -> str:
+    """Why a command could not be sent to ``state``'s process: its death, when it has exited
+    and the io thread has not seen it yet (a SIGKILLed rank's socket is gone before its exit
+    is read: the requests it fails fail as its death's do), else the socket's error."""
+    code = None
+    with contextlib.suppress(Exception):  # a remote rank has no process of ours to ask
+        code = state.process.exitcode  # polled, not waited for
+    if code is not None:
+        return f"worker rank {state.rank} died ({describe_exit(code)})"
+    return f"worker rank {state.rank} is unreachable: {error}"
+
+
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
