@@ -21,8 +21,10 @@ host disturbs less than wall time), the same in blocks of
 request leaves the worker idle while the eager loop runs, so that each served request finds
 it asleep, which costs it more than the eager one), and 16 concurrent
 requests served vs the same 16 run eagerly one after another (throughput ratio, target >= 4;
-the median of ``ROUNDS`` rounds), beside the bound batching alone gives (the 16 as one batch
-through the eager loop). Where batch-1 time goes: p50 pairs at a short and a long loop length
+the median of ``ROUNDS`` rounds, each eager then served), beside the bound batching alone gives
+(the 16 as one batch through the eager loop), and the same ratio for rounds back to back
+(blocks of ``STEADY_ROUNDS`` rounds each way: a loaded server's view, where a served round does
+not start on a worker left idle by an eager round). Where batch-1 time goes: p50 pairs at a short and a long loop length
 too (``CASES``), fitted as ``t = fixed + per_step * length`` for served and eager, give the
 served path's fixed cost per request and its cost per step over eager's, and the loop length
 from which served / eager is at most 1.2 on this machine. Every served
@@ -61,6 +63,7 @@ THREADS = int(os.environ.get("BENCH_THREADS", "0")) or None  # None: default_thr
 # moments); the median of 5 moved with that
 ROUNDS = 15
 BLOCK = 10  # requests per block of the back-to-back measurement
+STEADY_ROUNDS = 8  # concurrent rounds per block of their back-to-back measurement
 # factory, walk, inputs(seed, loop length), (short, standard, long) loop lengths: the standard
 # one is the measurement, the other two place it on the overhead model
 CASES: dict[str, tuple[str, str, Any, tuple[int, int, int]]] = {
@@ -206,6 +209,28 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
             for got, want in zip(gots, wants):
                 error = max(error, check(got, want))
         _, eager_wall, served_wall = sorted(ratios)[len(ratios) // 2]  # the median round
+        # a loaded server's view: rounds back to back, in blocks of STEADY_ROUNDS each way
+        # (alternating a round each way leaves the worker idle through the eager round, so
+        # that each served round starts on a cold worker), the blocks alternating
+        steady_eager_rounds: list[float] = []
+        steady_served_rounds: list[float] = []
+        for b in range(2):
+            rounds = [
+                [inputs(5000 + 1000 * b + 100 * k + i) for i in range(concurrent)]
+                for k in range(STEADY_ROUNDS)
+            ]
+            wants_by_round = []
+            for batch in rounds:
+                t0 = time.perf_counter()
+                wants_by_round.append([eager(r) for r in batch])
+                steady_eager_rounds.append(time.perf_counter() - t0)
+            for batch, wants in zip(rounds, wants_by_round):
+                t0 = time.perf_counter()
+                futures = [server.submit_future(r, walk, stream=False) for r in batch]
+                gots = [f.result(timeout=600).result(timeout=600) for f in futures]
+                steady_served_rounds.append(time.perf_counter() - t0)
+                for got, want in zip(gots, wants):
+                    error = max(error, check(got, want))
         # the bound batching can reach: the last round's requests as one batch, eagerly
         joint = {
             k: torch.cat([r[k] for r in batch]) if isinstance(v, torch.Tensor) else v
@@ -241,6 +266,11 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
         "served_concurrent_req_per_s": concurrent / served_wall,
         "eager_one_by_one_req_per_s": concurrent / eager_wall,
         "throughput_ratio": eager_wall / served_wall,
+        # rounds back to back each way (medians of 2 x STEADY_ROUNDS)
+        "steady_round_served_s": statistics.median(steady_served_rounds),
+        "steady_round_eager_s": statistics.median(steady_eager_rounds),
+        "steady_throughput_ratio": statistics.median(steady_eager_rounds)
+        / statistics.median(steady_served_rounds),
         # the same requests as one batch through the eager loop: what batching alone gives
         "eager_batched_req_per_s": concurrent / batched_s,
         "batched_throughput_ratio": eager_wall / batched_s,
@@ -278,7 +308,9 @@ def main() -> None:
         print(
             f"{'':8} back to back (blocks of {BLOCK} each way): served "
             f"{r['steady_served_p50_s'] * 1e3:.2f} ms vs eager "
-            f"{r['steady_eager_p50_s'] * 1e3:.2f} ms ({r['steady_served_over_eager']:.2f}x)"
+            f"{r['steady_eager_p50_s'] * 1e3:.2f} ms ({r['steady_served_over_eager']:.2f}x); "
+            f"{concurrent} concurrent, rounds back to back (blocks of {STEADY_ROUNDS}): "
+            f"{r['steady_throughput_ratio']:.2f}x the eager one-by-one throughput"
         )
         o = r["overhead"]
         reach = o["length_for_1_2x"]

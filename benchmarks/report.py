@@ -475,6 +475,11 @@ def _loops(data: dict[str, Any], src: str) -> list[Row]:
             + f"; {r['concurrent']} concurrent"
             f" {_x(r['throughput_ratio'])} the eager one-by-one throughput (target 4x)"
             + (
+                f" (rounds back to back each way: {_x(r['steady_throughput_ratio'])})"
+                if r.get("steady_throughput_ratio")
+                else ""
+            )
+            + (
                 f", the same batch run eagerly {_x(r['batched_throughput_ratio'])}"
                 if r.get("batched_throughput_ratio")
                 else ""
