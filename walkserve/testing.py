@@ -155,10 +155,13 @@ def lane_steps(scheduler: Any, runner: Any, limit: int) -> int:
     if lane is None or limit < 1:
         return taken
     with runner.lane(lane.walk, lane.node, lane.item) as run:
-        while taken < limit:
-            taken += 1
-            if not lane.commit(run(lane.call())):
-                break
+        try:
+            while taken < limit:
+                taken += 1
+                if not lane.commit(run(lane.call())):
+                    break
+        finally:
+            lane.end()
     return taken
 
 

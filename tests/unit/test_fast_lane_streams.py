@@ -129,14 +129,9 @@ def test_a_producer_feeding_a_window_consumer_takes_the_lane_and_gives_the_inter
     early: dict[int, dict[str, Any]] = {}
     step = 0
     while len(outputs) < len(reqs) and step < 200:
-        for k in reqs:
-            if arrive[k] == step:
-                sched.start(k, f"q{k}", "speak", region, reqs[k], client)
-        steps = sched.schedule()
-        for s in steps:
-            sched.update(s, runner.run(s.walk, s.node, s.items))
-        testing.lane_steps(sched, runner, lane if steps else 0)  # while no command waits
-        for rep in sched.reports():
+        started = {k: r for k, r in reqs.items() if arrive[k] == step}
+        _, reports = one_pass(sched, runner, region, started, client, lane)
+        for rep in reports:
             assert not isinstance(rep, RegionFailed), rep
             if isinstance(rep, RegionOutput):  # known before the exit: the producer's
                 early.setdefault(rep.item, {}).update(rep.outputs)
@@ -161,6 +156,26 @@ def test_a_producer_feeding_a_window_consumer_takes_the_lane_and_gives_the_inter
         # run shorter than that, a window, an exit or a padded last window may follow every
         # step (lengths [2, 4]: none is settled after any step)
         assert sched.loops.counters()["loop_stepper/lane_steps"] > 0
+
+
+def one_pass(
+    sched: RankScheduler,
+    runner: NodeRunner,
+    region: str,
+    started: dict[int, dict[str, Any]],
+    client: bool,
+    lane: int,
+) -> tuple[int, list[Any]]:
+    """One engine pass: the requests ``started`` now, a schedule and its steps, then up to
+    ``lane`` fast-lane steps (while no command waits; none after an empty pass): the lane's
+    steps taken, and the pass's reports."""
+    for k, r in started.items():
+        sched.start(k, f"q{k}", "speak", region, r, client)
+    steps = sched.schedule()
+    for s in steps:
+        sched.update(s, runner.run(s.walk, s.node, s.items))
+    taken = testing.lane_steps(sched, runner, lane if steps else 0)
+    return taken, sched.reports()
 
 
 def sched_outputs(region_out: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
@@ -292,3 +307,90 @@ def run_to_exit(
             if isinstance(rep, RegionDone):
                 return early | rep.outputs
     raise AssertionError("the region run did not exit in 100 passes")
+
+
+@settings(max_examples=25, deadline=None)
+@example(lengths=[14, 12], arrive=[0, 0, 0], lanes=[9], client=False, limit=64)
+@example(lengths=[14], arrive=[0, 0, 0], lanes=[9, 3], client=False, limit=WINDOW + 1)
+@given(
+    lengths=st.lists(st.integers(1, 14), min_size=1, max_size=3),
+    arrive=st.lists(st.integers(0, 4), min_size=3, max_size=3),
+    lanes=st.lists(st.integers(0, 9), min_size=1, max_size=6),
+    client=st.booleans(),
+    limit=st.sampled_from([WINDOW, WINDOW + 1, WINDOW + 3, 64]),
+)
+def test_quick_lane_commits_change_nothing_a_step_by_step_commit_would_not(
+    lengths: list[int], arrive: list[int], lanes: list[int], client: bool, limit: int
+) -> None:
+    """The lane's quick commits (``LoopStepper.lane_budget``, ``lane_quick``: steps after
+    which nothing but the cohort changes, reported when the lane ends) against a scheduler
+    that commits every step in full: driven alike (arrivals, passes, lanes of random depths),
+    both take the same lane steps in every lane, make the same reports in the same order with
+    equal values, count the same steps and batch sizes, and stop at the same credit."""
+    captured, plan = setup()
+    (region,) = [r.name for r in plan.regions["speak"]]
+    runner = NodeRunner(captured, plan, 0)
+
+    def make() -> RankScheduler:
+        return RankScheduler(
+            region_walks(captured, plan, 0), joins=runner.joinable(), stream_buffer_limit=limit
+        )
+
+    quick, full = make(), make()
+    full.loops.lane_budget = lambda band, held: 0  # type: ignore[method-assign]
+    commits = []  # whether each of the quick scheduler's quick commits took its step
+    lane_quick = quick.loops.lane_quick
+
+    def spy(band: Any, result: Any) -> bool:
+        commits.append(lane_quick(band, result))
+        return commits[-1]
+
+    quick.loops.lane_quick = spy  # type: ignore[method-assign]
+    reqs = {k: inputs(10 + k, n) for k, n in enumerate(lengths)}
+    quick_steps = 0
+    done = 0
+    for step in range(300):
+        reports = []
+        started = {k: r for k, r in reqs.items() if arrive[k] == step}
+        for sched in (quick, full):
+            reports.append(
+                one_pass(sched, runner, region, started, client, lanes[step % len(lanes)])
+            )
+        (taken, got), (taken_full, want) = reports
+        assert taken == taken_full
+        assert [describe(r) for r in got] == [describe(r) for r in want]
+        for g, w in zip(got, want):
+            assert_equal_values(g, w)
+        done += sum(isinstance(r, RegionDone) for r in got)
+        quick_steps += taken
+        if done == len(reqs):
+            break
+    assert done == len(reqs)
+    if not client and max(lanes) >= 4 and min(lengths) >= 8 and len(set(arrive)) == 1:
+        assert any(commits)  # a lone cohort's items only windows read: quick commits ran
+    assert quick.loops.counters() == full.loops.counters()
+    assert quick.batch_sizes == full.batch_sizes
+    assert quick.loops._produced == full.loops._produced
+    for sched in (quick, full):
+        assert sched.stats().live_values == 0 and sched.idle()
+
+
+def describe(rep: Any) -> tuple[Any, ...]:
+    return (
+        type(rep).__name__,
+        rep.item,
+        getattr(rep, "channel", None),
+        getattr(rep, "index", None),
+        sorted(getattr(rep, "outputs", {}) or {}),
+    )
+
+
+def assert_equal_values(got: Any, want: Any) -> None:
+    for name in ("value", "outputs"):
+        g, w = getattr(got, name, None), getattr(want, name, None)
+        if isinstance(g, dict):
+            assert g.keys() == w.keys()
+            for k in g:
+                assert torch.equal(g[k], w[k]), k
+        elif isinstance(g, torch.Tensor):
+            assert torch.equal(g, w)

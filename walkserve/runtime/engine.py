@@ -331,22 +331,28 @@ class EngineLoop:
                 return
             if inbox is not None and inbox.waiting():
                 return
-        commit, call = lane.commit, lane.call
+        commit, call, end = lane.commit, lane.call, lane.end
         with self.runner.lane(lane.walk, lane.node, lane.item) as run:
-            while True:
-                try:
-                    more = commit(run(call()))
-                except Exception as e:  # a bug of ours: its requests fail, the rank goes on
-                    log.exception("rank %d: lane step of %s:%s", self.rank, lane.walk, lane.node)
-                    error = f"rank {self.rank}: {type(e).__name__}: {e}"
-                    self.scheduler.fail_step(lane.step(), error)
-                    return
-                if self._unsent and self._due():
-                    self._flush()
-                if not more or not commands.empty() or stopping.is_set():
-                    return
-                if inbox is not None and inbox.waiting():
-                    return
+            try:
+                while True:
+                    try:
+                        more = commit(run(call()))
+                    except Exception as e:  # a bug of ours: its requests fail, the rank goes on
+                        log.exception(
+                            "rank %d: lane step of %s:%s", self.rank, lane.walk, lane.node
+                        )
+                        end()
+                        error = f"rank {self.rank}: {type(e).__name__}: {e}"
+                        self.scheduler.fail_step(lane.step(), error)
+                        return
+                    if self._unsent and self._due():
+                        self._flush()
+                    if not more or not commands.empty() or stopping.is_set():
+                        return
+                    if inbox is not None and inbox.waiting():
+                        return
+            finally:
+                end()  # what its quick commits left to report, before anything else
 
     def _step(self, step: Step) -> None:
         results = self._run(step.walk, step.node, step.items)

@@ -7,6 +7,7 @@ dissolves them; the stepper keeps the runs and the loop semantics."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,13 @@ class SharedSteps:
     _produced: dict[tuple[str, str], int]
     _ids: itertools.count[int]
     _reports: list[LoopReport]
+    # the lane's quick commits not settled yet: their cohort, and the first of its steps
+    # (``lane_quick``, ``lane_settle``)
+    _quick: tuple[Band, int] | None
+    _quick_sizes: tuple[tuple[str, int, int], ...]  # (value, dim, items) a quick step's piece has
+    steps: int
+    cohort_steps: int
+    lane_steps: int
 
     def _item(
         self,
@@ -222,18 +230,20 @@ class SharedSteps:
         if cohort.done():
             self._shrink(band)
 
-    def _band_streamed(self, band: Band) -> None:
-        """Each streaming run's piece of its streams' channels from the step just committed:
-        one ``LoopStreamedRows`` per channel when the runs' rows are cut out of one joint
-        piece (cut later, many steps at once), else a ``LoopStreamed`` each; and the items
-        each credited run produced."""
+    def _band_streamed(self, band: Band, step: int | None = None) -> None:
+        """Each streaming run's piece of its streams' channels from the cohort's step
+        ``step`` (None: the one just committed): one ``LoopStreamedRows`` per channel when
+        the runs' rows are cut out of one joint piece (cut later, many steps at once), else a
+        ``LoopStreamed`` each; and the items each credited run produced."""
         cohort = band.cohort
         plan = band.streams
         if plan is None or plan.cohort is not cohort:
             plan = band.streams = self._band_streams(band)
-        step, pieces = cohort.steps - 1, cohort.pieces
+        if step is None:
+            step = cohort.steps - 1
+        pieces = cohort.pieces
         for ch, dim, layout, whole in plan.channels:
-            last = pieces[ch][-1]
+            last = pieces[ch][step]
             if whole:  # one piece for all: the joint one
                 self._reports += [LoopStreamed(it, ch, i + step, last) for it, i, _, _ in layout]
             else:
@@ -247,8 +257,85 @@ class SharedSteps:
                 if n is None:
                     n = joint.get(ch)
                     if n is None:
-                        n = joint[ch] = piece_items(pieces[ch][-1], accumulated[ch])
+                        n = joint[ch] = piece_items(pieces[ch][step], accumulated[ch])
                 produced[key] = produced.get(key, 0) + n
+
+    # ------------------------------------------------------------------ quick lane commits
+
+    def lane_budget(self, band: Band, held: Collection[tuple[int, str]]) -> int:
+        """How many of ``band``'s next steps the engine's lane may commit with ``lane_quick``
+        (0: none): steps whose commits change nothing but the cohort. ``band`` is the lone
+        cohort; its last step (which shrinks or dissolves it) is not among them; every channel
+        its runs stream is in ``held`` (its items may wait for the lane's end: the step is
+        not reported before ``lane_settle``); and no credited run reaches its credit in them
+        (``lane_open`` after each would say the lane goes on)."""
+        if len(self._bands) != 1 or self._bands[0] is not band:
+            return 0
+        cohort = band.cohort
+        budget = cohort.length - cohort.steps - 1
+        if budget < 1 or not band.streaming:
+            return max(budget, 0)
+        if any((run.item, ch) not in held for _, run in band.streaming for ch in run.start.streams):
+            return 0
+        plan = band.streams
+        if plan is None or plan.cohort is not cohort:
+            plan = band.streams = self._band_streams(band)
+        credit, produced, spec = self._credit, self._produced, cohort.spec
+        sizes: dict[str, tuple[str, int, int]] = {}
+        for key, ch, n in plan.counted:
+            allowed = credit.get(key)
+            if allowed is None:
+                continue
+            if n is None:  # its items are read off each step's piece: this one's, and each
+                # quick step checks its own has as many (``lane_quick``)
+                last, acc = cohort.pieces[ch][-1], band.loop.node.accumulated[ch]
+                if not isinstance(last, torch.Tensor) or acc.mode != "cat":
+                    return 0
+                n = piece_items(last, acc)
+                name = spec.outputs[spec.accumulated[ch]]
+                sizes[ch] = (name, acc.dim % last.dim(), n)
+            if n < 1:
+                return 0
+            # after j more steps the next may start while produced + j * n + 1 <= allowed
+            budget = min(budget, (allowed - 1 - produced.get(key, 0)) // n)
+        self._quick_sizes = tuple(sizes.values())
+        return max(budget, 0)
+
+    def lane_quick(self, band: Band, result: ItemResult) -> bool:
+        """Commit ``band``'s step within its ``lane_budget``: the step's values joined into
+        the cohort at once, its reports and counts kept for ``lane_settle``; False, nothing
+        committed, for anything but a good step's values (a failure, a deferral, values not
+        batched as captured): ``lane_step`` commits that one (after ``lane_settle``)."""
+        values = result.values
+        if result.error is not None or result.deferred or values is None:
+            return False
+        for name, dim, n in self._quick_sizes:  # a piece of the size the budget counted
+            piece = values.get(name)
+            if not isinstance(piece, torch.Tensor) or piece.dim() <= dim or piece.shape[dim] != n:
+                return False
+        cohort = band.cohort
+        first = cohort.steps
+        if not cohort.advance(values):
+            return False
+        if self._quick is None:
+            self._quick = (band, first)
+        return True
+
+    def lane_settle(self) -> int:
+        """What ``lane_step`` would have done for each quick commit since the last settle (in
+        step order: its reports, its credited runs' items, the steps counted): how many."""
+        if self._quick is None:
+            return 0
+        band, first = self._quick
+        self._quick = None
+        n = band.cohort.steps - first
+        self.steps += n
+        self.cohort_steps += n
+        self.lane_steps += n
+        if band.streaming:
+            for step in range(first, band.cohort.steps):
+                self._band_streamed(band, step)
+        return n
 
     def _band_streams(self, band: Band) -> BandStreams:
         cohort, spec = band.cohort, band.cohort.spec

@@ -84,13 +84,15 @@ class Lane:
     """The engine's fast lane (``RankScheduler.lane``): one cohort's steps back to back, each
     ``commit(result)`` of the runner's result for ``item`` with arguments ``call()``; a commit
     that returns False ends the lane (call ``schedule``). What has to be reported is reported as
-    ``update`` reports it."""
+    ``update`` reports it, by ``end()`` at the latest: the engine calls it whenever it leaves
+    the lane (before ``fail_step`` too), and before anything else of the scheduler's."""
 
     walk: str
     node: str
     item: RunItem  # its ops, outputs and the runs it joins; no call (each step's is call())
     call: Callable[[], tuple[list[Any], dict[str, Any]]]
     commit: Callable[[ItemResult], bool]
+    end: Callable[[], None] = lambda: None
 
     def step(self) -> Step:
         """The lane as a ``Step`` (``fail_step`` takes it)."""

@@ -267,8 +267,14 @@ class RankScheduler:
             if self.conductor.deferrable(run.item, ch)
         }
         seen: dict[int, tuple[Any, bool]] = {}  # ``urgent``'s answers per layout, this lane
+        budget = 0  # steps the next commits may make quickly (``LoopStepper.lane_budget``)
 
         def commit(result: ItemResult) -> bool:
+            nonlocal budget
+            if budget > 0 and loops.lane_quick(band, result):
+                budget -= 1  # nothing but the cohort changed: the rank is settled still
+                return True
+            end()
             sizes[n] = sizes.get(n, 0) + 1
             since = loops.waiting_reports()
             more = loops.lane_step(band, result)
@@ -279,9 +285,19 @@ class RankScheduler:
                 self._collect()
                 if not more and self._settled:
                     more = loops.lane_open(band)
-            return more and self._settled
+            more = more and self._settled
+            if more:
+                budget = loops.lane_budget(band, held)
+            return more
 
-        return Lane(band.loop.walk, band.loop.body[0].name, item, band.cohort.call, commit)
+        def end() -> None:  # the quick commits' reports and counts, as each step's would be
+            nonlocal budget
+            budget = 0
+            quick = loops.lane_settle()
+            if quick:
+                sizes[n] = sizes.get(n, 0) + quick
+
+        return Lane(band.loop.walk, band.loop.body[0].name, item, band.cohort.call, commit, end)
 
     def _count_batch(self, step: Step) -> None:
         """Record the size of a step that ran: its requests (a loop stepper's joined item holds
