@@ -269,6 +269,7 @@ class SharedSteps:
         its runs stream is in ``held`` (its items may wait for the lane's end: the step is
         not reported before ``lane_settle``); and no credited run reaches its credit in them
         (``lane_open`` after each would say the lane goes on)."""
+        self._quick_sizes = ()  # this budget's, set below where it counts a piece's size
         if len(self._bands) != 1 or self._bands[0] is not band:
             return 0
         cohort = band.cohort
@@ -298,7 +299,7 @@ class SharedSteps:
                 return 0
             # after j more steps the next may start while produced + j * n + 1 <= allowed
             budget = min(budget, (allowed - 1 - produced.get(key, 0)) // n)
-        self._quick_sizes = tuple(sizes.values())
+        self._quick_sizes = tuple(sizes.values()) if budget > 0 else ()
         return max(budget, 0)
 
     def lane_quick(self, band: Band, result: ItemResult) -> bool:
