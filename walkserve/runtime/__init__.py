@@ -53,7 +53,8 @@ Modules, by role:
                   poolremote (remote ranks, link probes), poolsupervision, poolstate, config
     supervisor    when a silent rank is hung, restarts of dead ranks, crash loops (pure)
     worker        a worker process: sockets, setup, the watch thread; workerinbox: the
-                  command socket read by the engine's thread; engine: its engine loop
+                  command socket read by the engine's thread; engine: its engine loop;
+                  heap: its heap frozen once set up (no full collection walks it again)
     rankscheduler what a rank runs next (pure); rankreports: its steps and reports;
                   regionwalk: regions as walks; loopstep: the fast path for simple loops
                   (pure); stepvalues: a cohort's streamed steps kept as one block; runner:
