@@ -193,21 +193,32 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
                 got = server.run(r, walk, timeout=600)
                 steady_served.append(time.perf_counter() - t0)
                 error = max(error, check(got, want))
+
+        def eager_round(batch: list[dict[str, Any]]) -> tuple[float, list[dict[str, Any]]]:
+            """``batch`` run eagerly one after another: the wall time, the outputs."""
+            t0 = time.perf_counter()
+            wants = [eager(r) for r in batch]
+            return time.perf_counter() - t0, wants
+
+        def served_round(batch: list[dict[str, Any]], wants: list[dict[str, Any]]) -> float:
+            """``batch`` served as concurrent requests, each checked against ``wants``: the
+            wall time. Concurrent clients: none waits for another's admission (as HTTP
+            clients and submit_async); a blocking submit() loop would serialize them."""
+            nonlocal error
+            t0 = time.perf_counter()
+            futures = [server.submit_future(r, walk, stream=False) for r in batch]
+            gots = [f.result(timeout=600).result(timeout=600) for f in futures]
+            wall = time.perf_counter() - t0
+            for got, want in zip(gots, wants):
+                error = max(error, check(got, want))
+            return wall
+
         ratios: list[tuple[float, float, float]] = []  # (eager / served, eager, served)
         for k in range(ROUNDS):  # each a new batch, eager then served
             batch = [inputs(1000 + 100 * k + i) for i in range(concurrent)]
-            t0 = time.perf_counter()
-            wants = [eager(r) for r in batch]
-            eager_wall = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            # concurrent clients: none waits for another's admission (as HTTP clients and
-            # submit_async); a blocking submit() loop would serialize them
-            futures = [server.submit_future(r, walk, stream=False) for r in batch]
-            gots = [f.result(timeout=600).result(timeout=600) for f in futures]
-            served_wall = time.perf_counter() - t0
+            eager_wall, wants = eager_round(batch)
+            served_wall = served_round(batch, wants)
             ratios.append((eager_wall / served_wall, eager_wall, served_wall))
-            for got, want in zip(gots, wants):
-                error = max(error, check(got, want))
         _, eager_wall, served_wall = sorted(ratios)[len(ratios) // 2]  # the median round
         # a loaded server's view: rounds back to back, in blocks of STEADY_ROUNDS each way
         # (alternating a round each way leaves the worker idle through the eager round, so
@@ -219,18 +230,10 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
                 [inputs(5000 + 1000 * b + 100 * k + i) for i in range(concurrent)]
                 for k in range(STEADY_ROUNDS)
             ]
-            wants_by_round = []
-            for batch in rounds:
-                t0 = time.perf_counter()
-                wants_by_round.append([eager(r) for r in batch])
-                steady_eager_rounds.append(time.perf_counter() - t0)
-            for batch, wants in zip(rounds, wants_by_round):
-                t0 = time.perf_counter()
-                futures = [server.submit_future(r, walk, stream=False) for r in batch]
-                gots = [f.result(timeout=600).result(timeout=600) for f in futures]
-                steady_served_rounds.append(time.perf_counter() - t0)
-                for got, want in zip(gots, wants):
-                    error = max(error, check(got, want))
+            eager_rounds = [eager_round(batch) for batch in rounds]
+            steady_eager_rounds += [wall for wall, _ in eager_rounds]
+            for batch, (_, wants) in zip(rounds, eager_rounds):
+                steady_served_rounds.append(served_round(batch, wants))
         # the bound batching can reach: the last round's requests as one batch, eagerly
         joint = {
             k: torch.cat([r[k] for r in batch]) if isinstance(v, torch.Tensor) else v

@@ -236,9 +236,7 @@ class SharedSteps:
         the runs' rows are cut out of one joint piece (cut later, many steps at once), else a
         ``LoopStreamed`` each; and the items each credited run produced."""
         cohort = band.cohort
-        plan = band.streams
-        if plan is None or plan.cohort is not cohort:
-            plan = band.streams = self._band_streams(band)
+        plan = self._streams_plan(band)
         if step is None:
             step = cohort.steps - 1
         pieces = cohort.pieces
@@ -278,9 +276,7 @@ class SharedSteps:
             return max(budget, 0)
         if any((run.item, ch) not in held for _, run in band.streaming for ch in run.start.streams):
             return 0
-        plan = band.streams
-        if plan is None or plan.cohort is not cohort:
-            plan = band.streams = self._band_streams(band)
+        plan = self._streams_plan(band)
         credit, produced, spec = self._credit, self._produced, cohort.spec
         sizes: dict[str, tuple[str, int, int]] = {}
         for key, ch, n in plan.counted:
@@ -337,6 +333,13 @@ class SharedSteps:
             for step in range(first, band.cohort.steps):
                 self._band_streamed(band, step)
         return n
+
+    def _streams_plan(self, band: Band) -> BandStreams:
+        """``band``'s stream plan, made again where its cohort or live runs changed."""
+        plan = band.streams
+        if plan is None or plan.cohort is not band.cohort:
+            plan = band.streams = self._band_streams(band)
+        return plan
 
     def _band_streams(self, band: Band) -> BandStreams:
         cohort, spec = band.cohort, band.cohort.spec
