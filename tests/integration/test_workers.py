@@ -307,6 +307,30 @@ def test_large_tensors_travel_through_shared_memory(cfg_pool: WorkerPool) -> Non
     assert wait_for(lambda: output_slots_idle(cfg_pool, 1))  # and we acked it
 
 
+def test_spawned_ranks_talk_over_rank_links_and_large_messages_cross_them_whole() -> None:
+    """Each spawned rank's link is up (its process's pid the kernel's word); a message of 2 MB
+    each way (tensors inline, past the kernel's socket buffer, so both sides cut it) arrives
+    whole; ZeroMQ in their place (``rank_links=False``) gives the same outputs."""
+    captured, plan = prepare("example-cfg-image")
+    big = torch.arange(250_000, dtype=torch.int64).view(1, -1)  # 2 MB
+    items = [(0, "big", {"prompt_ids": big}), (1, "small", {"prompt_ids": big[:, :8]})]
+    outputs = {}
+    for links in (True, False):
+        config = dataclasses.replace(CONFIG, inline_max_bytes=4 << 20, rank_links=links)
+        with WorkerPool("example-cfg-image", 0, captured, plan, 2, THREADS, config) as pool:
+            ranks = pool._ranks.values()
+            assert all((state.link is not None) == links for state in ranks)
+            assert sorted(s.rank for s, _ in pool._links.values()) == ([0, 1] if links else [])
+            result = pool.submit_batch(0, "generate", "full_like", items).result(TIMEOUT_S)
+            assert pool.shm_stats().in_use == 0 and not any(
+                c.created for c in pool.shm_stats().classes
+            )  # inline both ways: nothing went through shared memory
+            outputs[links] = result.outputs
+    for i, want in ((0, torch.zeros_like(big)), (1, torch.zeros(1, 8, dtype=torch.int64))):
+        assert torch.equal(outputs[True][i]["full_like"], want)
+        assert torch.equal(outputs[False][i]["full_like"], want)
+
+
 def test_a_failing_request_fails_alone_in_its_batch(cfg_pool: WorkerPool) -> None:
     ok = torch.ones(1, 8, dtype=torch.int64)
     items = [(0, "a", {"prompt_ids": ok}), (1, "b", {"prompt_ids": "not a tensor"})]

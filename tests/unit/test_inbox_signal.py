@@ -7,6 +7,7 @@ bounded select."""
 from __future__ import annotations
 
 import select
+import socket
 from typing import Any
 
 import pytest
@@ -14,16 +15,21 @@ import zmq
 
 from walkserve.runtime import workerinbox
 from walkserve.runtime.messages import Release, encode
-from walkserve.runtime.workerinbox import WorkerInbox
+from walkserve.runtime.ranklink import Link
+from walkserve.runtime.workerinbox import Commands, LinkCommands, WorkerInbox, ZmqCommands
 
 
 class Inbox(WorkerInbox):
-    def __init__(self, rx: zmq.Socket[bytes]) -> None:
+    def __init__(self, rx: Commands) -> None:
         self.rank = 0
         self.engine = None  # type: ignore[assignment]
         self.released: list[str] = []
+        self.lost = 0
         self._open_inbox(rx)
         self._handlers[Release] = lambda m: self.released.append(m.request_id)
+
+    def _conductor_closed(self) -> None:
+        self.lost += 1
 
 
 @pytest.fixture
@@ -51,7 +57,7 @@ def test_waiting_sees_every_command_and_reads_events_only_when_signalled(
     # before the inbox opens, and before the socket was ever read: a pipe nobody found empty
     # signals nothing when a message comes (ZeroMQ's edge), so the inbox reads the events once
     tx.send(encode(Release("early", [])))
-    box = Inbox(rx)
+    box = Inbox(ZmqCommands(rx))
     reads: list[bool] = []
     real = workerinbox._readable
 
@@ -74,3 +80,34 @@ def test_waiting_sees_every_command_and_reads_events_only_when_signalled(
         box.read(wait=False)
         assert box.released[-(k % 3 + 1) :] == [f"r{k}.{j}" for j in range(k % 3 + 1)]
     assert not box.waiting()
+
+
+def test_a_rank_link_inbox_sees_every_command_once_whole_and_the_conductor_s_end() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    tx, commands = Link(a), LinkCommands(Link(b))
+    tx.send(encode(Release("early", [])))
+    select.select([b], [], [], 10.0)
+    assert commands.recv() is not None  # as ``_await_setup`` reads one...
+    tx.send(encode(Release("setup", [])))
+    tx.send(encode(Release("after", [])))
+    select.select([b], [], [], 10.0)
+    assert commands.poll(0)
+    assert commands.recv() is not None  # ...and what came with it stays for the inbox
+    box = Inbox(commands)
+    assert box.waiting()
+    box.read(wait=False)
+    assert box.released == ["after"] and not box.waiting() and box.lost == 0
+    for k in range(20):
+        keys = [f"{j:060d}" for j in range(k * 150 + 1)]  # up to 180 KB: cut by the socket
+        tx.send(encode(Release(f"r{k}", keys)))
+        for _ in range(1000):  # bounded: a lost message fails the test
+            tx.flush()
+            box.read(wait=False)
+            if box.released[-1] == f"r{k}":
+                break
+            select.select([b], [a] if tx.pending() else [], [], 0.01)
+    assert box.released[1:] == [f"r{k}" for k in range(20)]
+    tx.close()  # the conductor's end goes: the inbox says so once read
+    select.select([b], [], [], 10.0)
+    box.read(wait=False)
+    assert box.lost == 1

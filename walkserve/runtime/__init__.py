@@ -7,7 +7,7 @@
     api/ (asyncio)   route: parse, admit, submit_async
         |  task deque; the posting thread makes the pass
     conductor pass   Conductor: the walk state machine       engine loop (main thread):
-                     Batcher: which ready items leave,         inbox: reads the command socket,
+                     Batcher: which ready items leave,         inbox: reads its rank link,
                      to which rank                             decodes inputs, pulls held
                      pool.submit_batch / pool.regions ------>  values from their rank (peers)
                                    StartRegions, RunBatch     (watch thread: heartbeats)
@@ -47,14 +47,17 @@ Modules, by role:
                   items), regionitems (its region items: streams, feeds, credit),
                   workitem, walkspec, frames: its parts
     batcher       the batching rule of the conductor's node items (pure)
-    pool          the worker processes and sockets; poolio (the io thread: reports read and
-                  dispatched by type, deaths seen at once), poolranks (a rank's start
-                  handshake and its end), poolbatches (node batches), poolregions,
-                  poolremote (remote ranks, link probes), poolsupervision, poolstate, config
+    pool          the worker processes and sockets; poollinks (a rank link to each spawned
+                  rank: ranklink, one Unix socket in place of ZeroMQ's pair), poolio (the io
+                  thread: reports read and dispatched by type, deaths seen at once),
+                  poolranks (a rank's start handshake and its end), poolbatches (node
+                  batches), poolregions, poolremote (remote ranks, link probes),
+                  poolsupervision, poolstate, config
     supervisor    when a silent rank is hung, restarts of dead ranks, crash loops (pure)
-    worker        a worker process: sockets, setup, the watch thread; workerinbox: the
-                  command socket read by the engine's thread; engine: its engine loop;
-                  heap: its heap frozen once set up (no full collection walks it again)
+    worker        a worker process: sockets, setup, the watch thread; workerinbox: its
+                  commands (rank link, or a remote rank's ZeroMQ socket) read by the engine's
+                  thread; engine: its engine loop; heap: its heap frozen once set up (no
+                  full collection walks it again)
     rankscheduler what a rank runs next (pure); rankreports: its steps and reports;
                   regionwalk: regions as walks; loopstep: the fast path for simple loops
                   (pure); stepvalues: a cohort's streamed steps kept as one block; runner:

@@ -158,6 +158,10 @@ class PoolConfig:
     # plan never walked again by a full collection of the cyclic collector (False: they are,
     # as in any Python process; a comparison, or a search for a leak among them)
     freeze_heap: bool = True
+    # the ranks spawned on this host talk to the conductor over a rank link each (a Unix
+    # socket: ``runtime.ranklink``) when ``address`` is "ipc" and there is no ``bind``; False:
+    # over ZeroMQ, as remote ranks do (a comparison)
+    rank_links: bool = True
 
     def __post_init__(self) -> None:
         if self.idle_spin_s is not None and not 0 <= self.idle_spin_s <= MAX_IDLE_SPIN_S:
@@ -262,6 +266,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     generation: int = 0  # restarts of this rank before this process (its routing id)
     idle_spin_s: float = 0.0  # the engine polls without sleeping this long after its work
     freeze_heap: bool = True  # ``PoolConfig.freeze_heap``
+    link: str = ""  # the conductor's rank link (a Unix socket's path; empty: ZeroMQ's sockets)
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -282,11 +287,17 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @staticmethod
     def of_pool(
-        pool: PoolConfig, threads: int, commands: str, curve: tuple[str, str, str], ranks: int
+        pool: PoolConfig,
+        threads: int,
+        commands: str,
+        curve: tuple[str, str, str],
+        ranks: int,
+        link: str = "",
     ) -> WorkerConfig:
         """What each worker of a pool set up with ``pool`` gets: ``commands``, the command
         socket's address; ``curve``, the server's public key and the workers' key pair (Z85;
-        empty: none); ``ranks``, the pool's ranks (remote ones included)."""
+        empty: none); ``ranks``, the pool's ranks (remote ones included); ``link``, where its
+        rank link connects (empty: none)."""
         return WorkerConfig(
             threads=threads,
             commands_addr=commands,
@@ -303,6 +314,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             curve_secret_key=curve[2],
             idle_spin_s=idle_spin(pool.idle_spin_s, ranks - len(pool.remote_ranks), threads),
             freeze_heap=pool.freeze_heap,
+            link=link,
         )
 
     def to_json(self) -> str:

@@ -223,7 +223,10 @@ class WorkerPool(IoLoop):
             self.address = f"tcp://127.0.0.1:{port}"
             port = self._commands.bind_to_random_port("tcp://127.0.0.1")
             commands = f"tcp://127.0.0.1:{port}"
-        worker_config = WorkerConfig.of_pool(self.config, self.threads, commands, curve, ranks)
+        link = self._open_links(self._tmpdir if self.config.bind is None else None)
+        worker_config = WorkerConfig.of_pool(
+            self.config, self.threads, commands, curve, ranks, link
+        )
         self._setups_due: dict[int, bytes] = {}  # rank -> WorkerSetup not yet routable
 
         self._shm = ShmPool(self.config.shm)
@@ -357,7 +360,7 @@ class WorkerPool(IoLoop):
             if state.waiting and not now:
                 state.backlog.append(data)
                 return
-            self._commands.send_multipart([state.identity, data], zmq.NOBLOCK)
+            self._write(state, data)
 
     def health(self) -> dict[int, RankHealth]:
         now = time.monotonic()
@@ -409,6 +412,7 @@ class WorkerPool(IoLoop):
                 s.process.kill()
                 reap(s.process, 5.0)
         self._stop_io()
+        self._close_links()
         for s in self._ranks.values():  # one started again while the pool closed
             with contextlib.suppress(ValueError):
                 if s.process.exitcode is None:

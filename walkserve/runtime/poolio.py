@@ -11,8 +11,9 @@ One pass of the loop:
 
     poll      *reports*, the stop socket (``close``), the nudge pipe, every worker's
               ``Process.sentinel``: a dead worker is noticed at once, not at a heartbeat
-              timeout; the wait is short while setups or restarts are due
-    read      every waiting report, dispatched by type (``_handlers``, a table; a message for
+              timeout; the wait is short while setups or restarts are due; the rank links
+              and their listener (``poollinks``: the ranks this process spawned)
+    read      every waiting report (of *reports* and of the links), dispatched by type (``_handlers``, a table; a message for
               another rank is dropped, logged); each refreshes its rank's ``last_seen``; a
               peer the pool does not know is a remote rank's (new) process (``poolremote``)
     sentinel  the rank's last words (a ``Fatal``) are read first, then ``_on_exit``
@@ -104,6 +105,7 @@ class IoLoop(RankLife):
         poller.register(self._reports, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
         poller.register(self._nudge.fd, zmq.POLLIN)
+        self._listen_links(poller)
         sentinels = self._sentinels = {s.process.sentinel: s for s in self._ranks.values()}
         for fd in sentinels:
             poller.register(fd, zmq.POLLIN)
@@ -113,7 +115,8 @@ class IoLoop(RankLife):
             wait = 5 if self._setups_due or self.supervision.due else tick
             if self._pass_by < float("inf"):
                 wait = min(wait, max(0, int((self._pass_by - time.monotonic()) * 1000) + 1))
-            for sock, _ in poller.poll(wait):
+            self._watch_links(poller)
+            for sock, events in poller.poll(wait):
                 if sock is self._reports:
                     while (frames := recv_multipart(self._reports)) is not None:
                         self._dispatch(frames)
@@ -125,6 +128,8 @@ class IoLoop(RankLife):
                     poller.unregister(sock)
                     self._drain_reports()  # its last words (a Fatal) come first
                     self._on_exit(sentinels.pop(sock), closing=self._closed)
+                elif isinstance(sock, int):
+                    self._on_link_event(sock, events)
             for rank, setup in list(self._setups_due.items()):
                 self._send_setup(self._ranks[rank], setup)
             if time.monotonic() >= self._pass_by:
@@ -145,6 +150,7 @@ class IoLoop(RankLife):
 
     def _drain_reports(self, wait_ms: int = 20) -> None:
         """Dispatch what the workers sent so far, waiting up to ``wait_ms`` for stragglers."""
+        self._drain_links()  # a process that ended has written all it will
         while self._reports.poll(wait_ms):
             while (frames := recv_multipart(self._reports)) is not None:
                 self._dispatch(frames)
@@ -155,9 +161,13 @@ class IoLoop(RankLife):
         if state is None or len(frames) != 2:
             self._from_unknown(frames)  # a remote rank's (new) process joins: poolremote
             return
+        self._handle(state, frames[1])
+
+    def _handle(self, state: RankState, data: bytes | bytearray) -> None:
+        """A message of ``state``'s process (from its ROUTER frames, or its rank link)."""
         state.last_seen = now = time.monotonic()
         try:
-            msg: Message = decode(frames[1])
+            msg: Message = decode(data)
         except MessageError as e:
             log.warning("rank %d sent a bad message: %s", state.rank, e)
             return

@@ -21,7 +21,7 @@ import zmq
 
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.runtime.messages import AttachPools, Fatal, Hello, Join, TPJoin, WorkerSetup, encode
-from walkserve.runtime.poolbatches import NodeBatches
+from walkserve.runtime.poollinks import PoolLinks
 from walkserve.runtime.poolstate import (
     GONE,
     RankState,
@@ -40,7 +40,7 @@ __all__ = ["RankLife"]
 log = logging.getLogger("walkserve.pool")
 
 
-class RankLife(NodeBatches):
+class RankLife(PoolLinks):
     """The start handshake and the end of every rank (see the module docstring)."""
 
     # the pool's state these handlers use (set by WorkerPool)
@@ -179,7 +179,7 @@ class RankLife(NodeBatches):
             backlog, state.backlog = state.backlog, []
             for data in backlog:
                 with contextlib.suppress(zmq.ZMQError):
-                    self._commands.send_multipart([state.identity, data], zmq.NOBLOCK)
+                    self._write(state, data)
         if state.generation > 0:
             log.warning(
                 "worker rank %d is back (pid %s, restart %d, %d commands waited)",
@@ -219,6 +219,7 @@ class RankLife(NodeBatches):
                 state.error = killed or state.error or f"the process exited ({exit_})"
             mine = [b for b, p in self._pending.items() if p.rank == state.rank]
             state.backlog.clear()  # their batches fail below
+        self._drop_link(state)
         died = f"died ({describe_exit(state.exitcode)})"
         if state.hung is not None:
             died = f"was killed: it {state.hung}"

@@ -17,13 +17,16 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import zmq
 
 from walkserve.runtime.messages import KVStats
 from walkserve.runtime.shm import ShmPoolSpec
 from walkserve.runtime.transport import Token
+
+if TYPE_CHECKING:
+    from walkserve.runtime.ranklink import Link
 
 log = logging.getLogger("walkserve.pool")
 
@@ -117,6 +120,7 @@ class RankState:
     started: float = field(default_factory=time.monotonic)  # its process's start
     hung: str | None = None  # why the pool killed it ("sent nothing for 12.0 s (deadline 10 s)")
     backlog: list[bytes] = field(default_factory=list)  # commands held while it restarts
+    link: Link | None = None  # its process's rank link, once accepted (ranks of this host)
 
     @property
     def waiting(self) -> bool:

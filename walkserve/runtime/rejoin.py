@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import zmq
 
     from walkserve.runtime.messages import WorkerSetup
+    from walkserve.runtime.workerinbox import Commands
 
 log = logging.getLogger("walkserve.net")
 
@@ -65,7 +66,7 @@ class RemoteWorker(Worker):
         wait, self._join_wait = self._join_wait, min(2 * self._join_wait, JOIN_AGAIN_S[1])
         return wait
 
-    def _await_setup(self, rx: zmq.Socket[bytes]) -> WorkerSetup | None:
+    def _await_setup(self, rx: Commands) -> WorkerSetup | None:
         import zmq
 
         with self._tx_lock:

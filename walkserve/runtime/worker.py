@@ -88,10 +88,12 @@ if TYPE_CHECKING:
         WorkerSetup,
     )
     from walkserve.runtime.peers import PeerClient, PeerServer
+    from walkserve.runtime.ranklink import Link
     from walkserve.runtime.shm import ShmPool
     from walkserve.runtime.shmreader import ShmReader
     from walkserve.runtime.tp.member import TPMember
     from walkserve.runtime.transport import ObjectStore, ShmTransport
+    from walkserve.runtime.workerinbox import Commands
 
 from walkserve.runtime import heap
 from walkserve.runtime.components import KVEngine, component_counters, configure_kv
@@ -108,6 +110,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("walkserve.worker")
+
+SEND_TIMEOUT_S = 10.0  # a report that cannot leave in this time is dropped: the conductor is gone
 
 
 # ----------------------------------------------------------------------------- process
@@ -147,7 +151,8 @@ class Worker(WorkerInbox):
         self._stopping = threading.Event()
         self._ppid = os.getppid()
         self._tx_lock = threading.Lock()
-        self._tx: zmq.Socket[bytes]
+        self._tx: zmq.Socket[bytes]  # reports, when no rank link (``_link``) carries them
+        self._link: Link | None = None
         self.engine: EngineLoop
         self.pool: ShmPool
         self.reader: ShmReader
@@ -168,17 +173,7 @@ class Worker(WorkerInbox):
         from walkserve.runtime.messages import AttachPools, Fatal, Hello, Join
 
         ctx = self._ctx = zmq.Context()
-        rx = ctx.socket(zmq.DEALER)  # commands; the engine thread's alone once it runs
-        rx.setsockopt(zmq.LINGER, 0)
-        rx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.config.generation))
-        self._secure(rx)
-        rx.connect(self.config.commands_addr)
-        self._tx = ctx.socket(zmq.DEALER)  # reports; any thread, under _tx_lock
-        self._tx.setsockopt(zmq.LINGER, 1000)  # let the last replies out
-        self._tx.setsockopt(zmq.SNDTIMEO, 10_000)  # never block forever on a gone conductor
-        self._tx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.config.generation))
-        self._secure(self._tx)
-        self._tx.connect(self.address)
+        rx = self._connect(ctx)
         built = False
         try:
             self._send(Join(self.rank, os.getpid()))
@@ -215,7 +210,8 @@ class Worker(WorkerInbox):
                 self.pool.close()
                 self.reader.close()
             rx.close()
-            self._tx.close()
+            if self._link is None:
+                self._tx.close()
             ctx.destroy()  # and any socket a subclass opened (a monitor)
             if self._orphaned:
                 self._clean_after_conductor()
@@ -231,6 +227,33 @@ class Worker(WorkerInbox):
             directory = os.path.dirname(self.address[len("ipc://") :])
             if os.path.basename(directory).startswith("walkserve-"):
                 shutil.rmtree(directory, ignore_errors=True)
+
+    def _connect(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> Commands:
+        """The conductor's end: its rank link (``WorkerConfig.link``: a rank it spawned), else
+        a pair of ZeroMQ sockets (commands in, reports out)."""
+        import zmq
+
+        from walkserve.runtime.workerinbox import LinkCommands, ZmqCommands
+
+        if self.config.link:
+            from walkserve.runtime.ranklink import Link
+
+            self._link = Link.connect(self.config.link)
+            return LinkCommands(self._link)
+        rx = ctx.socket(zmq.DEALER)  # commands; the engine thread's alone once it runs
+        rx.setsockopt(zmq.LINGER, 0)
+        rx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.config.generation))
+        self._secure(rx)
+        rx.connect(self.config.commands_addr)
+        self._tx = ctx.socket(zmq.DEALER)  # reports; any thread, under _tx_lock
+        self._tx.setsockopt(zmq.LINGER, 1000)  # let the last replies out
+        self._tx.setsockopt(
+            zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000)
+        )  # never block forever on a gone conductor
+        self._tx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.config.generation))
+        self._secure(self._tx)
+        self._tx.connect(self.address)
+        return ZmqCommands(rx)
 
     def _secure(self, sock: zmq.Socket[bytes]) -> None:
         """A CURVE client of the conductor when the config names keys (``runtime.net``)."""
@@ -248,6 +271,14 @@ class Worker(WorkerInbox):
 
         data = encode(msg)
         with self._tx_lock:
+            if self._link is not None:
+                from walkserve.runtime.ranklink import LinkClosed
+
+                try:
+                    self._link.send_all(data, SEND_TIMEOUT_S)
+                except (TimeoutError, LinkClosed) as e:
+                    log.error("rank %d: could not send %s: %s", self.rank, type(msg).__name__, e)
+                return
             try:
                 self._tx.send(data)
             except zmq.Again:
@@ -259,7 +290,7 @@ class Worker(WorkerInbox):
         """Seconds to wait for the setup before joining again (a spawned worker: never)."""
         return float("inf")
 
-    def _await_setup(self, rx: zmq.Socket[bytes]) -> WorkerSetup | None:
+    def _await_setup(self, rx: Commands) -> WorkerSetup | None:
         """The ``WorkerSetup`` (None after ``Shutdown``, or if none comes in time)."""
         from walkserve.runtime.messages import Join, MessageError, Shutdown, WorkerSetup, decode
 
@@ -269,8 +300,13 @@ class Worker(WorkerInbox):
                 if deadline - time.monotonic() > 0:  # unanswered: a conductor not up yet
                     self._send(Join(self.rank, os.getpid()))
                 continue
+            data = rx.recv()
+            if data is None:  # the start of a message only, or the conductor closed its end
+                if rx.closed:
+                    return None
+                continue
             try:
-                msg = decode(rx.recv())
+                msg = decode(data)
             except MessageError as e:
                 log.warning("rank %d: ignoring a bad message before setup: %s", self.rank, e)
                 continue
@@ -390,7 +426,7 @@ class Worker(WorkerInbox):
 
     # ------------------------------------------------------------------ threads
 
-    def _serve(self, rx: zmq.Socket[bytes]) -> None:
+    def _serve(self, rx: Commands) -> None:
         """The engine loop on this (the main) thread, reading the command socket itself
         (``WorkerInbox``); heartbeats and the conductor's end on a watch thread."""
         self._open_inbox(rx)
@@ -418,6 +454,17 @@ class Worker(WorkerInbox):
                 self._stopping.wait(max(0.0, self._next_beat - time.monotonic()) + 0.001)
         finally:
             self._stop()
+
+    def _conductor_closed(self) -> None:
+        """The conductor closed its end of the rank link: it died (a pool closes a link only
+        once its process ended). Its death reparents this process a moment after its files
+        close: once it has, clean what it left (``_conductor_gone``); stop either way."""
+        deadline = time.monotonic() + 2.0
+        while not self._conductor_gone() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if not self._orphaned:
+            log.error("rank %d: the conductor closed its link; exiting", self.rank)
+        self._stop()
 
     def _conductor_gone(self) -> bool:
         """The conductor process (this one's parent) died: clean what it left, exit."""

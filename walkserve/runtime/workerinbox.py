@@ -1,9 +1,10 @@
-"""A worker's inbox: the conductor's commands, read off the command socket by the engine's
-own thread (``worker.Worker`` is a ``WorkerInbox``; ``EngineLoop.run`` calls ``read`` when it
-would wait and between steps, and asks ``waiting`` between fast-lane steps), so a command
-reaches the engine with no hand-off between threads::
+"""A worker's inbox: the conductor's commands, read by the engine's own thread (``worker.Worker``
+is a ``WorkerInbox``; ``EngineLoop.run`` calls ``read`` when it would wait and between steps, and
+asks ``waiting`` between fast-lane steps), so a command reaches the engine with no hand-off
+between threads. They come on the rank's link (``LinkCommands``: a rank the conductor spawned,
+``runtime.ranklink``) or a remote rank's ZeroMQ command socket (``ZmqCommands``)::
 
-    engine.run(stopping, inbox=worker)     # read(wait=True): poll the socket and the wake pipe
+    engine.run(stopping, inbox=worker)     # read(wait=True): poll the commands and the wake pipe
     worker._wake()                         # any thread (a stop): the poll returns
 
 A wait first polls without sleeping for ``idle_spin_s`` after the engine's last work
@@ -28,8 +29,8 @@ import logging
 import os
 import select
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from walkserve.runtime.wakepipe import WakePipe
 
@@ -39,9 +40,10 @@ if TYPE_CHECKING:
     from walkserve.runtime.engine import Command, EngineLoop
     from walkserve.runtime.messages import Message, RunBatch, StartRegions
     from walkserve.runtime.peers import PeerClient
+    from walkserve.runtime.ranklink import Link
     from walkserve.runtime.transport import ShmTransport
 
-__all__ = ["WorkerInbox"]
+__all__ = ["Commands", "LinkCommands", "WorkerInbox", "ZmqCommands"]
 
 log = logging.getLogger("walkserve.worker")
 
@@ -58,10 +60,8 @@ class WorkerInbox:
     peers: PeerClient | None
     pull: Callable[[Any], Any] | None  # a held tensor of another host, by its ``at``
     objects: Any  # transport.ObjectStore
-    _rx: zmq.Socket[bytes]
+    _rx: Commands
     _poller: zmq.Poller
-    _signal: Any  # select.poll of the socket's fd (``waiting``)
-    _pending: bool  # a command was seen waiting since the last ``read`` (``waiting``)
     _handlers: dict[type, Callable[[Any], object]]
     _wakes: WakePipe | None = None
     idle_spin_s: float = 0.0  # poll without sleeping this long after the last work
@@ -73,9 +73,12 @@ class WorkerInbox:
     def _stop(self) -> None:
         raise NotImplementedError
 
+    def _conductor_closed(self) -> None:
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ the socket
 
-    def _open_inbox(self, rx: zmq.Socket[bytes]) -> None:
+    def _open_inbox(self, rx: Commands) -> None:
         import zmq
 
         from walkserve.runtime.engine import CancelRequest, CreditItems, DropItems, StatsAsk
@@ -95,14 +98,9 @@ class WorkerInbox:
         )
 
         self._rx = rx
-        # the socket's signal: readable once something reached it since its events were last
-        # read (``waiting``)
-        self._signal = select.poll()
-        self._signal.register(rx.get(zmq.FD), select.POLLIN)
-        self._pending = True  # until its events are read: what came before may wait
         self._wakes = WakePipe()
         self._poller = zmq.Poller()
-        self._poller.register(rx, zmq.POLLIN)
+        self._poller.register(rx.target, zmq.POLLIN)
         self._poller.register(self._wakes.fd, zmq.POLLIN)
         engine = self.engine
         self._handlers = {
@@ -141,8 +139,7 @@ class WorkerInbox:
             if self._wakes is not None:
                 self._wakes.clear()  # a wake, or a message: either way the wait is over
         handlers = self._handlers
-        self._pending = False  # every command is taken below (the events read last say so)
-        while (data := _recv(self._rx)) is not None:
+        for data in self._rx.messages():
             try:
                 msg: Message = decode(data)
             except MessageError as e:
@@ -153,6 +150,8 @@ class WorkerInbox:
                 log.warning("rank %d: unexpected %s", self.rank, type(msg).__name__)
             else:
                 handler(msg)
+        if self._rx.closed:  # the conductor closed its end: it is gone
+            self._conductor_closed()
 
     def _wait(self) -> bool:
         """Wait for a command or a wake: polled without sleeping until ``idle_spin_s`` after
@@ -167,17 +166,8 @@ class WorkerInbox:
         return bool(poll(WAIT_MS))
 
     def waiting(self) -> bool:
-        """Whether a command waits on the socket (cheap: asked between fast-lane steps). The
-        socket's fd (its signal, as ``zmq_poll`` uses it) turns readable when something reaches
-        the socket after its events were last read, and reading them clears it; every read of
-        this socket, which only this thread reads, ends with such a read (``_recv`` reads until
-        the events say no message is left). So while the fd is not readable and no command
-        was seen waiting since the last ``read``, none can wait, and the events (a call into
-        the socket: ~2 us against ~0.5 us for the fd's poll on this VM) are read only when
-        it is."""
-        if self._pending or self._signal.poll(0):
-            self._pending = _readable(self._rx)  # a command waits until ``read`` takes it
-        return self._pending
+        """Whether a command waits (cheap: asked between fast-lane steps)."""
+        return self._rx.waiting()
 
     # ------------------------------------------------------------------ the handlers
 
@@ -306,6 +296,103 @@ class WorkerInbox:
                 self.transport.release([handle])
             except ShmError as e:
                 log.warning("rank %d: bad ack: %s", self.rank, e)
+
+
+class Commands(Protocol):
+    """Where a worker's commands come from: its ZeroMQ command socket (``ZmqCommands``: a
+    remote rank) or its rank link (``LinkCommands``: a rank the conductor spawned)."""
+
+    target: Any  # what the inbox's poller watches: the socket, or a file descriptor
+
+    @property
+    def closed(self) -> bool: ...  # the conductor closed its end
+
+    def poll(self, timeout_ms: int) -> bool: ...  # whether a command waits (after a wait)
+
+    def recv(self) -> bytes | bytearray | None: ...  # the next command (None: none whole yet)
+
+    def messages(self) -> Iterable[bytes | bytearray]: ...  # every waiting command, in order
+
+    def waiting(self) -> bool: ...  # cheap
+
+    def close(self) -> None: ...
+
+
+class ZmqCommands:
+    """A ZeroMQ command socket as ``Commands``."""
+
+    @property
+    def closed(self) -> bool:
+        return False  # a remote conductor's end is watched otherwise (``rejoin``)
+
+    def __init__(self, rx: zmq.Socket[bytes]) -> None:
+        import zmq
+
+        self.target = self.sock = rx
+        # the socket's signal: readable once something reached it since its events were last
+        # read (``waiting``)
+        self._signal = select.poll()
+        self._signal.register(int(rx.get(zmq.FD)), select.POLLIN)  # type: ignore[arg-type]
+        self._pending = True  # until its events are read: what came before may wait
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.sock.poll(timeout_ms))
+
+    def recv(self) -> bytes | None:
+        return _recv(self.sock)
+
+    def messages(self) -> Iterator[bytes]:
+        self._pending = False  # every command is taken below (the events read last say so)
+        while (data := _recv(self.sock)) is not None:
+            yield data
+
+    def waiting(self) -> bool:
+        """The socket's fd (its signal, as ``zmq_poll`` uses it) turns readable when something
+        reaches the socket after its events were last read, and reading them clears it; every
+        read of this socket, which only this thread reads, ends with such a read (``_recv``
+        reads until the events say no message is left). So while the fd is not readable and no
+        command was seen waiting since the last ``messages``, none can wait, and the events (a
+        call into the socket: ~2 us against ~0.5 us for the fd's poll on this VM) are read only
+        when it is."""
+        if self._pending or self._signal.poll(0):
+            self._pending = _readable(self.sock)  # a command waits until ``messages`` takes it
+        return self._pending
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class LinkCommands:
+    """A rank link (``runtime.ranklink``) as ``Commands``."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.target = link.fileno()
+        self._poll = select.poll()
+        self._poll.register(self.target, select.POLLIN)
+        self._held: list[bytes | bytearray] = []  # read with one ``recv`` wanted, not yet taken
+
+    @property
+    def closed(self) -> bool:
+        return self.link.closed and not self._held
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self._held) or bool(self._poll.poll(timeout_ms))
+
+    def recv(self) -> bytes | bytearray | None:
+        if not self._held:
+            self._held = self.link.recv()
+        return self._held.pop(0) if self._held else None
+
+    def messages(self) -> list[bytes | bytearray]:
+        held, self._held = self._held, []
+        return held + self.link.recv() if held else self.link.recv()
+
+    def waiting(self) -> bool:
+        return bool(self._held) or self.link.waiting()
+
+    def close(self) -> None:
+        self.link.close()
 
 
 _POLLIN = 1  # zmq.POLLIN, as an int: the flag enum's ``&`` costs more than the read
