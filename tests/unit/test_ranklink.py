@@ -19,12 +19,12 @@ pytestmark = pytest.mark.skipif(not ranklink.available(), reason="no Unix peer c
 
 
 def pair(buffer: int | None = None) -> tuple[Link, Link]:
+    """Two ends; ``buffer``: small kernel buffers, so that sends and reads are cut often
+    (None: a link's own)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    if buffer is not None:  # small kernel buffers: sends and reads are cut often
-        for s in (a, b):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
-    return Link(a), Link(b)
+    if buffer is None:
+        return Link(a), Link(b)
+    return Link(a, buffer), Link(b, buffer)
 
 
 def pump(tx: Link, rx: Link, want: int) -> list[bytes]:

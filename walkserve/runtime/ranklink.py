@@ -39,6 +39,7 @@ __all__ = ["Link", "LinkClosed", "LinkListener", "available"]
 
 _LENGTH = struct.Struct("<Q")
 SCRATCH = 64 * 1024  # a read's size: smaller messages are cut from it, larger get their own
+BUFFER_BYTES = 4 << 20  # asked of the kernel (capped at its wmem_max): an exit in one write
 MAX_MESSAGE_BYTES = 1 << 36  # a longer length is not one of ours: the link is broken
 
 
@@ -54,8 +55,15 @@ def available() -> bool:
 class Link:
     """One side of a rank link (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, buffer_bytes: int | None = BUFFER_BYTES) -> None:
+        """``buffer_bytes``: the socket's buffers (None: the kernel's default). A sender whose
+        message fits returns at once instead of waiting for the reader to drain it: a worker's
+        490 KB exit of 16 rollouts left in ~90 us, against ~270-360 us with the 208 KB default."""
         sock.setblocking(False)
+        if buffer_bytes is not None:
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, option, buffer_bytes)
         self._sock = sock
         self._fd = sock.fileno()
         self._lock = threading.Lock()  # senders: ``send``, ``flush``, ``send_all``
