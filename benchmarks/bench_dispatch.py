@@ -8,7 +8,8 @@ contiguous tensor, with ``glue="separate"`` its own node). One call carries one 
     in process      bare Python call fn(x) vs BatchedComponent([([x], {})]) and
                     NodeRunner.run (a glue node through Interpreter.op; a component node)
     cross process   WorkerPool.submit_batch(...).result(): conductor -> worker -> conductor,
-                    typed messages over ZeroMQ (ipc); a 1-rank pool
+                    typed messages over the rank's link (a Unix socket, ``ranklink``); a
+                    1-rank pool; ``_zmq``: the same over ZeroMQ (``rank_links=False``)
     floor           the same round trip with nothing but ZeroMQ: a spawned process echoing
                     bytes on a DEALER, and the same with a receive thread + queue in it
     memory          VmRSS (/proc/<pid>/status) of an idle worker with example-cfg-image
@@ -138,14 +139,16 @@ def cross_process(calls: int, warmup: int) -> dict[str, dict[str, float]]:
     plan = lower(captured, sample, glue="separate", check_capture=False)
     x = sample["x"]
     out = {}
-    with WorkerPool(ECHO_MODEL, 0, captured, plan, 1, threads=1) as pool:
-        for node, name in (("contiguous", "ident"), ("ident", "x")):
-            items = [(0, "r", {name: x})]
-            out[f"pool_{node}"] = percentiles(
-                lambda n=node, i=items: pool.submit_batch(0, "echo", n, i).result(),  # type: ignore[misc]
-                calls,
-                warmup,
-            )
+    for links in (True, False):  # the rank's link (the default), or ZeroMQ's sockets
+        config = PoolConfig(rank_links=links)
+        with WorkerPool(ECHO_MODEL, 0, captured, plan, 1, threads=1, config=config) as pool:
+            for node, name in (("contiguous", "ident"), ("ident", "x")):
+                items = [(0, "r", {name: x})]
+                out[f"pool_{node}" + ("" if links else "_zmq")] = percentiles(
+                    lambda n=node, i=items: pool.submit_batch(0, "echo", n, i).result(),  # type: ignore[misc]
+                    calls,
+                    warmup,
+                )
     return out
 
 

@@ -137,7 +137,12 @@ def _dispatch(data: dict[str, Any], src: str) -> list[Row]:
             f"in-process {i['executor_glue']['p50_us']:.1f} us (glue) /"
             f" {i['executor_component']['p50_us']:.1f} us (component) vs"
             f" {i['bare_call']['p50_us']:.2f} us bare; cross-process"
-            f" {x['pool_contiguous']['p50_us']:.0f} us",
+            f" {x['pool_contiguous']['p50_us']:.0f} us"
+            + (
+                f" (over ZeroMQ instead of the rank link: {x['pool_contiguous_zmq']['p50_us']:.0f} us)"
+                if "pool_contiguous_zmq" in x
+                else ""
+            ),
         ),
         *(
             [
