@@ -86,6 +86,8 @@ def test_sigkill_mid_request_fails_it_and_the_rank_comes_back(server: Server) ->
     assert old_pool is not None
     handle, pid = start_long(server)
     assert server.stats().ranks[0].objects >= 1  # rank 0 holds the value rank 1 loops over
+    old_link = server.pool._ranks[1].link
+    assert old_link is not None  # a rank this process spawned talks over its rank link
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(RequestFailed, match=r"worker rank 1 \(pid \d+\) died \(killed by SIGKILL"):
@@ -94,6 +96,9 @@ def test_sigkill_mid_request_fails_it_and_the_rank_comes_back(server: Server) ->
     print(f"rank 1 back {time.monotonic() - t0:.2f} s after SIGKILL")
     assert server.pool.pid(1) != pid and server.health()[1].shm_pool != old_pool
     assert segments(old_pool) == []
+    new_link = server.pool._ranks[1].link  # the new process's link; the dead one's is closed
+    assert new_link is not None and new_link is not old_link and old_link.closed
+    assert len(server.pool._links) == 2
     run_looped(server)
     assert wait_for(lambda: settled(server)), server.stats()  # rank 0 released its value too
 
