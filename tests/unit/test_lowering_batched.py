@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from walkserve import capture
 from walkserve.adapters.examples import EXAMPLES, build_example
@@ -90,3 +92,49 @@ def test_buckets_and_plan_round_trip() -> None:
     again = ExecutablePlan.from_json(plan.to_json())
     assert again == plan
     assert "decode_chunk/codec" in plan.format()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(2, 6),
+    rows=st.integers(1, 3),
+    odd=st.sampled_from(["none", "shape", "dtype", "shared", "kwargs", "rows"]),
+    at=st.integers(1, 5),
+)
+def test_calls_alike_run_as_the_general_grouping_runs_them(
+    n: int, rows: int, odd: str, at: int
+) -> None:
+    """``BatchedComponent``'s fast path (every call alike: one group, no signature per call)
+    gives what the general grouping gives, outputs and batch sizes both; a call that is not
+    alike (another shape, dtype, shared argument, keywords or rows) takes the general path."""
+    import torch
+
+    from walkserve.lowering.batched import BatchedComponent
+
+    def fn(x: torch.Tensor, scale: torch.Tensor, k: int = 1) -> torch.Tensor:
+        return x.float() * scale + k
+
+    scale = torch.tensor(2.0)
+    calls: list[Any] = [([torch.full((rows, 3), float(i)), scale], {}) for i in range(n)]
+    k = min(at, n - 1)
+    x = calls[k][0][0]
+    if odd == "shape":
+        calls[k] = ([torch.zeros(rows, 4), scale], {})
+    elif odd == "dtype":
+        calls[k] = ([x.double(), scale], {})
+    elif odd == "shared":
+        calls[k] = ([x, torch.tensor(2.0)], {})  # equal by value: the general path groups it
+    elif odd == "kwargs":
+        calls[k] = ([x, scale], {"k": 1})
+    elif odd == "rows":
+        calls[k] = ([torch.ones(rows + 1, 3), scale], {})
+    fast, slow = BatchStats(), BatchStats()
+    component = BatchedComponent("c", fn, [0, None], {"k": None}, 0, stats=fast)
+    general = BatchedComponent("c", fn, [0, None], {"k": None}, 0, stats=slow)
+    general._alike = lambda batch: 0  # type: ignore[method-assign]
+    got, want = component(calls), general(calls)
+    assert len(got) == len(want) == n
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert fast.calls == slow.calls
+    assert (component._alike(calls) > 0) == (odd == "none")

@@ -109,6 +109,12 @@ class BatchedComponent:
                 self.stats.add(self.name, 1)
             args, kwargs = batch[0]
             return [self.fn(*args, **kwargs)]
+        rows = self._alike(batch)
+        if rows:  # one group, every call's batch the same size: no signature per call
+            outs = self._run(list(batch), [rows] * len(batch))
+            if self.stats is not None:  # as a group's: counted once it ran
+                self.stats.add(self.name, len(batch))
+            return outs
         results: list[Any] = [None] * len(batch)
         for group in self._groups(batch):
             calls = [batch[i] for i in group]
@@ -122,6 +128,38 @@ class BatchedComponent:
             for i, out in zip(group, outs):
                 results[i] = out
         return results
+
+    def _alike(self, batch: Sequence[Call]) -> int:
+        """The batch size of every call of ``batch`` where they all are alike (0 where not,
+        or not worth asking): no keyword arguments, each batched argument a tensor of the
+        first call's shape and dtype, each other argument the first call's very object. Such
+        calls are one group of ``_groups`` (a narrower rule, checked for what a map of one
+        component makes: its windows, many a batch)."""
+        if len(batch) < 2 or not self.batchable or self.buckets:
+            return 0
+        first, kw = batch[0]
+        if kw or len(first) != len(self.in_dims):
+            return 0
+        rows = 0
+        for x, d in zip(first, self.in_dims):
+            if isinstance(d, int):
+                if not isinstance(x, torch.Tensor) or not 0 <= d < x.dim():
+                    return 0
+                rows = rows or int(x.shape[d])
+        if not rows:
+            return 0
+        for args, kwargs in batch[1:]:
+            if kwargs or len(args) != len(first):
+                return 0
+            for x, y, d in zip(first, args, self.in_dims):
+                if isinstance(d, int):
+                    if not (
+                        isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype == x.dtype
+                    ):
+                        return 0
+                elif y is not x:
+                    return 0
+        return rows
 
     def _groups(self, batch: Sequence[Call]) -> list[list[int]]:
         """Compatible groups, first come first grouped: one pass by signature (dtype and
@@ -191,8 +229,9 @@ class BatchedComponent:
         pairs += [(a[1][k], b[1][k], self.kw_dims.get(k)) for k in a[1]]
         return all(_compatible(x, y, d) for x, y, d in pairs)
 
-    def _run(self, calls: list[Call]) -> list[Any]:
-        sizes = [_batch_size(c, self.in_dims, self.kw_dims) for c in calls]
+    def _run(self, calls: list[Call], sizes: list[int] | None = None) -> list[Any]:
+        if sizes is None:
+            sizes = [_batch_size(c, self.in_dims, self.kw_dims) for c in calls]
         total = sum(sizes)
         pad = 0
         if self.buckets:

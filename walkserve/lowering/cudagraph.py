@@ -69,12 +69,13 @@ class GraphedComponent(BatchedComponent):
             out = self.fn(*args, **kwargs)
         return graph, (args, kwargs), out
 
-    def _run(self, calls: list[Call]) -> list[Any]:
-        sizes = [_batch_size(c, self.in_dims, self.kw_dims) for c in calls]
+    def _run(self, calls: list[Call], sizes: list[int] | None = None) -> list[Any]:
+        if sizes is None:
+            sizes = [_batch_size(c, self.in_dims, self.kw_dims) for c in calls]
         total = sum(sizes)
         k = bisect.bisect_left(self.sizes, total)
         if k == len(self.sizes) or not self._matches_template(calls[0]):
-            return super()._run(calls)
+            return super()._run(calls, sizes)
         graph, (args, kwargs), out = self.graphs[self.sizes[k]]
         for j, d in enumerate(self.in_dims):
             if isinstance(d, int):

@@ -291,6 +291,9 @@ class NodeRunner:
         """A map item's result: its glue run on each call's output; the first error fails it
         whole, a ``DEFER`` defers it whole (its calls run again together)."""
         comp = entry.plan.ops[0]
+        alone = item.ops == (comp,) and (item.outputs or item.ops) == (comp,)  # no glue
+        if alone and not any(out is DEFER or isinstance(out, _Failure) for out in outs):
+            return ItemResult(item.id, each=[{comp: out} for out in outs])  # as _finish makes
         each: list[dict[str, Any]] = []
         for out in outs:
             r = self._finish(entry, item, {comp: out})
