@@ -13,9 +13,10 @@ One pass of the loop:
               ``Process.sentinel``: a dead worker is noticed at once, not at a heartbeat
               timeout; the wait is short while setups or restarts are due; the rank links
               and their listener (``poollinks``: the ranks this process spawned)
-    read      every waiting report (of *reports* and of the links), dispatched by type (``_handlers``, a table; a message for
-              another rank is dropped, logged); each refreshes its rank's ``last_seen``; a
-              peer the pool does not know is a remote rank's (new) process (``poolremote``)
+    read      every waiting report (of *reports* and of the links), dispatched by type
+              (``_handlers``, a table; a message for another rank is dropped, logged); each
+              refreshes its rank's ``last_seen``; a peer the pool does not know is a remote
+              rank's (new) process (``poolremote``)
     sentinel  the rank's last words (a ``Fatal``) are read first, then ``_on_exit``
     then      setups not yet routable sent again, ``on_io_pass``, region events flushed
               (``poolregions``), supervision ticked (``poolsupervision``)

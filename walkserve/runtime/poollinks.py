@@ -156,7 +156,9 @@ class PoolLinks(NodeBatches):
 
     def _forget(self, poller: zmq.Poller, link: Link) -> None:
         fd = link.fileno()
-        if self._links.pop(fd, None) is not None:
+        entry = self._links.get(fd)
+        if entry is not None and entry[1] is link:  # not a later link under a reused fd
+            del self._links[fd]
             poller.unregister(fd)
             self._writing.discard(fd)
         link.close()
