@@ -2,8 +2,8 @@
 one Unix stream socket, in place of the ZeroMQ pair of sockets a remote rank uses::
 
     listener = LinkListener(path)             # the server: in its private (0700) directory
-    link = listener.accept()                  # the io thread, once the fd is readable
-    listener.peer_pid(link)                   # which process it is (the kernel says: SO_PEERCRED)
+    link, pid = listener.accept()             # the io thread, once the fd is readable: and
+                                              # which process it is (the kernel's SO_PEERCRED)
 
     link = Link.connect(path)                 # the worker, before its Join
     link.send(data)                           # any thread: False when some of it waits
