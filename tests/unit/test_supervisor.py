@@ -69,3 +69,40 @@ def test_bad_supervision_settings_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         SupervisionConfig(**bad)  # type: ignore[arg-type]
     assert PoolConfig().supervision.hang_deadline_s == 10.0
+
+
+def test_a_rank_whose_reports_wait_unread_is_not_called_hung() -> None:
+    """``RankSupervision.tick`` (the pool's io thread) reads what waits before it kills: a
+    thread kept from its reads (the GIL, a long pass) finds a rank's heartbeats queued, not a
+    hung rank. A rank that sent nothing is still killed."""
+    import time
+    from types import SimpleNamespace
+
+    from walkserve.runtime.poolsupervision import RankSupervision
+
+    class Process:
+        killed = 0
+
+        def kill(self) -> None:
+            self.killed += 1
+
+    silent = time.monotonic() - 5.0  # past a 2 s deadline
+    queued = SimpleNamespace(rank=0, status="ready", last_seen=silent, hung=None, pid=1)
+    mute = SimpleNamespace(rank=1, status="ready", last_seen=silent, hung=None, pid=2)
+    queued.process, mute.process = Process(), Process()
+    drains: list[int] = []
+
+    def drain_reports(wait_ms: int = 20) -> None:  # rank 0's heartbeats were waiting
+        drains.append(wait_ms)
+        queued.last_seen = time.monotonic()
+
+    pool = SimpleNamespace(
+        config=PoolConfig(supervision=SupervisionConfig(hang_deadline_s=2.0)),
+        _ranks={0: queued, 1: mute},
+        _closed=False,
+        _drain_reports=drain_reports,
+    )
+    RankSupervision(pool).tick()  # type: ignore[arg-type]
+    assert drains == [0]  # read once, without waiting
+    assert queued.process.killed == 0 and queued.hung is None
+    assert mute.process.killed == 1 and "sent nothing" in mute.hung
