@@ -42,15 +42,16 @@ class RankSupervision:
         ``_on_exit``), and start again the ones whose restart is due."""
         pool = self.pool
         now = time.monotonic()
-        drained = False
-        for state in list(pool._ranks.values()):
-            if state.rank in pool.config.remote_ranks or pool._closed:
-                continue
-            if state.status == "ready" and self.policy.hung(state.last_seen) and not drained:
-                # what it sent may wait unread (this thread was kept from its reads, by the
-                # GIL or a long pass): read it before calling the rank hung
-                pool._drain_reports(wait_ms=0)
-                drained = True
+        local = (
+            []
+            if pool._closed
+            else [s for s in pool._ranks.values() if s.rank not in pool.config.remote_ranks]
+        )
+        if any(s.status == "ready" and self.policy.hung(s.last_seen) for s in local):
+            # what a rank sent may wait unread (this thread was kept from its reads, by the
+            # GIL or a long pass): read it before calling any rank hung
+            pool._drain_reports(wait_ms=0)
+        for state in local:
             if state.status == "ready" and self.policy.hung(state.last_seen):
                 assert state.last_seen is not None
                 silent, limit = now - state.last_seen, pool.config.supervision.hang_deadline_s

@@ -161,10 +161,11 @@ class Link:
 
     # ------------------------------------------------------------------ receiving
 
-    def waiting(self) -> bool:
-        """Whether bytes wait to be read (cheap: one poll of the fd); some may be the start of
-        a message only, which ``recv`` keeps for the next read."""
-        return bool(self._poll.poll(0))
+    def waiting(self, timeout_ms: int = 0) -> bool:
+        """Whether bytes wait to be read, after waiting up to ``timeout_ms`` for some (0:
+        cheap, one poll of the fd); some may be the start of a message only, which ``recv``
+        keeps for the next read."""
+        return bool(self._poll.poll(timeout_ms))
 
     def recv(self) -> list[bytes | bytearray]:
         """Every whole message readable now, in order (none: nothing whole yet). Sets

@@ -247,9 +247,8 @@ class Worker(WorkerInbox):
         rx.connect(self.config.commands_addr)
         self._tx = ctx.socket(zmq.DEALER)  # reports; any thread, under _tx_lock
         self._tx.setsockopt(zmq.LINGER, 1000)  # let the last replies out
-        self._tx.setsockopt(
-            zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000)
-        )  # never block forever on a gone conductor
+        # never block forever on a gone conductor
+        self._tx.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
         self._tx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.config.generation))
         self._secure(self._tx)
         self._tx.connect(self.address)

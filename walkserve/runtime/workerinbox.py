@@ -368,8 +368,6 @@ class LinkCommands:
     def __init__(self, link: Link) -> None:
         self.link = link
         self.target = link.fileno()
-        self._poll = select.poll()
-        self._poll.register(self.target, select.POLLIN)
         self._held: list[bytes | bytearray] = []  # read with one ``recv`` wanted, not yet taken
 
     @property
@@ -377,7 +375,7 @@ class LinkCommands:
         return self.link.closed and not self._held
 
     def poll(self, timeout_ms: int) -> bool:
-        return bool(self._held) or bool(self._poll.poll(timeout_ms))
+        return bool(self._held) or self.link.waiting(timeout_ms)
 
     def recv(self) -> bytes | bytearray | None:
         if not self._held:
