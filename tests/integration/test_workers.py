@@ -310,13 +310,17 @@ def test_large_tensors_travel_through_shared_memory(cfg_pool: WorkerPool) -> Non
 def test_spawned_ranks_talk_over_rank_links_and_large_messages_cross_them_whole() -> None:
     """Each spawned rank's link is up (its process's pid the kernel's word); a message of 2 MB
     each way (tensors inline, past the kernel's socket buffer, so both sides cut it) arrives
-    whole; ZeroMQ in their place (``rank_links=False``) gives the same outputs."""
+    whole; ZeroMQ in their place (``rank_links=False``) gives the same outputs. A rank that
+    reads nothing (stopped) is sent commands until what waits reaches the link's bound: the
+    next one fails, naming why; once it reads again it answers every command taken."""
     captured, plan = prepare("example-cfg-image")
     big = torch.arange(250_000, dtype=torch.int64).view(1, -1)  # 2 MB
     items = [(0, "big", {"prompt_ids": big}), (1, "small", {"prompt_ids": big[:, :8]})]
     outputs = {}
     for links in (True, False):
-        config = dataclasses.replace(CONFIG, inline_max_bytes=4 << 20, rank_links=links)
+        config = dataclasses.replace(
+            CONFIG, inline_max_bytes=4 << 20, rank_links=links, link_max_unsent=1 << 20
+        )
         with WorkerPool("example-cfg-image", 0, captured, plan, 2, THREADS, config) as pool:
             ranks = pool._ranks.values()
             assert all((state.link is not None) == links for state in ranks)
@@ -326,6 +330,28 @@ def test_spawned_ranks_talk_over_rank_links_and_large_messages_cross_them_whole(
                 c.created for c in pool.shm_stats().classes
             )  # inline both ways: nothing went through shared memory
             outputs[links] = result.outputs
+            if links:
+                pid = pool.pid(1)
+                assert pid is not None
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    taken = []
+                    for k in range(20):  # the kernel's buffer fills, then the link's bound
+                        f = pool.submit_batch(
+                            1, "generate", "full_like", [(0, f"s{k}", items[0][2])]
+                        )
+                        if f.done() and f.exception() is not None:
+                            break
+                        taken.append(f)
+                    assert taken and len(taken) < 20
+                    with pytest.raises(WorkerDied, match="rank 1 reads no commands"):
+                        f.result(0)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                for f in taken:  # it reads again: every command the link took is answered
+                    got = f.result(TIMEOUT_S).outputs[0]["full_like"]
+                    assert torch.equal(got, torch.zeros_like(big))
+                assert pool._ranks[1].link is not None and not pool._ranks[1].link.pending()
     for i, want in ((0, torch.zeros_like(big)), (1, torch.zeros(1, 8, dtype=torch.int64))):
         assert torch.equal(outputs[True][i]["full_like"], want)
         assert torch.equal(outputs[False][i]["full_like"], want)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from walkserve.runtime import ranklink
-from walkserve.runtime.ranklink import Link, LinkClosed, LinkListener
+from walkserve.runtime.ranklink import Link, LinkClosed, LinkFull, LinkListener
 
 pytestmark = pytest.mark.skipif(not ranklink.available(), reason="no Unix peer credentials")
 
@@ -97,6 +97,33 @@ def test_a_closed_peer_is_seen_by_both_reading_and_sending() -> None:
         for _ in range(100):  # the first writes may still land in the kernel's buffer
             a.send_all(b"x" * 100_000, timeout_s=5)
     a.close()
+
+
+def test_what_waits_for_a_reader_that_reads_nothing_is_bounded() -> None:
+    """Past ``max_unsent`` bytes waiting, a send is refused and nothing of it queued; what was
+    queued arrives whole once the reader reads; a message larger than the bound goes alone."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    tx, rx = Link(a, 4096, max_unsent=50_000), Link(b, 4096)
+    try:
+        sent: list[bytes] = []
+        with pytest.raises(LinkFull, match="bound 50000"):
+            for k in range(1000):  # the kernel's buffer fills first, then the bound
+                m = bytes([k % 251]) * 3000
+                tx.send(m)
+                sent.append(m)
+        assert 0 < tx.unsent() <= 50_000
+        assert pump(tx, rx, len(sent)) == sent  # the refused one was not queued
+        assert tx.unsent() == 0 and not tx.pending()
+        big = os.urandom(200_000)  # over the bound, nothing waiting: it goes
+        tx.send(big)
+        with pytest.raises(LinkFull):  # and nothing may queue behind it past the bound
+            tx.send(b"x" * 50_000)
+        assert pump(tx, rx, 1) == [big]
+        assert tx.send(b"after") or tx.pending()
+        assert pump(tx, rx, 1) == [b"after"]
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_a_length_no_message_could_have_breaks_the_link() -> None:

@@ -43,6 +43,7 @@ MiB = 1 << 20
 INLINE_MAX_BYTES = 64 * KiB  # a tensor smaller than this travels inside its message
 IDLE_SPIN_S = 0.005  # a worker's default idle spin, where the cores allow it (``idle_spin``)
 MAX_IDLE_SPIN_S = 1.0
+LINK_MAX_UNSENT = 64 * MiB  # a rank link's commands not read yet, at most (``PoolConfig``)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,10 @@ class PoolConfig:
     # socket: ``runtime.ranklink``) when ``address`` is "ipc" and there is no ``bind``; False:
     # over ZeroMQ, as remote ranks do (a comparison)
     rank_links: bool = True
+    # bytes of commands a rank link may hold that its rank has not read yet: past it a command
+    # fails as one to an unreachable rank (ZeroMQ's queue refused past 1000 messages), so a
+    # rank that stops reading cannot grow this process's memory until its hang deadline
+    link_max_unsent: int = LINK_MAX_UNSENT
 
     def __post_init__(self) -> None:
         if self.idle_spin_s is not None and not 0 <= self.idle_spin_s <= MAX_IDLE_SPIN_S:
@@ -183,6 +188,8 @@ class PoolConfig:
             raise ValueError(f"address must be 'ipc' or 'tcp', got {self.address!r}")
         if self.inline_max_bytes < 0:
             raise ValueError(f"inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
+        if self.link_max_unsent < 1:
+            raise ValueError(f"link_max_unsent must be >= 1, got {self.link_max_unsent}")
         if self.worker_shm_slots_per_class < 1:
             raise ValueError(
                 f"worker_shm_slots_per_class must be >= 1, got {self.worker_shm_slots_per_class}"

@@ -16,7 +16,9 @@ one Unix socket, not ZeroMQ's pair (remote ranks keep ZeroMQ). ``pool.WorkerPool
 
 A link's reports are dispatched as the ROUTER's are (``IoLoop._handle``). A command that finds
 a link closed fails as a send to a gone ROUTER peer does (``zmq.ZMQError``, EHOSTUNREACH), so
-its callers' rules stay one.
+its callers' rules stay one; one that finds the rank's unread commands at the link's bound
+(``PoolConfig.link_max_unsent``: the rank reads nothing) fails as a send to a ROUTER peer
+whose queue is full does (EAGAIN).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import zmq
 
 from walkserve.runtime.poolbatches import NodeBatches
 from walkserve.runtime.poolstate import GONE, RankState
-from walkserve.runtime.ranklink import Link, LinkClosed, LinkListener
+from walkserve.runtime.ranklink import Link, LinkClosed, LinkFull, LinkListener
 
 __all__ = ["PoolLinks"]
 
@@ -74,6 +76,8 @@ class PoolLinks(NodeBatches):
                 self._nudge.set()  # the io thread writes the rest once the socket takes it
         except LinkClosed as e:
             raise zmq.ZMQError(zmq.EHOSTUNREACH, f"rank {state.rank}: {e}") from e
+        except LinkFull as e:  # the rank reads nothing: as ZeroMQ's full queue refuses
+            raise zmq.ZMQError(zmq.EAGAIN, f"rank {state.rank} reads no commands: {e}") from e
 
     # ------------------------------------------------------------------ the io thread
 
@@ -118,7 +122,7 @@ class PoolLinks(NodeBatches):
 
     def _accept(self) -> None:
         assert self._listener is not None
-        while (accepted := self._listener.accept()) is not None:
+        while (accepted := self._listener.accept(self.config.link_max_unsent)) is not None:
             link, pid = accepted
             with self._lock:
                 state = next(

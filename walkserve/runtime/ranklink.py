@@ -6,7 +6,8 @@ one Unix stream socket, in place of the ZeroMQ pair of sockets a remote rank use
                                               # which process it is (the kernel's SO_PEERCRED)
 
     link = Link.connect(path)                 # the worker, before its Join
-    link.send(data)                           # any thread: False when some of it waits
+    link.send(data)                           # any thread: False when some of it waits;
+                                              # LinkFull past its bound of unsent bytes
     link.flush()                              # the socket is writable: what waits, True once out
     link.send_all(data, timeout_s)            # block until it is out (a worker's reports)
     for data in link.recv(): ...              # every whole message readable now
@@ -20,7 +21,9 @@ blocks (the conductor's io thread writes the rest when the socket is writable, s
 waits on a rank that waits on it), ``send_all`` blocks (a worker's engine thread waits for its
 conductor as ZeroMQ's full queue made it wait). A message is read into its own buffer once it
 is larger than a read's scratch, not copied again. Nothing here decodes a message; pickle is
-never involved. ``LinkClosed``: the other side is gone.
+never involved. ``LinkClosed``: the other side is gone. ``LinkFull``: the other side reads
+nothing and what waits for it reached the link's bound (``max_unsent``), as ZeroMQ's full
+queue refused a message: a rank that stops reading cannot grow the conductor's memory.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import struct
 import threading
 import time
 
-__all__ = ["Link", "LinkClosed", "LinkListener", "available"]
+__all__ = ["Link", "LinkClosed", "LinkFull", "LinkListener", "available"]
 
 _LENGTH = struct.Struct("<Q")
 SCRATCH = 64 * 1024  # a read's size: smaller messages are cut from it, larger get their own
@@ -47,6 +50,10 @@ class LinkClosed(ConnectionError):
     """The other side closed the link (its process ended), or its bytes make no sense."""
 
 
+class LinkFull(BufferError):
+    """A message refused: the bytes waiting for the other side to read reached the bound."""
+
+
 def available() -> bool:
     """Whether this host can run rank links: Unix sockets and the peer's credentials."""
     return hasattr(socket, "AF_UNIX") and hasattr(socket, "SO_PEERCRED")
@@ -55,11 +62,17 @@ def available() -> bool:
 class Link:
     """One side of a rank link (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket, buffer_bytes: int | None = BUFFER_BYTES) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        buffer_bytes: int | None = BUFFER_BYTES,
+        max_unsent: int | None = None,
+    ) -> None:
         """``buffer_bytes``: the socket's buffers (None: the kernel's default). A sender whose
         message fits returns at once instead of waiting for the reader to drain it: a worker's
         490 KB exit of 16 rollouts left in ~90 us, against ~270-360 us with the 208 KB default."""
         sock.setblocking(False)
+        self.max_unsent = max_unsent  # bytes ``send`` may leave waiting (None: no bound)
         if buffer_bytes is not None:
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 with contextlib.suppress(OSError):
@@ -68,6 +81,7 @@ class Link:
         self._fd = sock.fileno()
         self._lock = threading.Lock()  # senders: ``send``, ``flush``, ``send_all``
         self._out: collections.deque[memoryview] = collections.deque()  # not yet written
+        self._unsent = 0  # bytes in ``_out``
         self._buf = b""  # bytes read past the last whole message (less than a header + body)
         self._body: bytearray | None = None  # a large message being read into its own buffer
         self._got = 0  # of ``_body``
@@ -94,13 +108,22 @@ class Link:
     def send(self, data: bytes) -> bool:
         """Queue ``data`` as one message and write what the socket takes now (any thread;
         never blocks): True when all of it left, False when some waits for ``flush``. Raises
-        ``LinkClosed`` when the other side is gone."""
+        ``LinkClosed`` when the other side is gone, ``LinkFull`` (nothing queued) when what
+        already waits and ``data`` together pass ``max_unsent`` (a message alone may be
+        larger: it goes when nothing waits)."""
         head = _LENGTH.pack(len(data))
+        size = len(head) + len(data)
         with self._lock:
             if self.closed:
                 raise LinkClosed("the link is closed")
             if self._out:  # behind what waits already: in order
+                if self.max_unsent is not None and self._unsent + size > self.max_unsent:
+                    raise LinkFull(
+                        f"{self._unsent} bytes wait for the other side to read them (bound"
+                        f" {self.max_unsent}): a message of {len(data)} bytes refused"
+                    )
                 self._out += (memoryview(head), memoryview(data))
+                self._unsent += size
                 return False
             try:
                 sent = self._sock.sendmsg((head, data))
@@ -108,13 +131,14 @@ class Link:
                 sent = 0
             except OSError as e:
                 self._broken(e)
-            if sent == len(head) + len(data):
+            if sent == size:
                 return True
             if sent < len(head):
                 self._out.append(memoryview(head)[sent:])
                 self._out.append(memoryview(data))
             else:
                 self._out.append(memoryview(data)[sent - len(head) :])
+            self._unsent = size - sent
             return False
 
     def flush(self) -> bool:
@@ -129,6 +153,7 @@ class Link:
                     return False
                 except OSError as e:
                     self._broken(e)
+                self._unsent -= sent
                 while sent and out:
                     first = out[0]
                     if sent >= len(first):
@@ -142,6 +167,10 @@ class Link:
     def pending(self) -> bool:
         """Whether some sent message waits for ``flush``."""
         return bool(self._out)
+
+    def unsent(self) -> int:
+        """Bytes of sent messages that wait for ``flush``."""
+        return self._unsent
 
     def send_all(self, data: bytes, timeout_s: float) -> None:
         """``send``, then wait until all of it left (a worker's reports: its conductor reads
@@ -260,8 +289,9 @@ class LinkListener:
     def fileno(self) -> int:
         return self._fd
 
-    def accept(self) -> tuple[Link, int] | None:
-        """The next connection and its process's pid (None: none waits)."""
+    def accept(self, max_unsent: int | None = None) -> tuple[Link, int] | None:
+        """The next connection (a ``Link`` bounded by ``max_unsent``) and its process's pid
+        (None: none waits)."""
         try:
             sock, _ = self._sock.accept()
         except (BlockingIOError, InterruptedError):
@@ -271,7 +301,7 @@ class LinkListener:
         if uid != os.getuid():  # the directory is ours alone; still, never another user's
             sock.close()
             return None
-        return Link(sock), pid
+        return Link(sock, max_unsent=max_unsent), pid
 
     def close(self) -> None:
         self.closed = True
