@@ -4,6 +4,10 @@ For tensors of 1 KiB, 1 MiB and 64 MiB (uint8), the median time of one producer-
 transfer through the transport API (``send``, ``receive``, ``release``), per path:
 
     shm         ShmTransport: copy into the producer's shared-memory pool, copy out (one host)
+    peer        a rank's pull of a value another rank of its host holds (``runtime.peers``):
+                ``PeerClient.fetch`` in this process from a ``PeerServer`` in another (its
+                peer link, a Unix socket; the bytes through the producer's shared memory, or
+                inline below 64 KiB), the slot acked
     mooncake    MooncakeTransport: copy into the producer's registered buffer, one Mooncake
                 ``transfer_sync_read`` over protocol tcp (P2PHANDSHAKE) into the consumer's
                 registered buffer, copy out; the consumer engine runs in another process,
@@ -84,6 +88,56 @@ def bench_shm(quick: bool) -> dict[int, float]:
     finally:
         reader.close()
         pool.close()
+    return out
+
+
+def _peer_producer(conn: Any, path: str) -> None:
+    """Child process: a rank holding one tensor of each size, answering fetches on ``path``."""
+    from walkserve.runtime.config import INLINE_MAX_BYTES
+    from walkserve.runtime.peers import PeerServer
+    from walkserve.runtime.shm import ShmPool, ShmPoolConfig
+    from walkserve.runtime.shmreader import ShmReader
+    from walkserve.runtime.transport import ObjectStore
+
+    store = ObjectStore(1)
+    keys = [store.put("r", torch.ones(n, dtype=torch.uint8)).key for n in SIZES]
+    pool = ShmPool(ShmPoolConfig(max_slot_bytes=128 * MiB, slots_per_class=2))
+    server = PeerServer(path, store, pool, ShmReader(), INLINE_MAX_BYTES)
+    conn.send(keys)
+    conn.recv()  # stop
+    server.close()
+    pool.close()
+
+
+def bench_peer(quick: bool) -> dict[int, float]:
+    import shutil
+    import tempfile
+
+    from walkserve.runtime.messages import ObjectRef
+    from walkserve.runtime.peers import PeerClient, peer_address
+    from walkserve.runtime.shmreader import ShmReader
+
+    directory = tempfile.mkdtemp(prefix="walkserve-bench-")
+    path = peer_address(directory, 1)
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_peer_producer, args=(child, path))
+    proc.start()
+    reader = ShmReader()
+    client = PeerClient(0, {1: path}, reader)
+    out = {}
+    try:
+        keys = parent.recv()
+        for n, key in zip(SIZES, keys):
+            ref = ObjectRef(1, key)
+            out[n] = timed(lambda ref=ref: client.fetch("r", [ref]), repeats_for(n, quick))
+        parent.send("stop")
+    finally:
+        client.close()
+        reader.close()
+        proc.join(30)
+        if proc.exitcode is None:
+            proc.kill()
+        shutil.rmtree(directory, ignore_errors=True)
     return out
 
 
@@ -177,7 +231,7 @@ def main() -> None:
     from walkserve.runtime.net.link import fit_link
     from walkserve.runtime.net.mooncake import available
 
-    paths: dict[str, Any] = {"shm": bench_shm, "tcp-inline": bench_tcp_inline}
+    paths: dict[str, Any] = {"shm": bench_shm, "peer": bench_peer, "tcp-inline": bench_tcp_inline}
     ok, why = available()
     if ok:
         paths["mooncake"] = bench_mooncake

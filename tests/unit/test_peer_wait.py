@@ -1,6 +1,6 @@
 """A rank's peer fetch (``runtime.peers``) that gets no answer keeps calling ``on_wait`` (the
 worker's heartbeat) until it gives up, so a dead or stopped producer does not make its
-consumer look hung."""
+consumer look hung; a producer that was restarted since the last fetch is reached anew."""
 
 from __future__ import annotations
 
@@ -8,23 +8,23 @@ import shutil
 import tempfile
 
 import pytest
-import zmq
+import torch
 
 from walkserve.runtime.messages import ObjectRef
-from walkserve.runtime.peers import PeerClient, PeerError, peer_address
+from walkserve.runtime.peers import PeerClient, PeerError, PeerServer, peer_address
+from walkserve.runtime.ranklink import LinkListener
+from walkserve.runtime.shm import ShmPool, ShmPoolConfig
 from walkserve.runtime.shmreader import ShmReader
+from walkserve.runtime.transport import ObjectStore
 
 
 def test_a_peer_fetch_keeps_calling_on_wait_until_it_gives_up() -> None:
     """A rank waiting for a peer that does not answer (dead, stopped) keeps its heartbeats
     going (``on_wait``), so it is not taken for hung itself."""
-    ctx = zmq.Context()
     directory = tempfile.mkdtemp(prefix="walkserve-test-")
-    silent = ctx.socket(zmq.ROUTER)  # takes the fetch, never answers
-    silent.bind(peer_address(directory, 1))
+    silent = LinkListener(peer_address(directory, 1))  # takes the connection, never answers
     calls: list[int] = []
     client = PeerClient(
-        ctx,
         0,
         {1: peer_address(directory, 1)},
         ShmReader(),
@@ -38,6 +38,67 @@ def test_a_peer_fetch_keeps_calling_on_wait_until_it_gives_up() -> None:
         assert len(calls) >= 5
     finally:
         client.close()
-        silent.close(0)
-        ctx.term()
+        silent.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_fetches_inline_and_through_shared_memory_and_a_restarted_producer_is_reached() -> None:
+    """A small tensor comes inline, a large one through the producer's pool (its slot free
+    again once the consumer acks); a producer replaced at the same path (a restarted rank)
+    answers the next fetch over a new link, and a key of the old one is unknown to it; a
+    consumer that ends without acking frees what it was given."""
+    directory = tempfile.mkdtemp(prefix="walkserve-test-")
+    path = peer_address(directory, 1)
+    pools = [ShmPool(ShmPoolConfig(when_exhausted="raise")) for _ in range(2)]
+    small, large = torch.arange(16.0), torch.randn(64, 1024)  # 64 B inline, 256 KiB in shm
+    store = ObjectStore(1)
+    refs = [store.put("r", small), store.put("r", large)]
+    server = PeerServer(path, store, pools[0], ShmReader(), 64 * 1024)
+    client = PeerClient(0, {1: path}, ShmReader(), timeout_s=10)
+    try:
+        got = client.fetch("r", refs)
+        assert torch.equal(got[(1, refs[0].key)], small)
+        assert torch.equal(got[(1, refs[1].key)], large)
+        assert client.bytes_in == small.nbytes + large.nbytes
+        assert _wait(lambda: _idle(pools[0]))  # acked: the slot is free
+        with pytest.raises(PeerError, match="rank 1: "):
+            client.fetch("other", [refs[0]])  # only the request that made it reads it
+        server.close()  # the rank ends; another process of it serves the same path
+        store = ObjectStore(1)
+        fresh = store.put("r", small * 2)
+        server = PeerServer(path, store, pools[1], ShmReader(), 64 * 1024)
+        assert torch.equal(client.fetch("r", [fresh])[(1, fresh.key)], small * 2)
+        with pytest.raises(PeerError, match="rank 1: "):
+            client.fetch("r", [refs[1]])  # the old process's value is gone with it
+        # a consumer that ends between the answer and its ack: its slot is freed all the same
+        big = store.put("r", large)
+        other = PeerClient(0, {1: path}, ShmReader(), timeout_s=10)
+        link = other._link(1)
+        from walkserve.runtime.messages import Fetch, encode
+
+        link.send_all(encode(Fetch(0, "r", [big.key])), 10)
+        assert other._reply(1, link, 0).values  # given, never acked
+        assert not _idle(pools[1])
+        other.close()
+        assert _wait(lambda: _idle(pools[1]))
+    finally:
+        client.close()
+        server.close()
+        for pool in pools:
+            pool.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _idle(pool: ShmPool) -> bool:
+    return pool.stats().in_use == 0
+
+
+def _wait(predicate, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()

@@ -291,16 +291,18 @@ class LinkListener:
 
     def accept(self, max_unsent: int | None = None) -> tuple[Link, int] | None:
         """The next connection (a ``Link`` bounded by ``max_unsent``) and its process's pid
-        (None: none waits)."""
+        (-1 where the host names none; None: no connection waits)."""
         try:
             sock, _ = self._sock.accept()
         except (BlockingIOError, InterruptedError):
             return None
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, uid, _ = struct.unpack("3i", creds)
-        if uid != os.getuid():  # the directory is ours alone; still, never another user's
-            sock.close()
-            return None
+        pid = -1  # unknown: no peer credentials on this host (the pool needs them: ``available``)
+        if hasattr(socket, "SO_PEERCRED"):
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, _ = struct.unpack("3i", creds)
+            if uid != os.getuid():  # the directory is ours alone; still, never another user's
+                sock.close()
+                return None
         return Link(sock, max_unsent=max_unsent), pid
 
     def close(self) -> None:

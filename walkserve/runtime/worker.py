@@ -371,14 +371,13 @@ class Worker(WorkerInbox):
             from walkserve.runtime.peers import PeerClient, PeerServer
 
             self.peer_server = PeerServer(
-                self._ctx,
                 setup.peers[self.rank],
                 self.objects,
                 self.pool,
                 self.reader,
                 self.config.inline_max_bytes,
             )
-            self.peers = PeerClient(self._ctx, self.rank, dict(setup.peers), self.reader)
+            self.peers = PeerClient(self.rank, dict(setup.peers), self.reader)
         if setup.exchange == "mooncake":  # ranks on other hosts read what this one holds
             self._exchange(setup)
         runner = NodeRunner(captured, plan, self.rank)
