@@ -1,5 +1,6 @@
 """A rank link: the messages between the conductor and one rank it spawned on this host, over
-one Unix stream socket, in place of the ZeroMQ pair of sockets a remote rank uses::
+one Unix stream socket, in place of the ZeroMQ pair of sockets a remote rank uses (and between
+two such ranks, a consumer's pulls of the values another holds: ``peers``)::
 
     listener = LinkListener(path)             # the server: in its private (0700) directory
     link, pid = listener.accept()             # the io thread, once the fd is readable: and
