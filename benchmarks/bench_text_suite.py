@@ -7,8 +7,13 @@ directory, ``--requests`` (32) requests with prompt and output lengths uniform i
 (seeded), greedy. Every method runs in a fresh process (repeated ``generate`` calls in one
 process slow down on small VMs) after a 3-token warm-up request:
 
-    http        walkserve over HTTP: ``walkserve serve --model DIR`` as a subprocess, driven by
-                the load generator (streamed completions), closed loop at concurrency 32
+    http        walkserve over HTTP: ``walkserve serve --model DIR --threads T`` as a
+                subprocess, driven by the load generator (streamed completions), closed loop at
+                concurrency 32; T is the torch threads every in-process method below computes
+                with (torch's default here: the cores), so that the ratios compare the paths,
+                not the threads
+    http_default  the same with the server's default worker threads (the cores but one: a
+                core stays with the server process), what ``walkserve serve`` gives unasked
     paged       walkserve's in-process ``PagedLMEngine``, all requests submitted at once; its
                 model forwards are also timed alone (``paged_forward_only``: the same batches
                 with the scheduler, sampling and bookkeeping taken out)
@@ -75,7 +80,7 @@ class LlamaShape:
 
 
 SHAPE = LlamaShape()
-METHODS = ("http", "paged", "static8", "sequential", "hf_cb", "bare")
+METHODS = ("http", "http_default", "paged", "static8", "sequential", "hf_cb", "bare")
 Work = list[tuple[list[int], int]]
 
 
@@ -96,7 +101,8 @@ def build_checkpoint(path: Path) -> None:
 # ---------------------------------------------------------------------------- methods
 
 
-def run_http(model_dir: Path, work: Work, concurrency: int) -> dict[str, Any]:
+def run_http(model_dir: Path, work: Work, concurrency: int, threads: int | None) -> dict[str, Any]:
+    """``threads``: the worker's torch threads (None: the server's default)."""
     from benchmarks import loadgen
 
     with socket.socket() as s:
@@ -104,6 +110,8 @@ def run_http(model_dir: Path, work: Work, concurrency: int) -> dict[str, Any]:
         port = int(s.getsockname()[1])
     cmd = [sys.executable, "-m", "walkserve.cli", "serve", "--model", str(model_dir)]
     cmd += ["--port", str(port)]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the server)
     # the checkout's walkserve, also when it is not installed
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -427,7 +435,7 @@ def compare(results: dict[str, dict[str, Any]], roof: dict[str, Any]) -> dict[st
         comparisons["time_overhead_vs_paged_forward"] = {
             k: ok["paged_forward_only"]["tokens_per_s"] / r["tokens_per_s"] - 1
             for k, r in ok.items()
-            if k in ("http", "paged")
+            if k in ("http", "http_default", "paged")
         }
     if "tokens_per_s" in roof:
         comparisons["fraction_of_roofline"] = {
@@ -440,8 +448,13 @@ def worker(args: argparse.Namespace) -> None:
     work = workload(args.requests, args.min_len, args.max_len, args.seed)
     if args.method == "roofline":
         result: dict[str, Any] = measure_machine()
-    elif args.method == "http":
-        result = run_http(args.model_dir, work, args.concurrency)
+    elif args.method in ("http", "http_default"):
+        from walkserve.runtime.config import default_threads
+
+        # the threads every in-process method computes with: torch's default in this process
+        threads = torch.get_num_threads() if args.method == "http" else None
+        result = run_http(args.model_dir, work, args.concurrency, threads)
+        result["worker_threads"] = threads if threads is not None else default_threads(1)
     elif args.method == "paged":
         result = run_paged_timed(args.model_dir, work, args)
     elif args.method == "hf_cb":

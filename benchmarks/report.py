@@ -56,8 +56,16 @@ def _text(data: dict[str, Any], src: str) -> list[Row]:
     for name, r in results.items():
         if "tokens_per_s" in r:
             same = r.get("matches_sequential_generate")
+            threads = f", worker threads {r['worker_threads']}" if "worker_threads" in r else ""
             parts.append(
-                f"{name} {r['tokens_per_s']:.0f} tok/s" + (f" ({same} = generate)" if same else "")
+                f"{name} {r['tokens_per_s']:.0f} tok/s"
+                + (
+                    f" ({same} = generate{threads})"
+                    if same
+                    else f" ({threads[2:]})"
+                    if threads
+                    else ""
+                )
             )
         elif "error" in r:
             parts.append(f"{name} failed")

@@ -185,6 +185,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     names = tuple(args.served_model_name or (model,))
     limits = WalkLimits(  # ValueError naming the field for a bad value
         max_input_length=args.max_walk_input_length,
@@ -226,6 +228,7 @@ def _serve(args: argparse.Namespace) -> int:
             captured,
             placement,
             seed=args.seed,
+            threads=args.threads,
             lowering=LoweringConfig(device=args.device, max_batch=args.max_num_seqs or 32),
             pool_config=pool,
             launch=LaunchConfig(backend=args.backend, ray_address=args.ray_address),

@@ -144,6 +144,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     sv.add_argument("--seed", type=int, default=0, help="weights seed of built-in models")
     sv.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch threads of each worker (default: the usable cores but one, one core left to"
+        " the server process, divided over the ranks): a large model's batched forwards gain"
+        " from every core, a small model's many small ops lose to the threads' overhead",
+    )
+    sv.add_argument(
         "--kv-pool-tokens",
         type=int,
         metavar="N",

@@ -122,9 +122,12 @@ def test_serve_flags_from_a_config_file(tmp_path: Path) -> None:
     from walkserve.cli import _origins, parse
 
     config = tmp_path / "serve.yaml"
-    config.write_text("model: tiny-llama\nserved-model-name: [a, b]\nmax-model-len: 64\nport: 9\n")
+    config.write_text(
+        "model: tiny-llama\nserved-model-name: [a, b]\nmax-model-len: 64\nport: 9\nthreads: 2\n"
+    )
     args = parse(["serve", "--config", str(config), "--port", "8001"])
     assert args.model_tag == "tiny-llama" and args.served_model_name == ["a", "b"]
+    assert args.threads == 2
     assert args.max_model_len == 64 and args.port == 8001  # the command line wins
     args = parse(["serve", "tiny-qwen2", "--config", str(config)])
     assert args.model_tag == "tiny-qwen2"
@@ -142,6 +145,27 @@ def test_serve_refuses_flags_it_cannot_honour(capsys: pytest.CaptureFixture[str]
     assert code == 2 and "differ" in err
     code, _, err = run(capsys, "serve", "tiny-llama", "--ssl-keyfile", "k.pem")
     assert code == 2 and "go together" in err
+    code, _, err = run(capsys, "serve", "tiny-llama", "--threads", "0")
+    assert code == 2 and "--threads must be >= 1, got 0" in err
+
+
+def test_serve_threads_reach_the_workers(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--threads N`` is each worker's torch threads (``serve(threads=N)``); without it the
+    pool's default (None)."""
+    from walkserve.runtime import server
+
+    seen: list[object] = []
+
+    def fake_serve(*args: object, **kwargs: object) -> None:
+        seen.append(kwargs["threads"])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(server, "serve", fake_serve)
+    assert run(capsys, "serve", "walkserve-default", "--threads", "3")[0] == 2
+    assert run(capsys, "serve", "walkserve-default")[0] == 2
+    assert seen == [3, None]
 
 
 def test_a_server_without_tokenizer_says_to_send_token_ids() -> None:
