@@ -12,16 +12,16 @@ process carries only the ``ObjectRef`` that names the value::
       pool.write  ------------------- Fetched(seq, [ShmHandle]) ------------>  copy out
       pool.ack    <------------------- Ack([handle]) ------------------------
 
-The peer thread answers from the store and never waits on anything else, so two ranks
-fetching from each other cannot deadlock. A value that is not a tensor (a cache object) is
-refused: objects never leave their process. Shared-memory slots a consumer was given and had
-not acknowledged when its link closed (it died) are released then. Peer sockets are files in
-the server's private (0700) directory (the ranks it spawned, on its host), each a rank link as
-the conductor's (``runtime.ranklink``: a length-framed Unix stream socket, no ZeroMQ I/O thread
-on either side: a 1 KiB fetch from an idle rank took 234 us p50 over ZeroMQ's DEALER and ROUTER,
-103 us over a link; 256 KiB ~390 us and ~280 us). Across
-hosts a consumer reads a held tensor with one Mooncake read of the block its producer exported
-(``ObjectRef.at``), with no socket of this module (``workerinbox``;
+The peer thread answers from the store and waits on nothing but the asking consumer taking its
+answer (which it is reading for), so two ranks fetching from each other cannot deadlock. A
+value that is not a tensor (a cache object) is refused: objects never leave their process.
+Shared-memory slots a consumer was given and had not acknowledged when its link closed (it
+died) are released then. Peer sockets are files in the server's private (0700) directory (the
+ranks it spawned, on its host), each a rank link as the conductor's (``runtime.ranklink``: a
+length-framed Unix stream socket, no ZeroMQ I/O thread on either side: a 1 KiB fetch from an
+idle rank took 234 us p50 over ZeroMQ's DEALER and ROUTER, 103 us over a link; 256 KiB ~390 us
+and ~280 us). Across hosts a consumer reads a held tensor with one Mooncake read of the block
+its producer exported (``ObjectRef.at``), with no socket of this module (``workerinbox``;
 ``PoolConfig.remote_data``).
 """
 
