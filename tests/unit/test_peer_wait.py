@@ -42,6 +42,45 @@ def test_a_peer_fetch_keeps_calling_on_wait_until_it_gives_up() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_a_fetch_from_a_producer_that_dies_fails_at_once_not_at_the_timeout() -> None:
+    """The producer's end of the link closes (its process ended) while a fetch waits: the
+    fetch fails then, naming the rank, instead of waiting out its 60 s."""
+    import select
+    import threading
+    import time
+
+    directory = tempfile.mkdtemp(prefix="walkserve-test-")
+    listener = LinkListener(peer_address(directory, 1))
+    client = PeerClient(0, {1: peer_address(directory, 1)}, ShmReader(), timeout_s=60)
+    outcome: list[BaseException | None] = []
+
+    def fetch() -> None:
+        try:
+            client.fetch("r", [ObjectRef(1, "k")])
+            outcome.append(None)
+        except BaseException as e:  # the test reads it
+            outcome.append(e)
+
+    thread = threading.Thread(target=fetch)
+    try:
+        thread.start()
+        select.select([listener], [], [], 5)
+        accepted = listener.accept()
+        assert accepted is not None
+        link, _ = accepted
+        assert link.waiting(5000)  # the fetch came
+        t0 = time.monotonic()
+        link.close()  # the producer ends without answering
+        listener.close()
+        thread.join(10)
+        assert not thread.is_alive() and time.monotonic() - t0 < 5
+        assert isinstance(outcome[0], PeerError) and "rank 1" in str(outcome[0])
+    finally:
+        client.close()
+        listener.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def test_fetches_inline_and_through_shared_memory_and_a_restarted_producer_is_reached() -> None:
     """A small tensor comes inline, a large one through the producer's pool (its slot free
     again once the consumer acks); a producer replaced at the same path (a restarted rank)

@@ -16,7 +16,8 @@ The peer thread answers from the store and waits on nothing but the asking consu
 answer (which it is reading for), so two ranks fetching from each other cannot deadlock. A
 value that is not a tensor (a cache object) is refused: objects never leave their process.
 Shared-memory slots a consumer was given and had not acknowledged when its link closed (it
-died) are released then. Peer sockets are files in the server's private (0700) directory (the
+died) are released then; a fetch waiting on a producer whose link closes (it died) fails then,
+not at its timeout. Peer sockets are files in the server's private (0700) directory (the
 ranks it spawned, on its host), each a rank link as the conductor's (``runtime.ranklink``: a
 length-framed Unix stream socket, no ZeroMQ I/O thread on either side: a 1 KiB fetch from an
 idle rank took 234 us p50 over ZeroMQ's DEALER and ROUTER, 103 us over a link; 256 KiB ~390 us
