@@ -55,18 +55,13 @@ def _text(data: dict[str, Any], src: str) -> list[Row]:
     parts = []
     for name, r in results.items():
         if "tokens_per_s" in r:
-            same = r.get("matches_sequential_generate")
-            threads = f", worker threads {r['worker_threads']}" if "worker_threads" in r else ""
-            parts.append(
-                f"{name} {r['tokens_per_s']:.0f} tok/s"
-                + (
-                    f" ({same} = generate{threads})"
-                    if same
-                    else f" ({threads[2:]})"
-                    if threads
-                    else ""
-                )
-            )
+            notes = []
+            if r.get("matches_sequential_generate"):
+                notes.append(f"{r['matches_sequential_generate']} = generate")
+            if "worker_threads" in r:
+                notes.append(f"worker threads {r['worker_threads']}")
+            suffix = f" ({', '.join(notes)})" if notes else ""
+            parts.append(f"{name} {r['tokens_per_s']:.0f} tok/s{suffix}")
         elif "error" in r:
             parts.append(f"{name} failed")
     if data.get("benchmark") == "text" and "paged_matches_sequential_generate" in data:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -47,7 +49,6 @@ def test_a_fetch_from_a_producer_that_dies_fails_at_once_not_at_the_timeout() ->
     fetch fails then, naming the rank, instead of waiting out its 60 s."""
     import select
     import threading
-    import time
 
     directory = tempfile.mkdtemp(prefix="walkserve-test-")
     listener = LinkListener(peer_address(directory, 1))
@@ -132,9 +133,7 @@ def _idle(pool: ShmPool) -> bool:
     return pool.stats().in_use == 0
 
 
-def _wait(predicate, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    import time
-
+def _wait(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
