@@ -56,7 +56,7 @@ if importlib.util.find_spec("walkserve") is None:
 from walkserve import capture
 from walkserve.adapters.registry import load_model
 from walkserve.capture.api import component, walk
-from walkserve.lowering.batched import build_callables
+from walkserve.lowering.callables import build_callables
 from walkserve.lowering.lower import lower
 from walkserve.runtime.config import PoolConfig
 from walkserve.runtime.pool import WorkerPool

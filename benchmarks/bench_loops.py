@@ -30,6 +30,10 @@ served path's fixed cost per request and its cost per step over eager's, and the
 from which served / eager is at most 1.2 on this machine. Every served
 output is checked against the eager one. Writes ``benchmarks/results/loops.json`` (cpu count,
 torch version, git commit, load average). Small shared VMs are noisy: compare ratios of one run.
+``--device cuda`` (a GPU machine): the server lowered for CUDA (each worker puts its components
+on its GPU; the capturable nodes replay CUDA graphs, counted in ``graph_replays``), the eager
+loops on the same GPU with their inputs moved there and outputs back inside the timing, as a
+served request's are; writes ``loops_cuda.json``.
 """
 
 from __future__ import annotations
@@ -117,8 +121,8 @@ def overhead_model(served: list[tuple[int, float]], eager: list[tuple[int, float
     }
 
 
-def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
-    from walkserve.runtime.config import default_threads
+def bench(name: str, reps: int, concurrent: int, device: str = "cpu") -> dict[str, Any]:
+    from walkserve.runtime.config import LoweringConfig, default_threads
     from walkserve.runtime.server import serve
 
     threads = THREADS or default_threads(1)
@@ -130,13 +134,21 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
         return make(seed, n)  # type: ignore[no-any-return]
 
     model, _ = getattr(loop_models, factory.split(":")[1])()
-    method = getattr(model, walk)
+    method = getattr(model.to(device), walk)
 
     def eager(r: dict[str, Any]) -> dict[str, Any]:
+        """The walk method in this process; on a GPU its inputs go there and its outputs
+        come back to the host (a served request's outputs do too), inside the timing."""
+        if device == "cpu":
+            with torch.no_grad():
+                return method(**r)  # type: ignore[no-any-return]
+        r = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in r.items()}
         with torch.no_grad():
-            return method(**r)  # type: ignore[no-any-return]
+            out = method(**r)
+        return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
-    with serve(factory, threads=threads) as server:
+    lowering = LoweringConfig(device=device)
+    with serve(factory, threads=threads, lowering=lowering) as server:
         for seed in range(3):  # warm-up: first calls of every node, both ways
             server.run(inputs(seed), walk, timeout=600)
             eager(inputs(seed))
@@ -251,6 +263,7 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
     batched_s = statistics.median(batched)
     return {
         "walk": walk,
+        "device": device,
         "threads": threads,
         "served_p50_s": served,
         "eager_p50_s": eager_p50,
@@ -285,6 +298,11 @@ def bench(name: str, reps: int, concurrent: int) -> dict[str, Any]:
         "speculated_steps": stats.speculated_steps,
         "wasted_steps": stats.wasted_steps,
         "largest_batch": max(sizes) if sizes else 0,
+        # CUDA graphs (``--device cuda``): replays of the served nodes, nodes left eager
+        "graph_replays": sum(v for k, v in stats.counters.items() if k.endswith("/graph_replays")),
+        "graphs_refused": sum(
+            v for k, v in stats.counters.items() if k.endswith("/graphs_refused")
+        ),
     }
 
 
@@ -293,10 +311,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="5 reps, 8 concurrent")
     parser.add_argument("--full", action="store_true", help="(the default sizes)")
     parser.add_argument("--reps", type=int, default=60)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda: the served side lowered for CUDA (its capturable nodes replayed "
+        "from CUDA graphs), the eager side on the same GPU; writes loops_cuda.json",
+    )
     args = parser.parse_args()
     reps, concurrent = (5, 8) if args.quick else (args.reps, 16)
     load = list(os.getloadavg())
-    results = {name: bench(name, reps, concurrent) for name in CASES}
+    results = {name: bench(name, reps, concurrent, args.device) for name in CASES}
     for name, r in results.items():
         print(
             f"{name:8} batch 1: served {r['served_p50_s'] * 1e3:.2f} ms vs eager "
@@ -323,8 +347,9 @@ def main() -> None:
             f"{o['eager_per_step_s'] * 1e6:.1f} us; served/eager <= 1.2 from "
             + ("never" if reach is None else f"{reach:.0f} steps")
         )
+    out = "loops.json" if args.device == "cpu" else f"loops_{args.device.split(':')[0]}.json"
     write_result(
-        ROOT / "benchmarks/results/loops.json",
+        ROOT / "benchmarks/results" / out,
         {"benchmark": "loops", "quick": args.quick, "reps": reps, "results": results},
         load,
     )

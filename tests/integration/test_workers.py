@@ -28,7 +28,7 @@ from walkserve import capture
 from walkserve.adapters.registry import load_model
 from walkserve.capture import dataflow, ir
 from walkserve.capture.interpret import Interpreter
-from walkserve.lowering.batched import build_callables
+from walkserve.lowering.callables import build_callables
 from walkserve.lowering.lower import lower
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.lowering.split import fuse_elementwise

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from walkserve import capture
 from walkserve.adapters.examples import EXAMPLES, build_example
 from walkserve.capture import ir
-from walkserve.lowering.batched import BatchedRunner, BatchStats, build_callables
+from walkserve.lowering.batched import BatchedRunner, BatchStats
+from walkserve.lowering.callables import build_callables
 from walkserve.lowering.lower import batch_buckets, lower
 from walkserve.lowering.plan import ExecutablePlan, NodePlan
 from walkserve.lowering.split import split_block

@@ -20,7 +20,8 @@ import torch
 
 from walkserve import capture
 from walkserve.adapters import qwen25_omni as q
-from walkserve.lowering.batched import BatchedRunner, build_callables
+from walkserve.lowering.batched import BatchedRunner
+from walkserve.lowering.callables import build_callables
 from walkserve.lowering.lower import lower
 
 pytest.importorskip("transformers")

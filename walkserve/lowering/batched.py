@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from walkserve.capture import dataflow, ir
 from walkserve.capture.interpret import Interpreter, InterpreterError
@@ -484,31 +483,3 @@ class BatchedRunner:
 
     def _finish(self, node: ir.LoopNode, s: _LoopState) -> None:
         s.env.update(loop_channels(node, s.carried, s.last, s.collected))
-
-
-def build_callables(
-    captured: CapturedModel,
-    plan: ExecutablePlan,
-    rank: int | None = None,
-    *,
-    pad_to_buckets: bool = False,
-    stats: BatchStats | None = None,
-) -> dict[str, BatchedComponent]:
-    """The component nodes of ``plan`` (those on ``rank``, or all) as batched callables, by
-    ``"<walk>:<node>"``."""
-    out: dict[str, BatchedComponent] = {}
-    for walk in plan.walks:
-        for node in plan.nodes(walk):
-            if node.kind != "component" or (rank is not None and rank not in node.ranks):
-                continue
-            module: nn.Module = captured.model.get_submodule(node.target)
-            out[f"{walk}:{node.name}"] = BatchedComponent(
-                node.name,
-                module,
-                node.in_dims,
-                node.kw_dims,
-                node.out_dim,
-                node.batch_buckets if pad_to_buckets else (),
-                stats,
-            )
-    return out

@@ -1,7 +1,9 @@
 """CUDA-graph replay of a batched component, one graph per batch bucket (CUDA only).
 
 The CPU twin is ``batched.BatchedComponent``: same calling convention, same grouping, same
-results (tests on a GPU compare the two). Imported lazily; nothing here runs without CUDA.
+results (tests on a GPU compare the two). Imported lazily; nothing here records without CUDA.
+A served node gets a ``GraphOnFirstCall`` (``callables.build_callables``, where the plan says
+``cuda_graph``): eager until its first call on a CUDA device, whose arguments are the template.
 
 For each bucket size ``b`` the component is recorded once on static input buffers shaped like
 the template request with the batch dimension widened to ``b``:
@@ -18,15 +20,29 @@ eagerly: a graph never computes something the eager call would not.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from walkserve.lowering.batched import BatchedComponent, Call, _batch_size, _compatible, _split
+from walkserve.lowering.batched import (
+    BatchedComponent,
+    BatchStats,
+    Call,
+    _batch_size,
+    _compatible,
+    _split,
+)
+
+__all__ = ["GraphOnFirstCall", "GraphedComponent"]
+
+log = logging.getLogger("walkserve.cudagraph")
 
 
 class GraphedComponent(BatchedComponent):
+    """A batched component replayed from CUDA graphs (see the module docstring)."""
+
     def __init__(
         self,
         name: str,
@@ -113,6 +129,13 @@ class GraphedComponent(BatchedComponent):
                 return False
         return True
 
+    def joined(self, call: Call, count: int) -> Any:
+        """A loop stepper's joined call (``BatchedComponent.joined``), from the graph of the
+        smallest bucket that holds its rows (eager where none does or it does not match)."""
+        if self.stats is not None:
+            self.stats.add(self.name, count)
+        return self._run([call])[0]
+
     def __call__(self, batch: Sequence[Call]) -> list[Any]:
         results: list[Any] = [None] * len(batch)
         for group in self._groups(batch):
@@ -120,6 +143,73 @@ class GraphedComponent(BatchedComponent):
             for i, out in zip(group, outs):
                 results[i] = out
         return results
+
+
+class GraphOnFirstCall(BatchedComponent):
+    """A component node the plan records as CUDA graphs: eager (``BatchedComponent``) until
+    its first call whose tensors are on a CUDA device, which records one graph per bucket of
+    ``graph_buckets`` with that call as the template (``GraphedComponent``); from then on its
+    calls replay them where they match. A recording that fails (the component does something
+    a graph cannot hold after all) leaves the node eager for good, said once in the log
+    (``refused``). ``record`` makes the graphs (a test's stand-in on the CPU)."""
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        in_dims: Sequence[Any],
+        kw_dims: dict[str, Any],
+        out_dim: Any,
+        *,
+        graph_buckets: Sequence[int],
+        stats: BatchStats | None = None,
+        record: Callable[..., BatchedComponent] = GraphedComponent,
+    ) -> None:
+        super().__init__(name, fn, in_dims, kw_dims, out_dim, (), stats)
+        self.graph_buckets = list(graph_buckets)
+        self._record = record
+        self.graphed: BatchedComponent | None = None
+        self.refused: str | None = None
+
+    def _graphs(self, call: Call) -> BatchedComponent | None:
+        if self.graphed is None and self.refused is None and _on_cuda(call):
+            try:
+                self.graphed = self._record(
+                    self.name,
+                    self.fn,
+                    self.in_dims,
+                    self.kw_dims,
+                    self.out_dim,
+                    self.graph_buckets,
+                    call,
+                )
+            except Exception as e:  # capture raises many types; the node runs eagerly
+                self.refused = f"{type(e).__name__}: {e}"
+                log.warning("node %s runs eagerly: its CUDA graphs failed: %s", self.name, e)
+            else:
+                self.graphed.stats = self.stats
+        return self.graphed
+
+    def counters(self) -> dict[str, int]:
+        """Graph replays so far, and 1 under ``graphs_refused`` when its recording failed."""
+        replays = getattr(self.graphed, "replays", 0)
+        return {"graph_replays": replays, "graphs_refused": int(self.refused is not None)}
+
+    def __call__(self, batch: Sequence[Call]) -> list[Any]:
+        graphed = self._graphs(batch[0]) if batch else None
+        return super().__call__(batch) if graphed is None else graphed(batch)
+
+    def joined(self, call: Call, count: int) -> Any:
+        graphed = self._graphs(call)
+        return super().joined(call, count) if graphed is None else graphed.joined(call, count)
+
+
+def _on_cuda(call: Call) -> bool:
+    """Whether the first tensor argument of ``call`` is on a CUDA device."""
+    for x in [*call[0], *call[1].values()]:
+        if isinstance(x, torch.Tensor):
+            return x.is_cuda
+    return False
 
 
 def _clone(out: Any) -> Any:

@@ -54,7 +54,8 @@ Modules, by role:
                   batches), poolregions, poolremote (remote ranks, link probes),
                   poolsupervision, poolstate, config
     supervisor    when a silent rank is hung, restarts of dead ranks, crash loops (pure)
-    worker        a worker process: sockets, setup, the watch thread; workerinbox: its
+    worker        a worker process: sockets, the watch thread; workerbuild: its setup
+                  (model loaded, placed on its device: device); workerinbox: its
                   commands (rank link, or a remote rank's ZeroMQ socket) read by the engine's
                   thread; engine: its engine loop; heap: its heap frozen once set up (no
                   full collection walks it again)

@@ -33,7 +33,8 @@ import torch
 from walkserve.capture import dataflow, ir
 from walkserve.capture.interpret import Interpreter
 from walkserve.capture.model import CapturedModel
-from walkserve.lowering.batched import DEFER, BatchedComponent, BatchStats, build_callables
+from walkserve.lowering.batched import DEFER, BatchedComponent, BatchStats
+from walkserve.lowering.callables import build_callables
 from walkserve.lowering.plan import ExecutablePlan, NodePlan
 
 __all__ = ["ItemResult", "NodeRunner", "RunItem", "Runnable"]
@@ -128,6 +129,17 @@ class NodeRunner:
                     {name: k for k, name in enumerate(node.ops)},
                     {name: f for name in node.ops if (f := _item_read(ops[name])) is not None},
                 )
+
+    def counters(self) -> dict[str, int]:
+        """The CUDA graphs of the nodes the plan records them for (``cudagraph``), by
+        ``"<walk>:<node>/<counter>"``: replays, and whether recording failed (then the node
+        runs eagerly)."""
+        out: dict[str, int] = {}
+        for (walk, node), entry in self._nodes.items():
+            counters = getattr(entry.call, "counters", None)
+            if counters is not None:
+                out |= {f"{walk}:{node}/{k}": v for k, v in counters().items()}
+        return out
 
     def nodes(self) -> list[tuple[str, str]]:
         """(walk, node) of every node this runner runs."""

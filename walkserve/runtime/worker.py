@@ -7,8 +7,9 @@ shared memory (``transport.ShmTransport``)::
     conductor (workers.WorkerPool)              worker process (this module)
     spawn(worker_main, rank, addr, config) -->  OMP_NUM_THREADS, import torch, set_num_threads
                   <---------------------------  Join(rank, pid)
-    WorkerSetup(model, seed, ir, plan, pool) ->  load weights, rebuild the CapturedModel, build
-                                                 the callables of the nodes on this rank
+    WorkerSetup(model, seed, ir, plan, pool) ->  load weights, rebuild the CapturedModel, put
+                                                 this rank's components on its device, build
+                                                 the callables of its nodes (``workerbuild``)
                   <---------------------------  AttachPools([output pool]), Hello
     RunBatch(batch, walk, node, items) ------>  read inputs, Ack the input handles, run the
                                                  node for every item
@@ -95,9 +96,9 @@ if TYPE_CHECKING:
     from walkserve.runtime.transport import ObjectStore, ShmTransport
     from walkserve.runtime.workerinbox import Commands
 
-from walkserve.runtime import heap
-from walkserve.runtime.components import KVEngine, component_counters, configure_kv
-from walkserve.runtime.config import KiB, WorkerConfig, default_threads, routing_id
+from walkserve.runtime.components import KVEngine, component_counters
+from walkserve.runtime.config import WorkerConfig, default_threads, routing_id
+from walkserve.runtime.workerbuild import WorkerBuild
 from walkserve.runtime.workerinbox import WorkerInbox
 
 __all__ = [
@@ -140,7 +141,7 @@ def worker_main(rank: int, conductor_addr: str, config: str | WorkerConfig) -> N
     os._exit(code)
 
 
-class Worker(WorkerInbox):
+class Worker(WorkerInbox, WorkerBuild):
     """One rank's process side (see the module docstring). ``run()`` returns the exit code."""
 
     def __init__(self, rank: int, address: str, config: WorkerConfig) -> None:
@@ -316,111 +317,6 @@ class Worker(WorkerInbox):
             log.warning("rank %d: ignoring %s before setup", self.rank, type(msg).__name__)
         log.error("rank %d: no WorkerSetup within %.0f s", self.rank, self.config.setup_timeout_s)
         return None
-
-    def _build(self, setup: WorkerSetup) -> None:
-        from walkserve.capture.model import CapturedModel
-        from walkserve.capture.serialize import from_json
-        from walkserve.lowering.plan import ExecutablePlan
-        from walkserve.runtime.engine import EngineLoop
-        from walkserve.runtime.rankscheduler import RankScheduler
-        from walkserve.runtime.regionwalk import region_walks
-        from walkserve.runtime.runner import NodeRunner
-        from walkserve.runtime.shm import ShmPool, ShmPoolConfig
-        from walkserve.runtime.shmreader import ShmReader
-        from walkserve.runtime.source import load_source
-        from walkserve.runtime.transport import ObjectStore, ShmTransport
-
-        if setup.rank != self.rank:
-            raise ValueError(f"setup is for rank {setup.rank}")
-        if setup.tp is not None:  # joined first: the loader loads this rank's shard
-            from walkserve.runtime.tp.member import join_member
-
-            self.tp = join_member(setup.tp, self._tp_broken)
-        model, _ = load_source(setup.loader, setup.model, setup.seed)
-        self._kv = configure_kv(
-            model, self.config.kv_pool_tokens, self.config.kv_page_size, self.config.kv_step_tokens
-        )
-        if self.tp is not None:
-            self.tp.attach(model)
-        captured = CapturedModel(from_json(setup.ir), model)
-        plan = ExecutablePlan.from_json(setup.plan)
-        min_slot = 64 * KiB
-        self.pool = ShmPool(
-            ShmPoolConfig(
-                min_slot_bytes=min_slot,
-                max_slot_bytes=max(min_slot, self.config.shm_max_slot_bytes),
-                slots_per_class=self.config.shm_slots_per_class,
-                when_exhausted="raise",  # a full pool sends inline (transport), never waits
-            )
-        )
-        self.reader = ShmReader([setup.pool])
-        self.objects = ObjectStore(self.rank)
-        self.transport = ShmTransport(
-            self.pool,
-            self.reader,
-            inline_max_bytes=self.config.inline_max_bytes,
-            objects=self.objects,
-        )
-        if setup.data != "shm":  # a worker on another host (runtime.net)
-            from walkserve.runtime.net.remote import remote_transport
-
-            self.transport = remote_transport(
-                setup.data, self.address, self.objects, self.config.inline_max_bytes
-            )
-        if setup.peers and self.rank in setup.peers and setup.data == "shm":
-            from walkserve.runtime.peers import PeerClient, PeerServer
-
-            self.peer_server = PeerServer(
-                setup.peers[self.rank],
-                self.objects,
-                self.pool,
-                self.reader,
-                self.config.inline_max_bytes,
-            )
-            self.peers = PeerClient(self.rank, dict(setup.peers), self.reader)
-        if setup.exchange == "mooncake":  # ranks on other hosts read what this one holds
-            self._exchange(setup)
-        runner = NodeRunner(captured, plan, self.rank)
-        components = component_counters(model)
-        scheduler = RankScheduler(
-            region_walks(captured, plan, self.rank),
-            speculate=setup.speculate,
-            stream_buffer_limit=setup.stream_buffer_limit,
-            max_batch=plan.max_batch,
-            joins=runner.joinable(),
-        )
-        self.engine = EngineLoop(
-            self.rank,
-            plan,
-            runner,
-            scheduler,
-            self.transport,
-            self.objects,
-            self._send,
-            hold=setup.hold and (self.peers is not None or self.pull is not None),
-            here=frozenset({self.rank, *(setup.peers if self.peers is not None else ())}),
-            counters=lambda: components() | heap.counters(),
-        )
-        if self.config.freeze_heap:  # what it holds now lives as long as the process
-            heap.freeze()
-
-    def _exchange(self, setup: WorkerSetup) -> None:
-        """Held tensors exported through Mooncake for readers on other hosts, and theirs
-        pulled from them: the engine of the data path to the conductor where there is one (a
-        remote rank's), else one listening at ``setup.exchange_host``."""
-        from walkserve.runtime.net.mooncake import (
-            MooncakeConfig,
-            MooncakeEngine,
-            MooncakeTransport,
-            SendPool,
-        )
-
-        if isinstance(self.transport, MooncakeTransport):
-            engine = self.transport.engine
-        else:
-            engine = MooncakeEngine(MooncakeConfig(host=setup.exchange_host))
-        self.objects.exports = SendPool(engine)
-        self.pull = engine.pull
 
     # ------------------------------------------------------------------ threads
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from walkserve.runtime.wakepipe import WakePipe
 
 if TYPE_CHECKING:
+    import torch
     import zmq
 
     from walkserve.runtime.engine import Command, EngineLoop
@@ -65,6 +66,7 @@ class WorkerInbox:
     _handlers: dict[type, Callable[[Any], object]]
     _wakes: WakePipe | None = None
     idle_spin_s: float = 0.0  # poll without sleeping this long after the last work
+    device: torch.device | None = None  # the rank's, where not the CPU: inputs go there
     _busy_at: float = 0.0  # when the engine last read while busy, or got a command
 
     def _send(self, msg: Message) -> None:
@@ -176,6 +178,7 @@ class WorkerInbox:
         them first: from a rank of this host through its peer socket (``peers``, one round
         trip per rank), from another host's by one Mooncake read of the block the reference
         names (``pull``)."""
+        from walkserve.runtime.device import to_device
         from walkserve.runtime.messages import ObjectRef, Seq
 
         remote: list[ObjectRef] = []
@@ -206,7 +209,8 @@ class WorkerInbox:
         try:
             env = {}
             for name, payload in inputs.items():
-                env[name], tokens = self.transport.receive(payload, request_id)
+                value, tokens = self.transport.receive(payload, request_id)
+                env[name] = value if self.device is None else to_device(value, self.device)
                 handles += tokens
             return env
         finally:
