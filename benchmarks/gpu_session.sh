@@ -11,7 +11,8 @@
 # one that hangs leaves time for the rest: the GPU tests of the served path (a worker on the
 # GPU, its capturable nodes replayed from CUDA graphs: tests/gpu/test_served_cuda.py) and of
 # CUDA-graph replay per component (test_cuda_graphs.py), then bench_loops on CUDA (--quick).
-# Logs and results land in $OUT (bench_loops' JSON: benchmarks/results/loops_cuda.json there).
+# Logs and results land in $OUT: tests.log, loops.log, gpu_cuda_graphs.json (per-component
+# replay timings, for benchmarks/results/) and loops_cuda.json (bench_loops on the GPU).
 set -u
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--wheels" ]; then
@@ -28,7 +29,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" \
   | tee -a "$OUT/gpu.txt"
-timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_served_cuda.py \
-  tests/gpu/test_cuda_graphs.py 2>&1 | tee "$OUT/tests.log"
+WALKSERVE_GPU_RESULTS="$OUT/gpu_cuda_graphs.json" timeout 240 python3 -m pytest -q \
+  -p no:cacheprovider tests/gpu/test_served_cuda.py tests/gpu/test_cuda_graphs.py 2>&1 \
+  | tee "$OUT/tests.log"
 timeout 240 python3 benchmarks/bench_loops.py --quick --device cuda 2>&1 | tee "$OUT/loops.log"
 cp benchmarks/results/loops_cuda.json "$OUT/" 2>/dev/null || echo "no loops_cuda.json"
