@@ -192,8 +192,8 @@ class ExecutablePlan(msgspec.Struct):
                         if comp.capturable is False
                         else "capture unchecked"
                     )
-                    if comp.torch_compile:
-                        flags.append("compiled")
+                    if comp.torch_compile:  # planned; the runtime does not apply it yet
+                        flags.append("torch.compile planned, not applied")
                     if comp.cuda_graph:
                         flags.append("cuda graphs")
                 lines.append(f"  {node.kind:9} {node.name:32} {'; '.join(flags)}")
