@@ -124,8 +124,8 @@ class Recorder(BatchedComponent):
 
     made: list[Any] = []
 
-    def __init__(self, name: str, fn: Any, in_dims: Any, kw_dims: Any, out_dim: Any,
-                 buckets: Any, template: Any) -> None:  # fmt: skip
+    def __init__(self, *args: Any) -> None:  # GraphedComponent's arguments
+        name, fn, in_dims, kw_dims, out_dim, buckets, template = args
         super().__init__(name, fn, in_dims, kw_dims, out_dim)
         self.template, self.buckets_seen, self.calls = template, list(buckets), 0
         Recorder.made.append(self)
