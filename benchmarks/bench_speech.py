@@ -94,7 +94,7 @@ def greedy_deficit(lm64: Any, prompt: list[int], tokens: list[int]) -> float:
     return float(deficit.max())
 
 
-def window_decode_s(model: Any) -> float:
+def window_decode_s(model: Any, device: str = "cpu") -> float:
     """Median wall time of one streamed window's SNAC decode ([1, 4 frames])."""
     from walkserve.adapters.orpheus import WINDOW_FRAMES
     from walkserve.adapters.orpheus_tiny import BENCH_TOKENS
@@ -102,25 +102,29 @@ def window_decode_s(model: Any) -> float:
 
     t = BENCH_TOKENS
     codes = torch.randint(0, t.codebook, (1, WINDOW_FRAMES, FRAME))
-    window = codes + torch.arange(FRAME) * t.codebook + t.audio_offset
+    window = (codes + torch.arange(FRAME) * t.codebook + t.audio_offset).to(device)
     times = []
     with torch.no_grad():
         for _ in range(6):
             start = time.perf_counter()
             model.codec(window)
+            if device != "cpu":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
     return sorted(times[1:])[2]
 
 
-def run_native(level: int, tokens: int, seed: int) -> dict[str, Any]:
-    """``generate()`` then one SNAC decode per request, one request at a time."""
+def run_native(level: int, tokens: int, seed: int, device: str = "cpu") -> dict[str, Any]:
+    """``generate()`` then one SNAC decode per request, one request at a time (on ``device``:
+    the LM and the codec there, the audio back to the host inside the timing)."""
     from walkserve.adapters import orpheus
     from walkserve.adapters.orpheus_tiny import BENCH_TOKENS
     from walkserve.adapters.orpheus_tokens import audio_frames
 
     model, _ = orpheus.bench()
-    lm = orpheus.reference_lm(model)  # the upstream LM on its own SDPA attention
-    work = [torch.tensor([p]) for p in prompts(level, seed)]
+    lm = orpheus.reference_lm(model).to(device)  # the upstream LM on its own SDPA attention
+    model.to(device)
+    work = [torch.tensor([p], device=device) for p in prompts(level, seed)]
 
     def one(ids: torch.Tensor, n: int) -> tuple[list[int], int]:
         with torch.no_grad():
@@ -128,7 +132,8 @@ def run_native(level: int, tokens: int, seed: int) -> dict[str, Any]:
                 ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n
             )
             new = seq[0, ids.shape[1] :].tolist()
-            wav, _ = model.codec(audio_frames(new, BENCH_TOKENS))
+            wav, _ = model.codec(audio_frames(new, BENCH_TOKENS).to(device))
+            wav = wav.cpu()
         return new, int(wav.shape[-1])
 
     one(work[0], 28)  # first-call costs stay out of the timing
@@ -144,7 +149,7 @@ def run_native(level: int, tokens: int, seed: int) -> dict[str, Any]:
         "finish": done,
         "samples": samples,
         "tokens": outputs,
-        "window_s": window_decode_s(model),
+        "window_s": window_decode_s(model, device),
     }
 
 
@@ -215,17 +220,25 @@ def main() -> None:
     parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="replicas")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/speech_orpheus.json")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda: served ranks and the native baseline on the GPU (both ranks on "
+        "one GPU where only one is visible); writes speech_orpheus_cuda.json",
+    )
     parser.add_argument("--native-level", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.tokens = 42
     if args.native_level:
-        print(json.dumps(run_native(args.native_level, args.tokens, args.seed)))
+        print(json.dumps(run_native(args.native_level, args.tokens, args.seed, args.device)))
         return
+    if args.device != "cpu" and args.out == parser.get_default("out"):
+        args.out = ROOT / f"benchmarks/results/speech_orpheus_{args.device.split(':')[0]}.json"
 
     from walkserve.benchmarking import write_result
     from walkserve.lowering.placement import Placement
-    from walkserve.runtime.config import PoolConfig
+    from walkserve.runtime.config import LoweringConfig, PoolConfig
     from walkserve.runtime.server import serve
 
     rate = 24000
@@ -240,7 +253,8 @@ def main() -> None:
     # A worker's default 8 shared-memory slots per size class ran out at c=8 on a loaded VM:
     # every LM step sends each request's logits (28.9k floats) in a 128 KiB slot until read.
     pool = PoolConfig(worker_shm_slots_per_class=64)
-    with serve(FACTORY, placement, pool_config=pool) as server:
+    lowering = LoweringConfig(device=args.device)
+    with serve(FACTORY, placement, pool_config=pool, lowering=lowering) as server:
         warm = prompts(1, args.seed + 1)[0]
         server.submit({"input_ids": torch.tensor([warm]), "max_new_tokens": 35}, "speak").result(
             timeout=600
@@ -253,6 +267,7 @@ def main() -> None:
         for level in args.levels:
             cmd = [sys.executable, __file__, "--native-level", str(level)]
             cmd += ["--tokens", str(args.tokens), "--seed", str(args.seed)]
+            cmd += ["--device", args.device]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             native[level] = json.loads(proc.stdout.strip().splitlines()[-1])
             results[f"native_c{level}"] = summarize(native[level], rate)
@@ -278,6 +293,7 @@ def main() -> None:
         "benchmark": "speech_orpheus",
         "quick": args.quick,
         "model": FACTORY,
+        "device": args.device,
         "tokens_per_request": args.tokens,
         "ranks": args.ranks,
         "placement": args.placement if args.ranks == 2 else None,
