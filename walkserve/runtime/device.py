@@ -61,10 +61,9 @@ def place(
 ) -> None:
     """Move the components ``mine`` (module paths) of ``model`` and every tensor of it that
     is in no component to ``device``; the components ``others`` (of other ranks) stay. A
-    parameter shared with another rank's component moves for it too (one tensor)."""
-    if device.type == "cpu" and all(
-        t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()]
-    ):
+    parameter shared with another rank's component moves for it too (one tensor). On the CPU
+    nothing moves: the model stays as its loader made it (as before there were devices)."""
+    if device.type == "cpu":
         return
     mine, others = set(mine), set(others) - set(mine)
 
