@@ -488,6 +488,10 @@ def test_a_worker_that_cannot_set_up_fails_the_start_with_its_reason() -> None:
         WorkerPool("no-such-model", 0, captured, one_rank, 1, THREADS, CONFIG)
     with pytest.raises(ValueError, match=r"placed on ranks \[1\]"):
         WorkerPool("example-cfg-image", 0, captured, plan, 1, THREADS, CONFIG)
+    if not torch.cuda.is_available():  # a plan for a GPU the worker does not see
+        one_rank.device = "cuda"
+        with pytest.raises(WorkerStartError, match=r"rank 0: the plan runs on 'cuda' but"):
+            WorkerPool("example-cfg-image", 0, captured, one_rank, 1, THREADS, CONFIG)
     assert zombies() == []
 
 
