@@ -178,7 +178,6 @@ class WorkerInbox:
         them first: from a rank of this host through its peer socket (``peers``, one round
         trip per rank), from another host's by one Mooncake read of the block the reference
         names (``pull``)."""
-        from walkserve.runtime.device import to_device
         from walkserve.runtime.messages import ObjectRef, Seq
 
         remote: list[ObjectRef] = []
@@ -209,9 +208,12 @@ class WorkerInbox:
         try:
             env = {}
             for name, payload in inputs.items():
-                value, tokens = self.transport.receive(payload, request_id)
-                env[name] = value if self.device is None else to_device(value, self.device)
+                env[name], tokens = self.transport.receive(payload, request_id)
                 handles += tokens
+            if self.device is not None:  # a GPU rank's inputs go there (``runtime.device``)
+                from walkserve.runtime.device import to_device
+
+                env = {name: to_device(value, self.device) for name, value in env.items()}
             return env
         finally:
             self.transport.fetched = {}
