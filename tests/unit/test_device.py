@@ -78,20 +78,10 @@ def test_rank_device() -> None:
 
 
 @component
-class Enc(nn.Module):
-    def __init__(self) -> None:
+class Proj(nn.Module):
+    def __init__(self, out: int) -> None:
         super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x)  # type: ignore[no-any-return]
-
-
-@component
-class Dec(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 2)
+        self.lin = nn.Linear(4, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x)  # type: ignore[no-any-return]
@@ -100,7 +90,7 @@ class Dec(nn.Module):
 class TwoStage(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.enc, self.dec = Enc(), Dec()
+        self.enc, self.dec = Proj(4), Proj(2)
 
     @walk
     def run(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
