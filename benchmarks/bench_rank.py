@@ -72,12 +72,12 @@ class Feed:
     def ended(self, items: list[int]) -> None:
         """Region runs ``items`` exited: their requests' releases reach the rank at its next
         read, as the server sends each once the pass that saw its exit is over."""
-        from walkserve.runtime.engine import CancelRequest
+        from walkserve.runtime.rankcommands import CancelRequest
 
         self.done += len(items)
         self.cancels += [CancelRequest(f"q{i}") for i in items]
 
-    def read(self, wait: bool) -> None:
+    def read(self, wait: bool, within_s: float | None = None) -> None:
         commands, self.cancels = self.cancels, []
         if self.pending:  # the rest of a staggered batch: one per pass
             commands.append(self.pending.pop(0))
@@ -99,7 +99,7 @@ class Feed:
         if self.staggered:
             self.pending = runs[1:]
             runs = runs[:1]
-        self.engine.put_all(runs)
+        self.engine.put_starts(runs)
 
     def waiting(self) -> bool:
         return bool(self.pending or self.cancels)
@@ -110,7 +110,8 @@ def bench(name: str, batches: int) -> dict[str, Any]:
     from walkserve.lowering.lower import lower
     from walkserve.runtime import messages as m
     from walkserve.runtime.config import ShmPoolConfig
-    from walkserve.runtime.engine import EngineLoop, StartRun
+    from walkserve.runtime.engine import EngineLoop
+    from walkserve.runtime.rankcommands import StartRun
     from walkserve.runtime.rankscheduler import RankScheduler
     from walkserve.runtime.regionwalk import region_walks
     from walkserve.runtime.runner import NodeRunner

@@ -1,7 +1,8 @@
 """Admission of a burst with a real worker: submissions are admitted together, by the pass
-their caller's first wait makes, and reach their rank in one message; a burst no caller waits
-on is admitted by the io thread within ``BURST_WAIT_S``, and one whose future gets a callback
-(``asyncio.wrap_future``) at once. Every request gets the reference interpreter's outputs."""
+their caller's first wait makes, and reach their rank in chunks of ``ADMIT_CHUNK`` that it steps
+as one cohort (``runtime.burst``); a burst no caller waits on is admitted by the io thread
+within ``BURST_WAIT_S``, and one whose future gets a callback (``asyncio.wrap_future``) at once.
+Every request gets the reference interpreter's outputs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from waiting import settled, wait_for
 
 from walkserve.adapters.registry import capture_model
-from walkserve.runtime import passes
+from walkserve.runtime import conductorpass, passes
 from walkserve.runtime.server import serve
 from walkserve.testing import assert_outputs_match
 
@@ -28,21 +29,30 @@ def test_a_burst_is_admitted_in_one_pass_by_its_callers_wait(
         server.run(reqs[0], "spin", timeout=120)  # warm
         assert wait_for(lambda: settled(server)), server.stats()  # the io thread is idle
         starts: list[int] = []  # region starts per message to the rank
+        chunks: list[tuple[int, bool]] = []  # and whether more follow
         regions = server.pool.regions
         start = regions.start
 
-        def spy(rank: int, batch: Any) -> None:
+        def spy(rank: int, batch: Any, burst: bool = False) -> None:
             batch = list(batch)
             starts.append(len(batch))
-            start(rank, batch)
+            chunks.append((len(batch), burst))
+            start(rank, batch, burst)
 
         monkeypatch.setattr(regions, "start", spy)
+        monkeypatch.setattr(conductorpass, "ADMIT_CHUNK", 4)
+        sizes = dict(server.stats().ranks[0].batch_sizes)
         futures = [server.submit_future(r, "spin", stream=False) for r in reqs]
         assert starts == []  # all queued, the first too
         handles = [f.result(timeout=120) for f in futures]  # the first wait admits them
-        assert starts == [6]
+        assert chunks == [(4, True), (2, False)]  # one pass, sent as it admitted them
         for r, h in zip(reqs, handles):
             assert_outputs_match(h.result(timeout=120), captured.run(r, "spin"))
+        # they stepped as one cohort from their first step (the rank held the first chunk):
+        # 6 steps of all six, then one fewer at each step as the shortest ends
+        after = server.stats().ranks[0].batch_sizes
+        made = {k: v - sizes.get(k, 0) for k, v in after.items() if v != sizes.get(k, 0)}
+        assert made == {6: 6, 5: 1, 4: 1, 3: 1, 2: 1, 1: 1}, made
 
         # no caller waits: the io thread admits the burst within BURST_WAIT_S (long enough
         # here that the three are queued before it, however slow this host is)

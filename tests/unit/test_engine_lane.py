@@ -19,7 +19,8 @@ from walkserve import capture, testing
 from walkserve.capture import Input, component, iterations, loop, walk
 from walkserve.lowering.lower import lower
 from walkserve.runtime import messages as m
-from walkserve.runtime.engine import EngineLoop, StartRun, StatsAsk
+from walkserve.runtime.engine import EngineLoop
+from walkserve.runtime.rankcommands import StartRun, StatsAsk
 from walkserve.runtime.rankscheduler import RankScheduler
 from walkserve.runtime.regionwalk import region_walks
 from walkserve.runtime.runner import NodeRunner
@@ -76,7 +77,7 @@ class _Script:
         self.started = self.done = 0
         self.stopping = threading.Event()
 
-    def read(self, wait: bool) -> None:
+    def read(self, wait: bool, within_s: float | None = None) -> None:
         assert self.engine is not None
         if self.done < self.started:
             return
@@ -133,3 +134,85 @@ def test_a_lone_loop_takes_the_lane_from_its_first_step(horizons: list[int], ask
     assert scheduler.loops.steps == sum(horizons)  # each step counted once
     assert scheduler.stats().batch_sizes == {1: sum(horizons)}
     assert scheduler.idle() and scheduler.stats().live_values == 0
+
+
+class _Burst:
+    """The engine's inbox: one burst of requests in chunks of ``chunk``, each but the last
+    with ``more`` (``last``: whether the last is sent at all; else the hold's deadline must
+    start them), one chunk per read; stops the loop when every request is done."""
+
+    def __init__(self, requests: list[dict[str, Any]], region: str, chunk: int, last: bool) -> None:
+        self.engine: EngineLoop | None = None
+        self.requests, self.region, self.chunk, self.last = requests, region, chunk, last
+        self.sent = self.done = 0
+        self.withheld = False  # the last chunk, when it is never sent
+        self.steps_before_last: int | None = None  # steps the rank made before the last chunk
+        self.stopping = threading.Event()
+
+    def read(self, wait: bool, within_s: float | None = None) -> None:
+        assert self.engine is not None
+        n = len(self.requests)
+        if self.done == (self.sent if self.withheld else n):
+            self.stopping.set()
+            return
+        if self.sent == n or self.withheld:
+            return
+        k = list(range(self.sent, min(n, self.sent + self.chunk)))
+        more = self.sent + len(k) < n
+        if not more and not self.last:
+            self.withheld = True  # the last chunk never comes
+            return
+        self.sent += len(k)
+        if not more:
+            self.steps_before_last = self.engine.scheduler.loops.steps
+        runs = [StartRun(i, f"q{i}", "rollout", self.region, self.requests[i], False) for i in k]
+        self.engine.put_starts(runs, more)
+
+    def waiting(self) -> bool:
+        return False
+
+
+def _serve_burst(
+    horizon: int, n: int, chunk: int, last: bool, hold_s: float
+) -> tuple[_Burst, RankScheduler, dict[int, dict[str, Any]]]:
+    captured, plan, region = _model()
+    runner = NodeRunner(captured, plan, 0)
+    scheduler = RankScheduler(region_walks(captured, plan, 0), joins=runner.joinable())
+    requests = [_inputs(seed, horizon) for seed in range(n)]
+    script = _Burst(requests, region, chunk, last)
+    done: dict[int, dict[str, Any]] = {}
+    transport = LocalTransport()
+
+    def send(msg: m.Message) -> None:
+        if isinstance(msg, m.RegionEvents):
+            for e in msg.events:
+                if isinstance(e, m.RegionDone):
+                    done[e.item] = {k: transport.receive(v, "")[0] for k, v in e.outputs.items()}
+                    script.done += 1
+
+    engine = script.engine = EngineLoop(
+        0, plan, runner, scheduler, transport, ObjectStore(0), send, burst_hold_s=hold_s
+    )
+    engine.run(script.stopping, inbox=script)
+    assert sorted(done) == list(range(script.sent))
+    for k in done:
+        (got,) = done[k].values()
+        testing.assert_outputs_match({"states": got}, captured.run(requests[k], "rollout"))
+    return script, scheduler, done
+
+
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(2, 9), chunk=st.integers(1, 4), horizon=st.integers(1, 6))
+def test_a_burst_in_chunks_steps_as_one_cohort(n: int, chunk: int, horizon: int) -> None:
+    script, scheduler, _ = _serve_burst(horizon, n, chunk, last=True, hold_s=60.0)
+    assert script.steps_before_last == 0  # nothing stepped before the burst's last chunk
+    # every step ran the whole burst together, as one message's starts do
+    assert scheduler.stats().batch_sizes == {n: horizon}
+    assert scheduler.idle() and scheduler.stats().live_values == 0
+
+
+def test_a_burst_whose_rest_never_comes_steps_at_the_holds_deadline() -> None:
+    # the first chunk is held, then stepped alone once the hold is over: nothing is lost
+    script, scheduler, done = _serve_burst(4, 3, 2, last=False, hold_s=0.01)
+    assert len(done) == 2 and script.steps_before_last is None
+    assert scheduler.stats().batch_sizes == {2: 4}

@@ -41,7 +41,9 @@ Modules, by role:
     server        serve(), Server: the Python API; conductorpass: what a conductor pass
                   does (ready items out to the ranks, replies and region events in, events
                   out to the handles); passes: who makes a pass, and when (a burst of
-                  submissions in one); handle: RequestHandle, what a caller holds of a request
+                  submissions in one); burst: a burst sent in chunks as it is admitted, held
+                  by its rank until the last; handle: RequestHandle, what a caller holds of a
+                  request
     conductor     the walk state machine (pure); framedriver (its frames: passes, node
                   items), loopdriver (its loops), loopmaps (a map's iterations as
                   items), regionitems (its region items: streams, feeds, credit),
@@ -57,8 +59,8 @@ Modules, by role:
     worker        a worker process: sockets, the watch thread; workerbuild: its setup
                   (model loaded, placed on its device: device); workerinbox: its
                   commands (rank link, or a remote rank's ZeroMQ socket) read by the engine's
-                  thread; engine: its engine loop; heap: its heap frozen once set up (no
-                  full collection walks it again)
+                  thread; rankcommands: what they ask of the engine; engine: its engine
+                  loop; heap: its heap frozen once set up (no full collection walks it again)
     rankscheduler what a rank runs next (pure); rankreports: its steps and reports;
                   regionwalk: regions as walks; loopstep: the fast path for simple loops
                   (pure); stepvalues: a cohort's streamed steps kept as one block; runner:

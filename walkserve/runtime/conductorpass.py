@@ -38,6 +38,7 @@ from walkserve.capture.model import CapturedModel
 from walkserve.lowering.batched import merges_calls
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.runtime.batcher import Batch, Batcher
+from walkserve.runtime.burst import ADMIT_CHUNK
 from walkserve.runtime.conductor import Conductor, Event, Failed, Finished, WorkItem
 from walkserve.runtime.handle import RequestHandle
 from walkserve.runtime.messages import (
@@ -105,8 +106,7 @@ class ConductorPass:
         within ``FAULT_WINDOW_S`` stop the server, ``fatal`` saying why (``/health`` answers
         503, ``walkserve serve`` exits)."""
         try:
-            self._passes.run_tasks()
-            self._dispatch(self.conductor.ready())
+            self._admit()
             self._wake_admitted()
             self._route(self.conductor.events())
         except Exception as e:
@@ -119,6 +119,27 @@ class ConductorPass:
                 log.critical("%d conductor passes failed in a row; stopping", len(self._faults))
                 self._fail_all(f"the server stopped: {self.fatal}")
                 self._passes.stopped = True
+
+    def _admit(self) -> None:
+        """Run the queued tasks and dispatch what they made ready: ``ADMIT_CHUNK`` tasks at a
+        time while more wait, each chunk's region starts sent at once as part of a burst
+        (``burst``: their ranks read them while the next chunk is admitted, and step none
+        before the last); the other items made ready wait for the last chunk, so that node
+        batches form as they did when the whole pass was one chunk."""
+        held: list[WorkItem] = []
+        try:
+            while True:
+                self._passes.run_tasks(ADMIT_CHUNK)
+                ready = held + self.conductor.ready()
+                if not self._passes.tasks:
+                    self._dispatch(ready)
+                    return
+                held = [it for it in ready if it.kind != "region"]
+                regions = [it for it in ready if it.kind == "region"]
+                if regions:
+                    self._dispatch(regions, burst=True)
+        finally:
+            self.pool.regions.end_bursts()
 
     def _wake_admitted(self) -> None:
         admitted, self._admitted = self._admitted, []
@@ -135,9 +156,10 @@ class ConductorPass:
             handle._finish(error)
         self._wake_admitted()  # their callers get the handles, failed
 
-    def _dispatch(self, items: list[WorkItem]) -> None:
+    def _dispatch(self, items: list[WorkItem], burst: bool = False) -> None:
         """Send ready ``items`` as the batcher groups them (one ``RunBatch`` per node batch,
-        one ``StartRegions`` per rank), and tell ranks about region runs no one waits for."""
+        one ``StartRegions`` per rank), and tell ranks about region runs no one waits for.
+        ``burst``: more region starts of this pass may follow (``_admit``)."""
         for batch in self.batcher.batches(items, self.conductor.wanted):
             if batch.kind == "regions":
                 for it in batch.items:
@@ -146,11 +168,11 @@ class ConductorPass:
                     (it.id, it.request, it.walk, it.node, it.env, it.stream) for it in batch.items
                 ]
                 try:
-                    self.pool.regions.start(batch.rank, starts)
+                    self.pool.regions.start(batch.rank, starts, burst)
                 except Exception:  # an input with no wire form: find it, fail its request
                     for start in starts:
                         try:
-                            self.pool.regions.start(batch.rank, [start])
+                            self.pool.regions.start(batch.rank, [start], burst)
                         except Exception as e:
                             self._region_over(start[0])
                             self.conductor.fail(start[0], f"its inputs could not be sent: {e}")

@@ -5,6 +5,7 @@ objects (``rankscheduler.RankScheduler`` decides, ``runner.NodeRunner`` runs)::
 
     while not stopping:
         apply(commands())                        # region starts, node batches, cancels, ...
+        if a burst's rest is coming: continue    # ``burst.BurstHold``: wait for it, step nothing
         for step in scheduler.schedule():        # every ready item of every run, by node
             scheduler.update(step, runner.run(step.walk, step.node, step.items))
         if lane := scheduler.lane():             # the fast lane, while no command waits
@@ -32,18 +33,30 @@ and named by an ``ObjectRef``). A value that cannot be encoded fails its item, n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.runtime import messages as m
+from walkserve.runtime.burst import BURST_HOLD_S, BurstHold
+from walkserve.runtime.rankcommands import (
+    CancelRequest,
+    Command,
+    CreditItems,
+    DropItems,
+    FeedItems,
+    Inbox,
+    NodeBatch,
+    StartRun,
+    Starts,
+)
 from walkserve.runtime.rankreports import (
     Lane,
     NodeBatchDone,
@@ -63,88 +76,10 @@ log = logging.getLogger("walkserve.engine")
 
 TINY = 256  # bytes: a tensor this small (a token, a stop flag) always travels with its report
 
-__all__ = [
-    "CancelRequest",
-    "Command",
-    "CreditItems",
-    "DropItems",
-    "FeedItems",
-    "EngineLoop",
-    "Inbox",
-    "NodeBatch",
-    "StartRun",
-    "StatsAsk",
-]
+__all__ = ["EngineLoop"]
 
 
-# ------------------------------------------------------------------------------ commands
-
-
-@dataclass(frozen=True)
-class StartRun:
-    item: int
-    request: str
-    walk: str
-    region: str
-    inputs: dict[str, Any]
-    stream: bool = True
-
-
-@dataclass(frozen=True)
-class NodeBatch:
-    """A node batch of the conductor's: ``items`` as (item id, request id, inputs by name)."""
-
-    batch: int
-    walk: str
-    node: str
-    items: list[tuple[int, str, dict[str, Any]]]
-    ops: list[str] | None
-    outputs: list[str] | None
-
-
-@dataclass(frozen=True)
-class CancelRequest:
-    request: str
-
-
-@dataclass(frozen=True)
-class DropItems:
-    items: list[int]
-
-
-@dataclass(frozen=True)
-class StatsAsk:
-    seq: int
-
-
-@dataclass(frozen=True)
-class FeedItems:
-    item: int
-    stream: str
-    pieces: list[Any]
-    finished: bool
-
-
-@dataclass(frozen=True)
-class CreditItems:
-    item: int
-    channel: str
-    items: int
-
-
-Command = StartRun | NodeBatch | CancelRequest | DropItems | StatsAsk | FeedItems | CreditItems
 _STOP = None
-
-
-class Inbox(Protocol):
-    """A source of commands that the loop reads on its own thread (``workerinbox``)."""
-
-    def read(self, wait: bool) -> None:
-        """Take what has arrived (its commands reach the loop through ``put``); ``wait``:
-        first wait a while for something."""
-
-    def waiting(self) -> bool:
-        """Whether something has arrived that ``read`` would take."""
 
 
 class EngineLoop:
@@ -165,6 +100,7 @@ class EngineLoop:
         hold: bool = False,
         here: frozenset[int] | None = None,
         coalesce_s: float = 0.002,
+        burst_hold_s: float = BURST_HOLD_S,
         counters: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.rank = rank
@@ -188,7 +124,9 @@ class EngineLoop:
             for w, values in plan.readers.items()
         }
         self._walk_of = scheduler.regions.walk_of
-        self._commands: queue.SimpleQueue[Command | list[Command] | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command | list[Command] | Starts | None] = (
+            queue.SimpleQueue()
+        )
         self._requests: dict[int, str] = {}  # region item -> request (for encoding)
         self._region_walk: dict[int, str] = {}
         self._batches: dict[int, NodeBatch] = {}
@@ -199,6 +137,7 @@ class EngineLoop:
         self._unsent: list[m.RegionEvent] = []
         self._first_unsent = 0.0
         self._inbox: Inbox | None = None  # run()'s
+        self._hold = BurstHold(burst_hold_s)  # a burst's first chunks wait for the rest
 
     def put(self, command: Command) -> None:
         """Queue a command: from any thread when the loop runs without an inbox; with one, from
@@ -207,11 +146,17 @@ class EngineLoop:
         self._commands.put(command)
 
     def put_all(self, commands: list[Command]) -> None:
-        """Queue commands that the loop takes together, in one pass: the region starts of one
-        message, so that runs that arrived together start at the same iteration and form one
-        cohort (put one by one, the first could be stepped alone before the rest are read)."""
+        """Queue commands that the loop takes together, in one pass (a message's cancels)."""
         if commands:
             self._commands.put(commands)
+
+    def put_starts(self, runs: list[StartRun], more: bool = False) -> None:
+        """Queue region starts that the loop takes together, in one pass: the starts of one
+        message, so that runs that arrived together start at the same iteration and form one
+        cohort (put one by one, the first could be stepped alone before the rest are read).
+        ``more``: the conductor pass that sent them sends this rank more (``burst``): the loop
+        holds its steps for them where it has nothing else to run."""
+        self._commands.put(Starts(runs, more))
 
     def stop(self) -> None:
         self._commands.put(_STOP)
@@ -222,13 +167,14 @@ class EngineLoop:
         the loop would wait and before each pass, ``waiting`` between fast-lane steps);
         without one, the loop waits on ``put`` alone."""
         self._inbox = inbox
-        wait = True
+        wait, hold = True, 0.0
         while not stopping.is_set():
+            taken: list[Command | list[Command] | Starts | None] = []
             if inbox is not None:
-                inbox.read(wait and self._commands.empty())
-                taken: list[Command | list[Command] | None] = []
-            else:
-                taken = [self._commands.get()] if wait else []
+                inbox.read(wait and self._commands.empty(), hold or None)
+            elif wait:
+                with contextlib.suppress(queue.Empty):  # a hold's deadline
+                    taken.append(self._commands.get(timeout=hold or None))
             while True:
                 try:
                     taken.append(self._commands.get_nowait())
@@ -236,7 +182,10 @@ class EngineLoop:
                     break
             commands: list[Command | None] = []
             for c in taken:
-                if isinstance(c, list):
+                if isinstance(c, Starts):
+                    self._hold.starts(c.more, idle=self.scheduler.idle() and not commands)
+                    commands += c.runs
+                elif isinstance(c, list):
                     commands += c
                 else:
                     commands.append(c)
@@ -245,6 +194,12 @@ class EngineLoop:
             for command in commands:
                 assert command is not None
                 self._apply(command)
+            hold = self._hold.left()
+            if hold:  # the rest of a burst is on its way: step nothing before it comes
+                self._report(self.scheduler.reports())
+                self._flush()
+                wait = True
+                continue
             steps = self.scheduler.schedule()
             self._steps(steps, stopping)
             self._report(self.scheduler.reports())

@@ -314,9 +314,11 @@ class RegionStart(msgspec.Struct, frozen=True):
 
 
 class StartRegions(_Msg, frozen=True):
-    """Region runs for the receiving rank to start; it reports them in ``RegionEvents``."""
+    """Region runs for the receiving rank to start; it reports them in ``RegionEvents``.
+    ``more``: the conductor pass that sent them sends this rank more (``runtime.burst``)."""
 
     starts: list[RegionStart]
+    more: bool = False
 
 
 class RegionStreamed(msgspec.Struct, frozen=True, tag="streamed", tag_field="type"):

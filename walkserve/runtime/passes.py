@@ -104,11 +104,14 @@ class Passes:
                     self._io.nudge()
                 return
 
-    def run_tasks(self) -> None:
-        """Run every queued task, in order (the start of a pass)."""
+    def run_tasks(self, limit: int | None = None) -> None:
+        """Run the queued tasks in order, at most ``limit`` of them (the start of a pass, or
+        of one of its chunks: ``ConductorPass._admit``)."""
         self._deferred = 0
-        while self.tasks:
+        n = 0
+        while self.tasks and (limit is None or n < limit):
             self.tasks.popleft()()
+            n += 1
 
 
 class Admission(Future):  # type: ignore[type-arg]

@@ -61,6 +61,7 @@ class RegionTraffic:
         self._stats_replies: dict[int, tuple[threading.Event, dict[int, RankStatsReply]]] = {}
         self._releases: collections.deque[tuple[int, str, str]] = collections.deque()
         self._stats_seq = itertools.count()
+        self._bursts: set[int] = set()  # ranks told that more starts follow (``start``)
 
     def running(self, rank: int) -> bool:
         """Whether ``rank`` runs a region item now (the caller holds the pool's lock)."""
@@ -72,11 +73,16 @@ class RegionTraffic:
             return self._region_handles.pop(handle, None) is not None
 
     def start(
-        self, rank: int, starts: Iterable[tuple[int, str, str, str, Mapping[str, Any], bool]]
+        self,
+        rank: int,
+        starts: Iterable[tuple[int, str, str, str, Mapping[str, Any], bool]],
+        burst: bool = False,
     ) -> None:
         """Start region runs on ``rank``: (item id, request id, walk, region, inputs by
         name). What they do arrives at ``on_regions(rank, events)`` (on the io thread),
-        their exits included; a rank that dies fails its runs there too."""
+        their exits included; a rank that dies fails its runs there too. ``burst``: more
+        starts for ``rank`` may follow from this conductor pass (``runtime.burst``), which
+        ends with ``end_bursts``."""
         self.flush()
         state = self.pool._rank(rank)
         transport = self.pool._transport_for(rank)
@@ -89,7 +95,7 @@ class RegionTraffic:
                     values[name] = payload = transport.send(value, request_id)
                     handles += shm_handles(payload)
                 wire.append(RegionStart(item, request_id, walk, region, values, stream))
-            data = encode(StartRegions(wire))
+            data = encode(StartRegions(wire, more=burst))
         except BaseException:
             transport.release(handles)
             raise
@@ -104,10 +110,24 @@ class RegionTraffic:
             error = f"worker rank {rank} is dead ({describe_exit(state.exitcode)})"
             self.on_regions(rank, [RegionFailed(s.item, error) for s in wire])
             return
+        if burst:
+            self._bursts.add(rank)
+        else:
+            self._bursts.discard(rank)
         try:
             self.pool._send(state, data)
         except zmq.ZMQError as e:
             self.fail_rank(rank, unreachable(state, e))
+
+    def end_bursts(self) -> None:
+        """The conductor pass that sent region starts with ``burst`` is over: the ranks whose
+        last starts said more would follow are told that none do (an empty ``StartRegions``),
+        so that they step what they hold at once."""
+        while self._bursts:
+            state = self.pool._rank(self._bursts.pop())
+            if state.status not in GONE:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.pool._send(state, encode(StartRegions([])))
 
     def feed(
         self,

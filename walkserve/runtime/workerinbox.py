@@ -17,7 +17,7 @@ A node batch (``RunBatch``), region starts (``StartRegions``) and fed stream pie
 (``FeedStream``) have their inputs read here: values held by other ranks are pulled from them
 first (``peers``, one round trip per rank), shared-memory inputs are acknowledged at once (they
 were copied out), and the work is queued for the engine (``EngineLoop.put``; a message's region
-starts together, ``put_all``). An input that cannot be read fails its items or runs here, with a
+starts together, ``put_starts``). An input that cannot be read fails its items or runs here, with a
 report, and nothing reaches the engine. ``Wake`` (work on its way, sent while the rank slept)
 only restarts the idle spin. ``Ack`` releases this rank's output slots; ``Probe`` is
 a link measurement; ``Shutdown`` stops the loop.
@@ -26,6 +26,7 @@ a link measurement; ``Shutdown`` stops the loop.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import time
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     import torch
     import zmq
 
-    from walkserve.runtime.engine import Command, EngineLoop
+    from walkserve.runtime.engine import EngineLoop
     from walkserve.runtime.messages import Message, RunBatch, StartRegions
     from walkserve.runtime.peers import PeerClient
     from walkserve.runtime.ranklink import Link
@@ -83,7 +84,6 @@ class WorkerInbox:
     def _open_inbox(self, rx: Commands) -> None:
         import zmq
 
-        from walkserve.runtime.engine import CancelRequest, CreditItems, DropItems, StatsAsk
         from walkserve.runtime.messages import (
             Ack,
             Cancel,
@@ -98,6 +98,7 @@ class WorkerInbox:
             StatsQuery,
             Wake,
         )
+        from walkserve.runtime.rankcommands import CancelRequest, CreditItems, DropItems, StatsAsk
 
         self._rx = rx
         self._wakes = WakePipe()
@@ -129,14 +130,14 @@ class WorkerInbox:
         if self._wakes is not None:
             self._wakes.set()
 
-    def read(self, wait: bool) -> None:
+    def read(self, wait: bool, within_s: float | None = None) -> None:
         """Handle every command waiting on the socket; ``wait``: first wait (at most
-        ``WAIT_MS``) for one, or for a wake from another thread."""
+        ``within_s``, or ``WAIT_MS``) for one, or for a wake from another thread."""
         from walkserve.runtime.messages import MessageError, decode
 
         if not wait:
             self._busy_at = time.perf_counter()
-        elif self._wait():
+        elif self._wait(within_s):
             self._busy_at = time.perf_counter()
             if self._wakes is not None:
                 self._wakes.clear()  # a wake, or a message: either way the wait is over
@@ -155,17 +156,24 @@ class WorkerInbox:
         if self._rx.closed:  # the conductor closed its end: it is gone
             self._conductor_closed()
 
-    def _wait(self) -> bool:
+    def _wait(self, within_s: float | None = None) -> bool:
         """Wait for a command or a wake: polled without sleeping until ``idle_spin_s`` after
         the last work (yielding the core to any other thread that wants it), then asleep for
-        at most ``WAIT_MS``. Whether one came."""
+        at most ``WAIT_MS`` (``within_s`` in all, when given). Whether one came."""
         poll = self._poller.poll
+        now = time.perf_counter()
+        end = now + within_s if within_s is not None else None
         until = self._busy_at + self.idle_spin_s
-        while time.perf_counter() < until:
+        if end is not None:
+            until = min(until, end)
+        while now < until:
             if poll(0):
                 return True
             os.sched_yield()
-        return bool(poll(WAIT_MS))
+            now = time.perf_counter()
+        if end is None:
+            return bool(poll(WAIT_MS))
+        return bool(poll(max(0, math.ceil((end - now) * 1e3))))
 
     def waiting(self) -> bool:
         """Whether a command waits (cheap: asked between fast-lane steps)."""
@@ -221,8 +229,8 @@ class WorkerInbox:
     def _prepare(self, msg: RunBatch) -> None:
         """Decode a batch's inputs, ack the shared-memory inputs at once (they were copied
         out), hand the batch to the engine loop."""
-        from walkserve.runtime.engine import NodeBatch
         from walkserve.runtime.messages import Ack, BatchFailed, ItemError
+        from walkserve.runtime.rankcommands import NodeBatch
 
         items: list[tuple[int, str, dict[str, Any]]] = []
         handles: list[Any] = []
@@ -242,12 +250,12 @@ class WorkerInbox:
         self.engine.put(NodeBatch(msg.batch, msg.walk, msg.node, items, msg.ops, msg.outputs))
 
     def _start_regions(self, msg: StartRegions) -> None:
-        from walkserve.runtime.engine import StartRun
         from walkserve.runtime.messages import Ack, RegionEvent, RegionEvents, RegionFailed
+        from walkserve.runtime.rankcommands import StartRun
 
         handles: list[Any] = []
         failed: list[RegionEvent] = []
-        runs: list[Command] = []
+        runs: list[StartRun] = []
         for start in msg.starts:
             try:
                 env = self._receive(start.inputs, start.request_id, handles)
@@ -258,7 +266,7 @@ class WorkerInbox:
             runs.append(
                 StartRun(start.item, start.request_id, start.walk, start.region, env, start.stream)
             )
-        self.engine.put_all(runs)  # together: runs that came together start together
+        self.engine.put_starts(runs, msg.more)  # together: runs that came together start together
         if handles:
             self._send(Ack(handles))
         if failed:
@@ -266,8 +274,8 @@ class WorkerInbox:
 
     def _feed(self, msg: Any) -> None:
         """Pull a fed stream's pieces from the rank that made them, then hand them on."""
-        from walkserve.runtime.engine import FeedItems
         from walkserve.runtime.messages import Ack, RegionEvents, RegionFailed
+        from walkserve.runtime.rankcommands import FeedItems
 
         handles: list[Any] = []
         try:
