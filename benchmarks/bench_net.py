@@ -113,9 +113,9 @@ def bench_peer(quick: bool) -> dict[int, float]:
     import shutil
     import tempfile
 
-    from walkserve.runtime.messages import ObjectRef
     from walkserve.runtime.peers import PeerClient, peer_address
     from walkserve.runtime.shmreader import ShmReader
+    from walkserve.runtime.wirevalues import ObjectRef
 
     directory = tempfile.mkdtemp(prefix="walkserve-bench-")
     path = peer_address(directory, 1)

@@ -33,7 +33,6 @@ from walkserve.lowering.lower import lower
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.lowering.split import fuse_elementwise
 from walkserve.runtime.config import SupervisionConfig
-from walkserve.runtime.messages import ObjectRef, Seq
 from walkserve.runtime.pool import (
     BatchError,
     BatchResult,
@@ -55,6 +54,7 @@ from walkserve.runtime.transport import (
     from_inline,
     inline,
 )
+from walkserve.runtime.wirevalues import ObjectRef, Seq
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
 

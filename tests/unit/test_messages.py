@@ -18,7 +18,6 @@ from walkserve.runtime.messages import (
     Cancel,
     Heartbeat,
     Hello,
-    Inline,
     Message,
     MessageError,
     NodeDone,
@@ -31,6 +30,7 @@ from walkserve.runtime.messages import (
 from walkserve.runtime.shm import KiB, ShmHandle, ShmPool, ShmPoolConfig
 from walkserve.runtime.shmreader import ShmReader
 from walkserve.runtime.tensorcodec import TensorHeader, from_bytes, to_bytes
+from walkserve.runtime.wirevalues import Inline
 
 HEADER = TensorHeader("float32", (2, 3), 24)
 HANDLE = ShmHandle("0123456789abcdef", 3, 7, HEADER)

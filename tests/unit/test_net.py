@@ -17,13 +17,14 @@ from walkserve.adapters.registry import load_model
 from walkserve.lowering.lower import lower
 from walkserve.lowering.placement import LOCAL_HOST, Placement, PlacementError
 from walkserve.runtime.config import PoolConfig
-from walkserve.runtime.messages import Ack, Probe, Seq, decode, encode
+from walkserve.runtime.messages import Ack, Probe, decode, encode
 from walkserve.runtime.net.auth import KeyPair, ensure_keys, load_worker_keys
 from walkserve.runtime.net.handles import MooncakeHandle
 from walkserve.runtime.net.link import LinkModel, cross_host_edges, fit_link
 from walkserve.runtime.net.mooncake import available as mooncake_available
 from walkserve.runtime.net.remote import commands_address, parse_tcp
 from walkserve.runtime.tensorcodec import TensorHeader
+from walkserve.runtime.wirevalues import Seq
 
 
 def test_keys_are_made_once_with_private_secrets(tmp_path: Path) -> None:

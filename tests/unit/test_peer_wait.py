@@ -12,12 +12,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from walkserve.runtime.messages import ObjectRef
 from walkserve.runtime.peers import PeerClient, PeerError, PeerServer, peer_address
 from walkserve.runtime.ranklink import LinkListener
 from walkserve.runtime.shm import ShmPool, ShmPoolConfig
 from walkserve.runtime.shmreader import ShmReader
 from walkserve.runtime.transport import ObjectStore
+from walkserve.runtime.wirevalues import ObjectRef
 
 
 def test_a_peer_fetch_keeps_calling_on_wait_until_it_gives_up() -> None:

@@ -18,7 +18,7 @@ from walkserve.lowering.placement import Placement, PlacementError, tensor_paral
 from walkserve.lowering.plan import ExecutablePlan, NodePlan, RegionPlan
 from walkserve.runtime.batcher import Batcher
 from walkserve.runtime.conductor import WorkItem
-from walkserve.runtime.messages import ObjectRef
+from walkserve.runtime.wirevalues import ObjectRef
 
 
 @pytest.fixture(scope="module")

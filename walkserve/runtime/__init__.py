@@ -65,7 +65,8 @@ Modules, by role:
                   regionwalk: regions as walks; loopstep: the fast path for simple loops
                   (pure); stepvalues: a cohort's streamed steps kept as one block; runner:
                   runs a batch of one node
-    messages      every message on a socket (msgspec structs, never pickle)
+    messages      every message on a socket (msgspec structs, never pickle); wirevalues:
+                  how a value is written in one
     transport, shm, shmreader, tensorcodec, peers   how values move: inline, shared memory
                   (shm: segments and their owner; shmreader: the read side), rank to rank
     local         the same path in one process (tests, reference runs)

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from walkserve.lowering.plan import NodePlan, RegionPlan
 from walkserve.runtime.conductor import WorkItem
-from walkserve.runtime.messages import ObjectRef
+from walkserve.runtime.wirevalues import ObjectRef
 
 __all__ = ["Batch", "Batcher"]
 

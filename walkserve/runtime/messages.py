@@ -8,14 +8,13 @@ is a frozen ``msgspec.Struct`` tagged by a ``"type"`` field; ``Message`` is thei
     match decode(data):                                    # MessageError if malformed
         case RunNode(request_ids=ids, inputs=refs): ...
 
-Tensors travel as ``TensorRef``: small ones ``Inline`` (header + bytes in the message), large
-ones as an ``ShmHandle`` into a pool the receiver attached at start-up (``AttachPools``). A
-receiver of a handle sends ``Ack`` to the pool's owner once it no longer needs the slot.
-
-Values that are not tensors travel as ``Value``: Python scalars and None as themselves,
-tuples/lists/``torch.Size`` as ``Seq``, and objects that cannot be encoded (a Hugging Face cache)
-as ``ObjectRef``: a handle into the per-request object store of the worker that made the object.
-Objects never cross a process; only that worker resolves the handle.
+Values travel as ``wirevalues`` writes them: tensors as ``TensorRef`` (small ones ``Inline``,
+large ones as an ``ShmHandle`` into a pool the receiver attached at start-up, ``AttachPools``;
+a receiver of a handle sends ``Ack`` to the pool's owner once it no longer needs the slot),
+Python scalars and None as themselves, tuples/lists/``torch.Size`` as ``Seq``, and objects that
+cannot be encoded (a Hugging Face cache) as ``ObjectRef``: a handle into the per-request object
+store of the worker that made the object. Objects never cross a process; only that worker
+resolves the handle.
 
 Direction (C: conductor, W: worker):
 
@@ -38,67 +37,19 @@ import msgspec
 
 from walkserve.runtime.net.handles import MooncakeHandle
 from walkserve.runtime.shm import ShmHandle, ShmPoolSpec
-from walkserve.runtime.tensorcodec import TensorHeader
-
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-PosInt = Annotated[int, msgspec.Meta(gt=0)]
-Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-ObjectKey = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+from walkserve.runtime.wirevalues import (
+    Name,
+    NonNegInt,
+    ObjectKey,
+    PosInt,
+    RequestId,
+    TensorRef,
+    Value,
+)
 
 
 class MessageError(ValueError):
     """Bytes that are not a valid ``Message`` (bad msgpack, unknown type, wrong field)."""
-
-
-# ------------------------------------------------------------------------- tensor refs
-
-
-class Inline(msgspec.Struct, frozen=True, tag="inline", tag_field="type"):
-    """A small tensor carried in the message itself."""
-
-    header: TensorHeader
-    data: bytes
-
-    def __post_init__(self) -> None:
-        if len(self.data) != self.header.nbytes:
-            raise ValueError(f"inline data has {len(self.data)} bytes, header says {self.header}")
-
-
-TensorRef: TypeAlias = Inline | ShmHandle
-
-
-# ------------------------------------------------------------------------------ values
-
-
-class ObjectRef(msgspec.Struct, frozen=True, tag="object", tag_field="type", weakref=True):
-    """A value that stays where it was made: in the per-request store of worker ``rank``
-    under ``key``. Objects that cannot be encoded (a Hugging Face cache) are always held;
-    tensors are held unless a client or the conductor itself needs their bytes (``shape``
-    then says what the tensor is). Only that worker resolves a key, and only for the request
-    that made it; a consumer on another rank of the same host pulls a held tensor from it
-    directly (``Fetch``), never through the server process; an object never leaves it. The
-    conductor's process releases a key (``Release``) when its last reader is done. ``at``: where
-    a held tensor's bytes wait for readers on other hosts (a block of the producer's Mooncake
-    send buffer, read one-sided by the consumer, ``net.mooncake``), freed with the key."""
-
-    rank: NonNegInt
-    key: ObjectKey
-    shape: list[NonNegInt] | None = None
-    at: MooncakeHandle | None = None
-
-
-class Seq(msgspec.Struct, frozen=True, tag="seq", tag_field="type"):
-    """A tuple, list or ``torch.Size`` of values."""
-
-    kind: Literal["tuple", "list", "size"]
-    items: list[Value]
-
-
-# Any value a node reads or produces, on the wire. bool before int: msgpack keeps them apart.
-Value: TypeAlias = (
-    Inline | ShmHandle | MooncakeHandle | ObjectRef | Seq | bool | int | float | str | None
-)
 
 
 class BatchItem(msgspec.Struct, frozen=True):

@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 from walkserve.runtime.ranklink import Link, LinkClosed, LinkListener
 
 if TYPE_CHECKING:
-    from walkserve.runtime.messages import ObjectRef
     from walkserve.runtime.shm import ShmPool
     from walkserve.runtime.shmreader import ShmReader
     from walkserve.runtime.transport import ObjectStore
+    from walkserve.runtime.wirevalues import ObjectRef
 
 log = logging.getLogger("walkserve.peers")
 
@@ -165,8 +165,9 @@ class PeerServer:
     def _answer(self, fd: int, link: Link, msg: Any) -> None:
         import torch
 
-        from walkserve.runtime.messages import Fetched, ObjectRef, encode
+        from walkserve.runtime.messages import Fetched, encode
         from walkserve.runtime.transport import shm_handles
+        from walkserve.runtime.wirevalues import ObjectRef
 
         values: list[Any] = []
         error = None
@@ -227,9 +228,10 @@ class PeerClient:
 
     def fetch(self, request_id: str, refs: Iterable[ObjectRef]) -> dict[tuple[int, str], Any]:
         """The values of ``refs`` held by other ranks, by (rank, key): one round trip per rank."""
-        from walkserve.runtime.messages import Ack, Fetch, Inline, encode
+        from walkserve.runtime.messages import Ack, Fetch, encode
         from walkserve.runtime.shm import ShmHandle
         from walkserve.runtime.transport import from_inline, shm_handles
+        from walkserve.runtime.wirevalues import Inline
 
         by_rank: dict[int, list[str]] = {}
         for ref in refs:

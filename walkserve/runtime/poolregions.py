@@ -28,7 +28,6 @@ from walkserve.runtime.messages import (
     DropRuns,
     FeedStream,
     GrantCredit,
-    ObjectRef,
     RankStatsReply,
     RegionDone,
     RegionEvent,
@@ -45,6 +44,7 @@ from walkserve.runtime.messages import (
 )
 from walkserve.runtime.poolstate import GONE, RankState, describe_exit, unreachable
 from walkserve.runtime.transport import Token, shm_handles
+from walkserve.runtime.wirevalues import ObjectRef
 
 if TYPE_CHECKING:
     from walkserve.runtime.pool import WorkerPool

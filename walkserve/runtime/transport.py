@@ -46,11 +46,12 @@ from typing import Any, Protocol
 import torch
 
 from walkserve.runtime.config import INLINE_MAX_BYTES
-from walkserve.runtime.messages import Inline, ObjectRef, Seq, Value
+from walkserve.runtime.messages import Value
 from walkserve.runtime.net.handles import MooncakeHandle
 from walkserve.runtime.shm import PoolExhausted, ShmHandle, ShmPool
 from walkserve.runtime.shmreader import ShmReader
 from walkserve.runtime.tensorcodec import DTYPES, TensorHeader, to_bytes
+from walkserve.runtime.wirevalues import Inline, ObjectRef, Seq
 
 _INT_RANGE = (-(2**63), 2**64 - 1)  # what msgpack carries
 

@@ -186,7 +186,7 @@ class WorkerInbox:
         them first: from a rank of this host through its peer socket (``peers``, one round
         trip per rank), from another host's by one Mooncake read of the block the reference
         names (``pull``)."""
-        from walkserve.runtime.messages import ObjectRef, Seq
+        from walkserve.runtime.wirevalues import ObjectRef, Seq
 
         remote: list[ObjectRef] = []
         pulled: list[ObjectRef] = []
