@@ -111,9 +111,23 @@ def test_a_region_of_replicas_goes_where_its_state_is_else_to_the_least_busy() -
         env = {} if held is None else {"cache": ObjectRef(held, f"k{i}")}
         return WorkItem(i, f"r{i}", "decode", "region0", "region", (), (), False, env=env)
 
+    assert batcher.quiet()
     assert sorted(b.rank for b in batcher.batches([start(0), start(1)])) == [0, 1]
     assert [b.rank for b in batcher.batches([start(2, held=1)])] == [1]
     assert [b.rank for b in batcher.batches([start(3)])] == [0]  # rank 1 runs two now
     batcher.region_returned(1)
     batcher.region_returned(1)
     assert [b.rank for b in batcher.batches([start(4)])] == [1]
+    for rank in (0, 0, 1):
+        assert not batcher.quiet()  # a region item is out (a burst would join it: no hold)
+        batcher.region_returned(rank)
+    assert batcher.quiet()
+
+
+def test_the_batcher_is_quiet_when_no_item_is_out() -> None:
+    nodes = {("decode", "step/lm"): NodePlan("step/lm", "component", ["lm"], "lm", [0])}
+    batcher = Batcher(nodes, {})
+    (batch,) = batcher.batches([item(0, "a"), item(1, "b")])
+    assert not batcher.quiet()
+    batcher.returned(batch)
+    assert batcher.quiet()

@@ -92,6 +92,10 @@ class Batcher:
     def held(self) -> int:
         return len(self._held)
 
+    def quiet(self) -> bool:
+        """Whether no item is out on any rank (no node item, no region item)."""
+        return not any(self._load.values())
+
     def inflight(self, rank: int, walk: str, node: str) -> int:
         return self._inflight.get((rank, walk, node), 0)
 

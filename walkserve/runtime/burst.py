@@ -6,9 +6,11 @@ machine, its input checks), and reading it on the rank about as much again (deco
 inputs, starting its region run). Sent as one message at the end of the pass, a burst of 16
 had the rank idle while the server admitted all 16, then the server idle while the rank read
 them: ~2 ms of a ~8 ms round of ``bench_loops``' 16 concurrent rollouts, one process after the
-other. So the pass admits ``ADMIT_CHUNK`` submissions at a time and sends each chunk's region
-starts at once (``StartRegions(more=True)``: more of this pass may follow), and the rank reads
-a chunk while the server admits the next.
+other. So a pass that finds every rank quiet (nothing out: ``Batcher.quiet``) admits
+``ADMIT_CHUNK`` submissions at a time and sends each chunk's region starts at once
+(``StartRegions(more=True)``: more of this pass may follow), and the rank reads a chunk while
+the server admits the next. A pass while ranks have work out stays one dispatch, as before:
+a busy rank would not hold the burst, so the chunks would only be more messages to it.
 
 Stepping each chunk as it came would start them some steps apart: a cohort formed from the
 first chunk, the others joining it later at other iterations, and its loop running the

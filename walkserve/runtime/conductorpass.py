@@ -121,11 +121,17 @@ class ConductorPass:
                 self._passes.stopped = True
 
     def _admit(self) -> None:
-        """Run the queued tasks and dispatch what they made ready: ``ADMIT_CHUNK`` tasks at a
-        time while more wait, each chunk's region starts sent at once as part of a burst
-        (``burst``: their ranks read them while the next chunk is admitted, and step none
-        before the last); the other items made ready wait for the last chunk, so that node
-        batches form as they did when the whole pass was one chunk."""
+        """Run the queued tasks and dispatch what they made ready. A burst onto quiet ranks
+        (nothing out on any) goes in chunks: ``ADMIT_CHUNK`` tasks at a time while more wait,
+        each chunk's region starts sent at once as part of a burst (``burst``: their ranks
+        read them while the next chunk is admitted, and step none before the last); the other
+        items made ready wait for the last chunk, so that node batches form as they did when
+        the whole pass was one chunk. Ranks with work out would not hold a burst (they step
+        what they run and the burst joins it): their passes stay one dispatch."""
+        if not self.batcher.quiet():
+            self._passes.run_tasks()
+            self._dispatch(self.conductor.ready())
+            return
         held: list[WorkItem] = []
         try:
             while True:
