@@ -41,7 +41,8 @@ def test_a_burst_is_admitted_in_one_pass_by_its_callers_wait(
 
         monkeypatch.setattr(regions, "start", spy)
         monkeypatch.setattr(conductorpass, "ADMIT_CHUNK", 4)
-        sizes = dict(server.stats().ranks[0].batch_sizes)
+        before = server.stats()
+        sizes = dict(before.ranks[0].batch_sizes)
         futures = [server.submit_future(r, "spin", stream=False) for r in reqs]
         assert starts == []  # all queued, the first too
         handles = [f.result(timeout=120) for f in futures]  # the first wait admits them
@@ -53,6 +54,7 @@ def test_a_burst_is_admitted_in_one_pass_by_its_callers_wait(
         after = server.stats().ranks[0].batch_sizes
         made = {k: v - sizes.get(k, 0) for k, v in after.items() if v != sizes.get(k, 0)}
         assert made == {6: 6, 5: 1, 4: 1, 3: 1, 2: 1, 1: 1}, made
+        assert server.stats().counters["burst/holds"] == before.counters["burst/holds"] + 1
 
         # no caller waits: the io thread admits the burst within BURST_WAIT_S (long enough
         # here that the three are queued before it, however slow this host is)

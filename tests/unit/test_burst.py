@@ -80,3 +80,15 @@ def test_a_hold_is_bounded_and_follows_its_rule(events: list[tuple[bool, bool, f
         assert (left > 0) == (since is not None)
         if since is not None:
             assert abs(left - (since + 0.005 - clock.t)) < 1e-9
+
+
+def test_the_ranks_held_bursts_are_a_metric() -> None:
+    from types import SimpleNamespace
+
+    from walkserve.api.metrics import _component_counters
+
+    ranks = {1: SimpleNamespace(counters={"burst/holds": 3, "loop_stepper/lane_steps": 7})}
+    families = {f.name: f for f in _component_counters(["m"], ranks)}
+    (sample,) = families["walkserve:holds"].samples
+    assert sample.labels == {"model_name": "m", "rank": "1", "component": "burst"}
+    assert sample.value == 3

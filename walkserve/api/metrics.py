@@ -325,6 +325,7 @@ COMPONENT_COUNTERS = {
     "exported": "Held values a rank wrote to its Mooncake send buffer for readers on other "
     "hosts (component objects).",
     "exported_bytes": "Bytes of those values.",
+    "holds": "Bursts of region starts a rank held for their last chunk (component burst).",
 }
 
 

@@ -258,6 +258,7 @@ class EngineLoop:
                     sizes,
                     self.scheduler.loops.counters()
                     | self.objects.counters()
+                    | {"burst/holds": self._hold.holds}
                     | (self.counters() if self.counters is not None else {}),
                 )
             )

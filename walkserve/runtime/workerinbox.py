@@ -17,10 +17,10 @@ A node batch (``RunBatch``), region starts (``StartRegions``) and fed stream pie
 (``FeedStream``) have their inputs read here: values held by other ranks are pulled from them
 first (``peers``, one round trip per rank), shared-memory inputs are acknowledged at once (they
 were copied out), and the work is queued for the engine (``EngineLoop.put``; a message's region
-starts together, ``put_starts``). An input that cannot be read fails its items or runs here, with a
-report, and nothing reaches the engine. ``Wake`` (work on its way, sent while the rank slept)
-only restarts the idle spin. ``Ack`` releases this rank's output slots; ``Probe`` is
-a link measurement; ``Shutdown`` stops the loop.
+starts together, ``put_starts``, with whether more of a burst follow). An input that cannot be
+read fails its items or runs here, with a report, and nothing reaches the engine. ``Wake`` (work
+on its way, sent while the rank slept) only restarts the idle spin. ``Ack`` releases this
+rank's output slots; ``Probe`` is a link measurement; ``Shutdown`` stops the loop.
 """
 
 from __future__ import annotations
