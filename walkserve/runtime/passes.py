@@ -11,12 +11,12 @@ passes, one at a time, on no thread of its own::
 
 A caller that submits and waits (``run()``) makes the pass when it waits, on its own thread
 right after submitting: no later than a pass made at the submission. A burst's submissions
-(a batch submitted in a loop) are admitted in that one pass and reach their rank in one
-message, so that they step together from their first step; a pass for the first at its
-submission sent it alone, to step alone once and be joined a step later by the rest (~5% of
-a 16-request round of bench_loops' loops), and a pass each (~0.1 ms of the caller's thread)
-started them one engine step apart and on a small host kept the worker's socket thread off
-the cores until they were all made.
+(a batch submitted in a loop) are admitted in that one pass and step together from their
+first step (onto a quiet rank in chunks it holds until the last: ``burst``); a pass for the
+first at its submission sent it alone, to step alone once and be joined a step later by the
+rest (~5% of a 16-request round of bench_loops' loops), and a pass each (~0.1 ms of the
+caller's thread) started them one engine step apart and on a small host kept the worker's
+socket thread off the cores until they were all made.
 """
 
 from __future__ import annotations
