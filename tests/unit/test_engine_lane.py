@@ -2,7 +2,9 @@
 to the fast lane from its first step (``RankScheduler.lane_of``): every step of a lone request
 is a lane step, each counted once (the stepper's steps, the rank's batch sizes), and its
 outputs are the reference interpreter's. A command that waits when the lane would take over
-the pass's step does not lose that step."""
+the pass's step does not lose that step. A burst whose starts come in chunks with ``more``
+(``burst``) is held until its last chunk, then steps as one cohort; one whose last chunk never
+comes is stepped at the hold's deadline."""
 
 from __future__ import annotations
 
