@@ -139,3 +139,26 @@ def test_calls_alike_run_as_the_general_grouping_runs_them(
         assert torch.equal(g, w)
     assert fast.calls == slow.calls
     assert (component._alike(calls) > 0) == (odd == "none")
+
+
+def test_direct_is_the_function_only_where_joined_adds_nothing() -> None:
+    """The fast lane calls ``BatchedComponent.direct()`` in place of ``joined`` per step: the
+    component's own function where ``joined`` would add nothing, else None (batch buckets to
+    pad to, stats to count, or a subclass's ``joined``, as CUDA graphs' replays), and where it
+    is the function, ``joined`` gives what it gives."""
+    import torch
+
+    from walkserve.lowering.batched import BatchedComponent
+    from walkserve.lowering.cudagraph import GraphOnFirstCall
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    plain = BatchedComponent("c", fn, [0], {}, 0)
+    assert plain.direct() is fn
+    call = ([torch.arange(6.0).reshape(3, 2)], {})
+    assert torch.equal(plain.joined(call, 3), fn(*call[0]))
+    assert BatchedComponent("c", fn, [0], {}, 0, buckets=[1, 2, 4]).direct() is None
+    assert BatchedComponent("c", fn, [0], {}, 0, stats=BatchStats()).direct() is None
+    graphs = GraphOnFirstCall("c", fn, [0], {}, 0, graph_buckets=[1, 2])
+    assert graphs.direct() is None

@@ -203,6 +203,13 @@ class BatchedComponent:
                 key.append(("object", id(x)))
         return tuple(key), by_value
 
+    def direct(self) -> Callable[..., Any] | None:
+        """The function ``joined`` amounts to, where it adds nothing to the call (no batch
+        buckets to pad to, no stats to count, no subclass's own ``joined``, as CUDA graphs'
+        replays): the fast lane calls it as it is."""
+        plain = type(self).joined is BatchedComponent.joined
+        return self.fn if plain and not self.buckets and self.stats is None else None
+
     def joined(self, call: Call, count: int) -> Any:
         """One call whose batched arguments already hold ``count`` requests' rows (a loop
         stepper joined them, as ``_groups`` would group them): padded to a batch bucket as

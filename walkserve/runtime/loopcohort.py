@@ -55,6 +55,9 @@ __all__ = ["Cohort", "CohortSpec", "Member", "cohort_spec", "extend", "form", "s
 
 # An argument of the component: ("const", value) or ("param", name).
 _Arg = tuple[str, Any]
+# where an argument's value comes from at each step (``CohortSpec.plan``): itself (a constant),
+# the carried values, this step's slices or the invariant values (``Cohort.call``)
+_CONST, _CARRIED, _STEP, _FIXED = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,26 @@ class CohortSpec:
     def batched(self) -> tuple[tuple[str, int], ...]:
         """(value, batch dim) of the body node's batched values."""
         return tuple((n, d) for n, d in self.out_dims.items() if d is not None)
+
+    @functools.cached_property
+    def plan(self) -> tuple[tuple[tuple[int, Any], ...], tuple[tuple[str, int, Any], ...]]:
+        """Where each argument of the call comes from, resolved once (``Cohort.call``): (kind,
+        value or parameter) per positional argument, (name, kind, ...) per keyword one."""
+
+        def where(arg: _Arg) -> tuple[int, Any]:
+            kind, v = arg
+            if kind == "const":
+                return _CONST, v
+            if v in self.carried_dims:
+                return _CARRIED, v
+            if v in self.select:
+                return _STEP, v
+            return _FIXED, v
+
+        return (
+            tuple(where(a) for a in self.args),
+            tuple((name, *where(a)) for name, a in self.kwargs),
+        )
 
     @functools.cached_property
     def carried_dims(self) -> dict[str, int | None]:
@@ -140,20 +163,13 @@ class Cohort:
             steps = self._steps = {
                 p: slab.unbind(spec.select[p][0]) for p, slab in self.slabs.items()
             }
-        i = self.steps
-        carried, fixed = self.carried, self.fixed
-
-        def value(arg: _Arg) -> Any:
-            kind, v = arg
-            if kind == "const":
-                return v
-            if v in carried:
-                return carried[v]
-            if v in steps:
-                return steps[v][i]
-            return fixed[v]
-
-        return [value(a) for a in self.spec.args], {k: value(a) for k, a in self.spec.kwargs}
+        i = self.steps  # each kind's values by name (``_CARRIED``, ``_STEP``, ``_FIXED``)
+        now = {p: views[i] for p, views in steps.items()}
+        at: tuple[Mapping[str, Any], ...] = ({}, self.carried, now, self.fixed)
+        args, kwargs = self.spec.plan
+        return [at[k][v] if k else v for k, v in args], {
+            name: at[k][v] if k else v for name, k, v in kwargs
+        }
 
     def advance(self, values: Mapping[str, Any]) -> bool:
         """Commit a step's joint values; False (nothing committed) when a batched value does

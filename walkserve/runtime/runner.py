@@ -239,6 +239,19 @@ class NodeRunner:
                 return lambda call: joined(entry, item, call)
             reads.append((name, read))
         call_joined, count, item_id, finish = entry.call.joined, item.joined, item.id, self._finish
+        fn = entry.call.direct()
+        if fn is not None and not reads and tuple(names) == (comp,):  # its output, as it is
+
+            def plain(call: tuple[list[Any], dict[str, Any]]) -> ItemResult:
+                try:
+                    out = fn(*call[0], **call[1])
+                except Exception as e:
+                    return ItemResult(item_id, error=_joined_error(op, count, e))
+                if out is DEFER or isinstance(out, _Failure):
+                    return finish(entry, item, {comp: out})
+                return ItemResult(item_id, {comp: out})
+
+            return plain
 
         def step(call: tuple[list[Any], dict[str, Any]]) -> ItemResult:
             try:
