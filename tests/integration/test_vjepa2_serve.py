@@ -78,9 +78,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_rollout_over_http(server: Server, captured: CapturedModel) -> None:
+def test_rollout_over_http(
+    server: Server, captured: CapturedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import uvicorn
 
+    streams: list[bool] = []  # each submission's ``stream``
+    submit = server.submit_async
+
+    async def recording(inputs: Any, walk: Any = None, request_id: Any = None, stream: bool = True):  # type: ignore[no-untyped-def]
+        streams.append(stream)
+        return await submit(inputs, walk, request_id, stream)
+
+    monkeypatch.setattr(server, "submit_async", recording)
     app = create_app(server, ModelProfile(NAME), ApiConfig())
     port = _free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
@@ -102,6 +112,13 @@ def test_rollout_over_http(server: Server, captured: CapturedModel) -> None:
         out = resp.json()["outputs"]
         got = {k: jsontensor.tensor_from_json(k, v, None) for k, v in out.items()}
         assert_outputs_match(got, captured.run(r, walk="rollout"))
+        # a non-streamed answer reads no stream items: its rank is asked for none
+        assert streams == [False]
+        with httpx.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/walks/rollout", json={**body, "stream": True}
+        ) as s:
+            assert s.status_code == 200 and s.read().endswith(b"data: [DONE]\n\n")
+        assert streams == [False, True]
         bad = {"inputs": {**body["inputs"], "horizon": "8"}}
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/walks/rollout", json=bad, timeout=30)
         assert resp.status_code == 400 and "horizon" in resp.json()["error"]["message"]

@@ -169,10 +169,13 @@ class ApiContext:
 
     # ------------------------------------------------------------ running requests
 
-    async def submit(self, inputs: dict[str, Any], walk: str) -> RequestHandle:
+    async def submit(self, inputs: dict[str, Any], walk: str, stream: bool = True) -> RequestHandle:
+        """Submit a request; ``stream=False`` where the answer reads none of its stream items
+        (a non-streamed answer): its ranks then report nothing item by item, only its outputs
+        (a 30-step rollout's states would otherwise come back step by step as well)."""
         t0 = time.perf_counter()
         try:
-            handle = await self.server.submit_async(inputs, walk)
+            handle = await self.server.submit_async(inputs, walk, stream=stream)
             self.metrics.observe_queue(time.perf_counter() - t0)
             return handle
         except (ValueError, KeyError, TypeError) as e:
@@ -182,15 +185,21 @@ class ApiContext:
             raise ApiError(503, str(e), "server_error") from None
 
     async def admit_and_submit(
-        self, inputs: dict[str, Any], walk: str, weight: int = 1, param: str = "n"
+        self,
+        inputs: dict[str, Any],
+        walk: str,
+        weight: int = 1,
+        param: str = "n",
+        stream: bool = True,
     ) -> tuple[Ticket, RequestHandle, float]:
         """Admit one request (or 503) and submit it: its ticket (the caller releases it when
         the request is done), its handle and its start time. ``weight``: what it runs
-        (``Admission.admit``; ``param`` names the field that sets it)."""
+        (``Admission.admit``; ``param`` names the field that sets it); ``stream``: as
+        ``submit``'s."""
         ticket = self.admission.admit(weight, param)
         t0 = time.perf_counter()
         try:
-            return ticket, await self.submit(inputs, walk), t0
+            return ticket, await self.submit(inputs, walk, stream), t0
         except BaseException:
             ticket.release()
             raise

@@ -84,7 +84,7 @@ async def run_image(
             inputs[task.seed_input] = torch.tensor([seed], dtype=torch.int64)
         if task.extra_inputs is not None:
             inputs.update(task.extra_inputs(walk))
-        handle = await ctx.submit(inputs, walk)
+        handle = await ctx.submit(inputs, walk, stream=False)  # the image alone
         outputs = await unless_gone(request, ctx.finish(handle))
     finally:
         ctx.cancel_all([] if handle is None else [handle], ticket)

@@ -106,7 +106,7 @@ async def transcriptions(request: Request) -> Response:
     except ValueError as e:
         raise bad(str(e), "file") from None
     ctx.check_ids(ids, text_task.vocab_size, text_task.max_prompt_tokens, "prompt (with the audio)")
-    ticket, handle, t0 = await ctx.admit_and_submit(inputs, task.walk)
+    ticket, handle, t0 = await ctx.admit_and_submit(inputs, task.walk, stream=body.stream)
     text = TextAssembler(text_task, [], task.max_tokens)
     said = Transcript(text, task.leads, task.text_channel)
     if not body.stream:

@@ -67,7 +67,9 @@ async def run_walk(walk: str, request: Request) -> Response:
     except InputError as e:
         raise bad(str(e), f"inputs.{e.input}") from None
     rows = fan_out(graph, walk, inputs)
-    ticket, handle, t0 = await ctx.admit_and_submit(inputs, walk, rows, _batch_input(graph, walk))
+    ticket, handle, t0 = await ctx.admit_and_submit(
+        inputs, walk, rows, _batch_input(graph, walk), stream=body.stream
+    )
     if not body.stream:
         try:
             outputs = await unless_gone(request, ctx.finish(handle))
