@@ -10,6 +10,8 @@ raises is retried run by run, so the request that made it raise fails alone.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from torch import nn
 from walkserve import capture, testing
 from walkserve.capture import Input, component, iterations, loop, walk
 from walkserve.lowering.lower import lower
+from walkserve.runtime import loopcohort
 from walkserve.runtime.local import run_local
 from walkserve.runtime.runner import NodeRunner
 
@@ -181,6 +184,15 @@ REGION_OUTPUTS = {
 }
 
 
+@contextlib.contextmanager
+def _views_cut_every(steps: int) -> Iterator[None]:
+    saved, loopcohort.VIEWS = loopcohort.VIEWS, steps
+    try:
+        yield
+    finally:
+        loopcohort.VIEWS = saved
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 6), min_size=2, max_size=5),
@@ -189,6 +201,7 @@ REGION_OUTPUTS = {
     which=st.sampled_from(["rollout", "recur"]),
     stream=st.booleans(),
     lane=st.integers(0, 3),
+    views=st.sampled_from([1, 2, 3, loopcohort.VIEWS]),
 )
 def test_cohorts_with_arrivals_and_cancels_give_the_interpreters_outputs(
     lengths: list[int],
@@ -197,58 +210,62 @@ def test_cohorts_with_arrivals_and_cancels_give_the_interpreters_outputs(
     which: str,
     stream: bool,
     lane: int,
+    views: int,
 ) -> None:
     """The rank scheduler and the real runner, step by step: runs arrive at different steps
     (a cohort dissolves and forms again with them) and some are cancelled mid-cohort; every
     other run gets the interpreter's outputs (streamed pieces too, in order), the steps ran as
     cohorts, and nothing is held at the end. ``lane``: after each round, up to that many steps
-    of the engine's fast lane (``lane()``), as the engine takes them while no command waits."""
-    from walkserve.runtime.rankreports import RegionDone, RegionFailed, RegionStreamed
-    from walkserve.runtime.rankscheduler import RankScheduler
-    from walkserve.runtime.regionwalk import region_walks
+    of the engine's fast lane (``lane()``), as the engine takes them while no command waits.
+    ``views``: a cohort's per-step slices cut that many steps at a time (``Cohort.call``), so
+    that loops of these lengths cross the cut as the longer loops of a server do."""
+    with _views_cut_every(views):
+        from walkserve.runtime.rankreports import RegionDone, RegionFailed, RegionStreamed
+        from walkserve.runtime.rankscheduler import RankScheduler
+        from walkserve.runtime.regionwalk import region_walks
 
-    captured, plan = setup()
-    runner = NodeRunner(captured, plan, 0)
-    sched = RankScheduler(region_walks(captured, plan, 0), joins=runner.joinable())
-    region = plan.regions[which][0].name
-    make = rollout_inputs if which == "rollout" else recur_inputs
-    reqs = {k: make(k, n) for k, n in enumerate(lengths)}
-    outputs: dict[int, dict[str, Any]] = {}
-    pieces: dict[int, list[tuple[int, Any]]] = {k: [] for k in reqs}
-    step = lanes = 0
-    while len(outputs) < len(reqs) and step < 100:
-        for k in reqs:
-            if arrive[k] == step:
-                sched.start(k, f"q{k}", which, region, reqs[k], stream)
-            if cancel[k] is not None and arrive[k] + cancel[k] == step and k not in outputs:
-                sched.cancel(f"q{k}")
-                outputs[k] = {}
-        steps = sched.schedule()
-        for s in steps:
-            sched.update(s, runner.run(s.walk, s.node, s.items))
-        lanes += testing.lane_steps(sched, runner, lane if steps else 0)
-        for rep in sched.reports():
-            assert not isinstance(rep, RegionFailed), rep
-            if isinstance(rep, RegionDone) and rep.item not in outputs:
-                outputs[rep.item] = rep.outputs
-            if isinstance(rep, RegionStreamed):
-                pieces[rep.item].append((rep.index, rep.value))
-        step += 1
-    names = REGION_OUTPUTS[which]
-    for k, r in reqs.items():
-        if not outputs[k]:
-            continue
-        want = captured.run(r, which)
-        got = {names[ch]: v for ch, v in outputs[k].items() if ch in names}
-        testing.assert_outputs_match(got, want)
-        if stream:
-            assert [i for i, _ in pieces[k]] == list(range(lengths[k]))
-            joined = [v for _, v in pieces[k]]
-            full = torch.stack(joined, 1) if which == "rollout" else torch.cat(joined, 1)
-            torch.testing.assert_close(full, want["states" if which == "rollout" else "xs"])
-    if any(outputs.values()):
-        assert sched.loops.counters()["loop_stepper/cohort_steps"] > 0
-    assert sched.stats().live_values == 0 and sched.idle()
+        captured, plan = setup()
+        runner = NodeRunner(captured, plan, 0)
+        sched = RankScheduler(region_walks(captured, plan, 0), joins=runner.joinable())
+        region = plan.regions[which][0].name
+        make = rollout_inputs if which == "rollout" else recur_inputs
+        reqs = {k: make(k, n) for k, n in enumerate(lengths)}
+        outputs: dict[int, dict[str, Any]] = {}
+        pieces: dict[int, list[tuple[int, Any]]] = {k: [] for k in reqs}
+        step = lanes = 0
+        while len(outputs) < len(reqs) and step < 100:
+            for k in reqs:
+                if arrive[k] == step:
+                    sched.start(k, f"q{k}", which, region, reqs[k], stream)
+                if cancel[k] is not None and arrive[k] + cancel[k] == step and k not in outputs:
+                    sched.cancel(f"q{k}")
+                    outputs[k] = {}
+            steps = sched.schedule()
+            for s in steps:
+                sched.update(s, runner.run(s.walk, s.node, s.items))
+            lanes += testing.lane_steps(sched, runner, lane if steps else 0)
+            for rep in sched.reports():
+                assert not isinstance(rep, RegionFailed), rep
+                if isinstance(rep, RegionDone) and rep.item not in outputs:
+                    outputs[rep.item] = rep.outputs
+                if isinstance(rep, RegionStreamed):
+                    pieces[rep.item].append((rep.index, rep.value))
+            step += 1
+        names = REGION_OUTPUTS[which]
+        for k, r in reqs.items():
+            if not outputs[k]:
+                continue
+            want = captured.run(r, which)
+            got = {names[ch]: v for ch, v in outputs[k].items() if ch in names}
+            testing.assert_outputs_match(got, want)
+            if stream:
+                assert [i for i, _ in pieces[k]] == list(range(lengths[k]))
+                joined = [v for _, v in pieces[k]]
+                full = torch.stack(joined, 1) if which == "rollout" else torch.cat(joined, 1)
+                torch.testing.assert_close(full, want["states" if which == "rollout" else "xs"])
+        if any(outputs.values()):
+            assert sched.loops.counters()["loop_stepper/cohort_steps"] > 0
+        assert sched.stats().live_values == 0 and sched.idle()
 
 
 def test_the_fast_lane_steps_a_lone_cohort_until_the_rank_is_told_something() -> None:

@@ -58,6 +58,7 @@ _Arg = tuple[str, Any]
 # where an argument's value comes from at each step (``CohortSpec.plan``): itself (a constant),
 # the carried values, this step's slices or the invariant values (``Cohort.call``)
 _CONST, _CARRIED, _STEP, _FIXED = 0, 1, 2, 3
+VIEWS = 32  # per-step slices cut at a time (``Cohort.call``)
 
 
 @dataclass(frozen=True)
@@ -153,18 +154,24 @@ class Cohort:
     # runs (the first ``rebased``) that an ``extend`` took in from an earlier cohort: their
     # carried values are the joint ones even before this cohort's first step
     rebased: int = 0
-    _steps: dict[str, Sequence[torch.Tensor]] | None = None
+    # the per-step slices' views of steps ``_views_at`` on (``VIEWS`` at a time, made as the
+    # steps reach them: a cohort that an ``extend`` or ``shrink`` replaces after a few steps
+    # of a long loop made a few views, not one per step of its length)
+    _views: dict[str, Sequence[torch.Tensor]] = field(default_factory=dict)
+    _views_at: int = 0
 
     def call(self) -> tuple[list[Any], dict[str, Any]]:
         """This step's arguments: every run's rows, concatenated."""
-        steps = self._steps
-        if steps is None:  # each per-step slice's views, once per cohort
-            spec = self.spec
-            steps = self._steps = {
-                p: slab.unbind(spec.select[p][0]) for p, slab in self.slabs.items()
-            }
         i = self.steps  # each kind's values by name (``_CARRIED``, ``_STEP``, ``_FIXED``)
-        now = {p: views[i] for p, views in steps.items()}
+        views, j = self._views, i - self._views_at
+        if self.slabs and not 0 <= j < len(next(iter(views.values()), ())):
+            select, n = self.spec.select, min(VIEWS, self.length - i)
+            views = self._views = {
+                p: slab.narrow(select[p][0], i, n).unbind(select[p][0])
+                for p, slab in self.slabs.items()
+            }
+            self._views_at, j = i, 0
+        now = {p: v[j] for p, v in views.items()}
         at: tuple[Mapping[str, Any], ...] = ({}, self.carried, now, self.fixed)
         args, kwargs = self.spec.plan
         return [at[k][v] if k else v for k, v in args], {
