@@ -201,7 +201,9 @@ def test_the_windows_of_a_request_that_streams_nothing_out_wait_for_the_producer
     switching models at every window. Its items wait in the lane and reach the inner conductor
     in one call when it ends, or when the stream's credit stops the producer (``limit``: the
     buffer; the consumer's iterations start on them, which frees the buffer, and the lane goes
-    on). A client's stream stops the lane at each item, as it did. Outputs are the
+    on). A client's stream does not stop the lane: each step's item is given to the inner
+    conductor at once, for the client, and the lane steps on until the first window forms,
+    whose consumer's step is urgent then (something of it leaves the rank). Outputs are the
     interpreter's either way."""
     captured, plan = setup()
     (region,) = [r.name for r in plan.regions["speak"]]
@@ -223,11 +225,15 @@ def test_the_windows_of_a_request_that_streams_nothing_out_wait_for_the_producer
     for s in sched.schedule():  # its first step
         sched.update(s, runner.run(s.walk, s.node, s.items))
     lane = testing.lane_steps(sched, runner, 100)
-    assert lane == (0 if client else steps - 1)  # a client's item: no lane after its step
-    if client:
-        assert given == [1]  # its first step's item, at once
+    if client:  # item by item to the first window: the first step's, then the lane's
+        assert lane == WINDOW - 1 and given == [1] * WINDOW
     else:  # its first step's, then the lane's all at once, or a buffer's worth at a time
-        assert given[0] == 1 and sum(given) == steps and max(given) >= min(limit, steps) - 2
+        assert (
+            lane == steps - 1
+            and given[0] == 1
+            and sum(given) == steps
+            and max(given) >= min(limit, steps) - 2
+        )
     done = run_to_exit(sched, runner)
     want = captured.run(r, "speak")
     testing.assert_outputs_match(sched_outputs(done, want), want)

@@ -16,7 +16,9 @@ objects (``rankscheduler.RankScheduler`` decides, ``runner.NodeRunner`` runs)::
 The fast lane: when all the rank runs is one cohort of a simple loop (``loopcohort``) and no
 command waits, its steps are made by ``scheduler.lane()`` instead of a whole ``schedule()`` each
 (a rollout or a decode of one request, or of requests that joined it, steps with no scheduling
-pass per iteration); any command ends the lane until ``schedule()`` has seen it.
+pass per iteration); any command ends the lane until ``schedule()`` has seen it. A client's
+stream items that its steps make do not end it: the loop takes them as reports as it steps
+(``scheduler.reporting()``), and they leave coalesced as below.
 
 It blocks for commands only when the last step ran nothing, so region runs advance back to back
 with no process crossing per iteration: a decode loop of 96 tokens is 96 steps here, one
@@ -288,6 +290,7 @@ class EngineLoop:
             if inbox is not None and inbox.waiting():
                 return
         commit, call, end = lane.commit, lane.call, lane.end
+        reporting, reports = self.scheduler.reporting, self.scheduler.reports
         with self.runner.lane(lane.walk, lane.node, lane.item) as run:
             try:
                 while True:
@@ -301,6 +304,8 @@ class EngineLoop:
                         error = f"rank {self.rank}: {type(e).__name__}: {e}"
                         self.scheduler.fail_step(lane.step(), error)
                         return
+                    if reporting():  # a client's stream items: coalesced, sent when due
+                        self._report(reports())
                     if self._unsent and self._due():
                         self._flush()
                     if not more or not commands.empty() or stopping.is_set():

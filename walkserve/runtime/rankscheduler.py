@@ -387,13 +387,20 @@ class RankScheduler:
 
     def _streamed(self, item: int, channel: str, index: int, values: Sequence[Any]) -> None:
         # items that only joined a stream buffer leave the rank settled: the fast lane steps
-        # a producer feeding a windowed consumer until a window forms
+        # a producer feeding a windowed consumer until a window forms; so do items that only
+        # became a client's stream items (its ``_collect`` makes them reports, which the
+        # engine takes as the lane steps: ``reporting``)
         if self.conductor.streamed_run(item, channel, index, values):
             self._settled = False
 
     def reports(self) -> list[Report]:
         out, self._reports = self._reports, []
         return out
+
+    def reporting(self) -> bool:
+        """Whether reports wait (``reports``): the fast lane's steps may make some (a
+        client's stream items) while the rank stays settled."""
+        return bool(self._reports)
 
     def idle(self) -> bool:
         """Nothing to run: no live run, no node batch waiting."""

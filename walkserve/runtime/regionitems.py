@@ -76,12 +76,15 @@ class RegionItems(MapItems):
         """Iterations ``index, index + 1, ...`` of a region item's streamed channel
         ``channel`` committed, one of ``values`` each (its walk-level client outputs stream
         it); the state machine advances once for all of them. Items no longer wanted:
-        ignored. Returns whether anything changed that the caller must look at (an event, a
-        feed, items ready, a failure): False for items that only joined a stream buffer
-        without forming a chunk, after which ``ready()``, ``events()`` and ``feeds()`` have
-        nothing new, and for ones that formed a chunk of a request that streams nothing out
-        (``RequestState.stream`` empty), when its advance made no event: its consumer's step
-        is then ready, but not urgent."""
+        ignored. Returns whether anything changed that the caller must look at beyond
+        ``events()`` (a feed, a forwarded stream's items, items ready, a failure, an event of
+        an advance): False for items that only became a client's stream items (``StreamItem``
+        events, after the outputs that come before them: a rank's fast lane steps on while it
+        reports them), for items that only joined a stream buffer without forming a chunk,
+        after which ``ready()``, ``events()`` and ``feeds()`` have nothing new, and for ones
+        that formed a chunk of a request that streams nothing out (``RequestState.stream``
+        empty), when its advance made no event: its consumer's step is then ready, but not
+        urgent."""
         p = self._items.get(item_id)
         if p is None or p.region is None:
             return False
@@ -93,10 +96,9 @@ class RegionItems(MapItems):
             return True
         req = p.request
         changed = False
-        for out in [o for o in outs or () if req.streams(o)]:
+        for out in [o for o in outs or () if req.streams(o)]:  # events alone: not ``changed``
             self._send_ready_outputs(req)
             self._events += [StreamItem(req.id, out, index + k, v) for k, v in enumerate(values)]
-            changed = True
         for stream in streams or ():
             fwd = p.frame.forwards[stream]
             fwd.pending += values
