@@ -129,3 +129,27 @@ class Drift(nn.Module):
 
 def drift() -> tuple[nn.Module, dict[str, Any]]:
     return Drift().eval(), {"h": torch.randn(1, 4, 8), "steps": 4}
+
+
+class Trail(nn.Module):
+    """``trail``: ``drift`` keeping every step's state, a client's stream (``states``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = Step()
+
+    @walk
+    def trail(self, h: torch.Tensor, steps: int) -> dict[str, torch.Tensor]:
+        states = []
+        for _ in iterations(steps):
+            h = self.advance(h)
+            states.append(h)
+        return {"states": torch.stack(states, dim=1)}
+
+    @loop
+    def advance(self, h: torch.Tensor) -> torch.Tensor:
+        return self.step(h)  # type: ignore[no-any-return]
+
+
+def trail() -> tuple[nn.Module, dict[str, Any]]:
+    return Trail().eval(), {"h": torch.randn(1, 8), "steps": 4}

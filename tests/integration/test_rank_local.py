@@ -5,8 +5,10 @@ or their worker is killed; stats count speculation and values where they happen.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +17,8 @@ from waiting import settled, wait_for
 from walkserve.adapters.registry import capture_model
 from walkserve.lowering.placement import Placement
 from walkserve.runtime.config import PoolConfig, SupervisionConfig
-from walkserve.runtime.server import RequestFailed, serve
+from walkserve.runtime.handle import RequestHandle
+from walkserve.runtime.server import RequestFailed, Server, serve
 from walkserve.testing import assert_outputs_match
 
 MODEL = "rank_local_models:two_stage"
@@ -98,6 +101,37 @@ def test_a_lone_cohort_takes_the_fast_lane_and_a_cancel_still_stops_it() -> None
         assert wait_for(lambda: settled(server)), server.stats()
         assert server.stats().ranks[0].runs == 0
         assert_outputs_match(server.run(short, "drift", timeout=120), captured.run(short, "drift"))
+
+
+def test_a_streamed_loop_reaches_its_async_client_item_by_item_with_few_wakes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lone loop whose client streams every step's state: the client gets each item, in
+    order, and they join to the final output; the rank reports them coalesced, and a pass
+    wakes the client's event loop once for all the items it routes, not once per item."""
+    captured = capture_model("rank_local_models:trail")
+    wakes = 0
+    notify = RequestHandle._notify
+
+    def counted(self: RequestHandle) -> None:
+        nonlocal wakes
+        wakes += 1
+        notify(self)
+
+    monkeypatch.setattr(RequestHandle, "_notify", counted)
+    r = {"h": torch.randn(1, 8), "steps": 60}
+
+    async def client(server: Server) -> tuple[list[Any], dict[str, Any]]:
+        handle = await server.submit_async(r, "trail", stream=True)
+        items = [item async for item in handle.astream()]
+        return items, await handle.aresult()
+
+    with serve(captured) as server:
+        items, out = asyncio.run(client(server))
+    assert [i.index for i in items] == list(range(60))
+    assert torch.equal(torch.stack([i.value for i in items], dim=1), out["states"])
+    assert_outputs_match(out, captured.run(r, "trail"))
+    assert wakes < 60 // 2, wakes  # one a pass (its items come coalesced), and the end's
 
 
 def test_region_runs_that_arrive_together_step_together_from_their_first_step() -> None:

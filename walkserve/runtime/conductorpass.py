@@ -39,7 +39,7 @@ from walkserve.lowering.batched import merges_calls
 from walkserve.lowering.plan import ExecutablePlan
 from walkserve.runtime.batcher import Batch, Batcher
 from walkserve.runtime.burst import ADMIT_CHUNK
-from walkserve.runtime.conductor import Conductor, Event, Failed, Finished, WorkItem
+from walkserve.runtime.conductor import Conductor, Event, Failed, Finished, StreamItem, WorkItem
 from walkserve.runtime.handle import RequestHandle
 from walkserve.runtime.messages import (
     RegionConsumed,
@@ -293,13 +293,20 @@ class ConductorPass:
 
     def _route(self, events: list[Event]) -> None:
         ended: list[str] = []
+        streamed: dict[str, RequestHandle] = {}  # handles given stream items: woken once
         for event in events:
             over = isinstance(event, (Finished, Failed))
             handle = self._handles.get(event.request)
             if handle is not None:  # the caller first: the ranks' cleanup is not its wait
-                handle._event(event)
+                if isinstance(event, StreamItem):
+                    handle._event(event, notify=False)
+                    streamed[event.request] = handle
+                else:
+                    handle._event(event)
                 if over:
                     del self._handles[event.request]
             if over:
                 ended.append(event.request)
+        for handle in streamed.values():
+            handle._notify()
         self.pool.release_requests(ended)  # one message per rank for what ended in this pass

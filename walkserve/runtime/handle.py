@@ -112,12 +112,16 @@ class RequestHandle:
             with contextlib.suppress(RuntimeError):  # that event loop is closed
                 loop.call_soon_threadsafe(wake.set)
 
-    def _event(self, event: Event) -> None:
+    def _event(self, event: Event, notify: bool = True) -> None:
+        """Take ``event``; ``notify=False``: a stream item whose waiters the caller wakes
+        itself (``_notify``), once for all the items of a pass, not once per item (each wake
+        of an asyncio waiter is a write to its event loop's pipe)."""
         if isinstance(event, Output):
             self._outputs[event.name] = event.value
         elif isinstance(event, StreamItem):
             self._items.put(event)
-            self._notify()
+            if notify:
+                self._notify()
         elif isinstance(event, Finished):
             self._finish(None)
         elif isinstance(event, Failed):
