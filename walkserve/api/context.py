@@ -305,3 +305,8 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
 
 def stream_items(handle: RequestHandle) -> AsyncIterator[StreamItem]:
     return handle.astream()
+
+
+def stream_batches(handle: RequestHandle) -> AsyncIterator[list[StreamItem]]:
+    """The stream items as they came together (``RequestHandle.abatches``): one write each."""
+    return handle.abatches()

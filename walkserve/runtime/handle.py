@@ -71,18 +71,33 @@ class RequestHandle:
         return self.result(0)
 
     async def astream(self) -> AsyncIterator[StreamItem]:
+        async for batch in self.abatches():
+            for item in batch:
+                yield item
+
+    async def abatches(self) -> AsyncIterator[list[StreamItem]]:
+        """``astream``'s items, as lists of those that came together: every item there at a
+        wake (a server writes each list to its client at once: one write, not one per
+        item)."""
         async with self._wake() as wake:
             while True:
-                try:
-                    item = self._items.get_nowait()
-                except queue.Empty:
-                    wake.clear()
-                    if self._items.empty():  # an item put after the clear sets the wake
-                        await wake.wait()
+                batch: list[StreamItem] = []
+                while True:
+                    try:
+                        item = self._items.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is _END:
+                        if batch:
+                            yield batch
+                        return
+                    batch.append(item)
+                if batch:
+                    yield batch
                     continue
-                if item is _END:
-                    return
-                yield item
+                wake.clear()
+                if self._items.empty():  # an item put after the clear sets the wake
+                    await wake.wait()
 
     def outputs(self) -> dict[str, Any]:
         """The outputs received so far (a copy): those a walk sends before its stream ends."""

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from walkserve.api import jsontensor
-from walkserve.api.context import context, stream_items, unless_gone
+from walkserve.api.context import context, stream_batches, unless_gone
 from walkserve.api.errors import ApiError, bad, error_body
 from walkserve.api.jsonsafe import dumps
 from walkserve.api.schemas import WalkRequest
@@ -80,9 +80,17 @@ async def run_walk(walk: str, request: Request) -> Response:
         return Response(dumps({"walk": walk, "outputs": encoded}), media_type="application/json")
 
     async def events() -> AsyncIterator[bytes]:
-        async for item in stream_items(handle):
-            value = jsontensor.to_json(item.value, body.encoding)
-            yield sse({"channel": item.channel, "index": item.index, "value": value})
+        async for batch in stream_batches(handle):  # the items that came together: one write
+            yield b"".join(
+                sse(
+                    {
+                        "channel": item.channel,
+                        "index": item.index,
+                        "value": jsontensor.to_json(item.value, body.encoding),
+                    }
+                )
+                for item in batch
+            )
         try:
             outputs = await ctx.finish(handle)
         except ApiError as e:
