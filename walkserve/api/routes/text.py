@@ -350,18 +350,24 @@ async def run_text(
         if parts := shape.start(index, plan.echo):
             yield frame(parts)
         steps = StepStream(task, with_logprobs)
-        async for item in handle.astream():
-            if item.channel == task.tokens_channel:
-                observe(item)
-            new = [] if steps.started else steps.lead(handle.outputs())
-            new += steps.add(item)
-            for step in new:
-                stopped = c.feed(step)
-                kept = c.kept[-1:] if c.kept and c.kept[-1] is step else []
-                if parts := shape.delta(index, c, c.text.take(), kept, False):
-                    yield frame(parts)
-                if stopped:
+        async for batch in handle.abatches():  # the tokens that came together: one write
+            chunks: list[bytes] = []
+            for item in batch:
+                if item.channel == task.tokens_channel:
+                    observe(item)
+                new = [] if steps.started else steps.lead(handle.outputs())
+                new += steps.add(item)
+                for step in new:
+                    stopped = c.feed(step)
+                    kept = c.kept[-1:] if c.kept and c.kept[-1] is step else []
+                    if parts := shape.delta(index, c, c.text.take(), kept, False):
+                        chunks.append(frame(parts))
+                    if stopped:
+                        break
+                if c.text.finish_reason is not None:
                     break
+            if chunks:
+                yield b"".join(chunks)
             if c.text.finish_reason is not None:
                 break
         if c.text.finish_reason is None:  # the stream ended: did the request succeed?
