@@ -239,27 +239,18 @@ class NodeRunner:
                 return lambda call: joined(entry, item, call)
             reads.append((name, read))
         call_joined, count, item_id, finish = entry.call.joined, item.joined, item.id, self._finish
-        fn = entry.call.direct()
-        if fn is not None and not reads and tuple(names) == (comp,):  # its output, as it is
-
-            def plain(call: tuple[list[Any], dict[str, Any]]) -> ItemResult:
-                try:
-                    out = fn(*call[0], **call[1])
-                except Exception as e:
-                    return ItemResult(item_id, error=_joined_error(op, count, e))
-                if out is DEFER or isinstance(out, _Failure):
-                    return finish(entry, item, {comp: out})
-                return ItemResult(item_id, {comp: out})
-
-            return plain
+        fn = entry.call.direct()  # where ``joined`` adds nothing: called as it is
+        whole = not reads and tuple(names) == (comp,)  # its output, as it is
 
         def step(call: tuple[list[Any], dict[str, Any]]) -> ItemResult:
             try:
-                out = call_joined(call, count)
+                out = fn(*call[0], **call[1]) if fn is not None else call_joined(call, count)
             except Exception as e:
                 return ItemResult(item_id, error=_joined_error(op, count, e))
             if out is DEFER or isinstance(out, _Failure):
                 return finish(entry, item, {comp: out})
+            if whole:
+                return ItemResult(item_id, {comp: out})
             env = {comp: out}
             try:
                 for name, read in reads:
