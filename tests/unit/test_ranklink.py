@@ -153,3 +153,21 @@ def test_the_listener_names_the_connecting_process(tmp_path) -> None:  # type: i
     finally:
         listener.close()
     assert not (tmp_path / "link").exists()
+
+
+def test_an_empty_message_behind_a_cut_one_arrives_and_flush_ends() -> None:
+    """An empty message queued behind one the socket cut: its header goes, and ``flush`` ends
+    (an empty view of its body was never written, and ``flush`` spun on it, holding its lock:
+    found by the test above, sizes [29, 16892, 34, 135049, 35, 154930, 6, 6, 22, 29, 1650, 0]
+    with 20000-byte buffers)."""
+    tx, rx = pair(4096)
+    try:
+        messages = [os.urandom(100_000), b"", b"x", b""]
+        assert not tx.send(messages[0])  # cut: the rest queue behind it
+        for m in messages[1:]:
+            tx.send(m)
+        assert pump(tx, rx, len(messages)) == messages
+        assert not tx.pending()
+    finally:
+        tx.close()
+        rx.close()

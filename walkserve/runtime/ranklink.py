@@ -123,7 +123,9 @@ class Link:
                         f"{self._unsent} bytes wait for the other side to read them (bound"
                         f" {self.max_unsent}): a message of {len(data)} bytes refused"
                     )
-                self._out += (memoryview(head), memoryview(data))
+                self._out.append(memoryview(head))
+                if data:  # an empty view would never be written: ``flush`` would spin on it
+                    self._out.append(memoryview(data))
                 self._unsent += size
                 return False
             try:
@@ -136,7 +138,8 @@ class Link:
                 return True
             if sent < len(head):
                 self._out.append(memoryview(head)[sent:])
-                self._out.append(memoryview(data))
+                if data:
+                    self._out.append(memoryview(data))
             else:
                 self._out.append(memoryview(data)[sent - len(head) :])
             self._unsent = size - sent
