@@ -154,11 +154,20 @@ def lane_steps(scheduler: Any, runner: Any, limit: int) -> int:
     taken = 0
     if lane is None or limit < 1:
         return taken
+
+    def stop() -> bool:  # after each quick step
+        nonlocal taken
+        taken += 1
+        return taken >= limit
+
     with runner.lane(lane.walk, lane.node, lane.item) as run:
         try:
             while taken < limit:
+                result = lane.steps(run, stop)
+                if result is None:
+                    break
                 taken += 1
-                if not lane.commit(run(lane.call())):
+                if not lane.commit(result):
                     break
         finally:
             lane.end()

@@ -328,7 +328,7 @@ def run_to_exit(
 def test_quick_lane_commits_change_nothing_a_step_by_step_commit_would_not(
     lengths: list[int], arrive: list[int], lanes: list[int], client: bool, limit: int
 ) -> None:
-    """The lane's quick commits (``LoopStepper.lane_budget``, ``lane_quick``: steps after
+    """The lane's quick commits (``LoopStepper.lane_budget``, ``lane_burst``: steps after
     which nothing but the cohort changes, reported when the lane ends) against a scheduler
     that commits every step in full: driven alike (arrivals, passes, lanes of random depths),
     both take the same lane steps in every lane, make the same reports in the same order with
@@ -344,14 +344,15 @@ def test_quick_lane_commits_change_nothing_a_step_by_step_commit_would_not(
 
     quick, full = make(), make()
     full.loops.lane_budget = lambda band, held: 0  # type: ignore[method-assign]
-    commits = []  # whether each of the quick scheduler's quick commits took its step
-    lane_quick = quick.loops.lane_quick
+    commits = []  # how many steps each of the quick scheduler's bursts committed
+    lane_burst = quick.loops.lane_burst
 
-    def spy(band: Any, result: Any) -> bool:
-        commits.append(lane_quick(band, result))
-        return commits[-1]
+    def spy(band: Any, step: Any, limit: int, stop: Any) -> Any:
+        made, left, stopped = lane_burst(band, step, limit, stop)
+        commits.append(made)
+        return made, left, stopped
 
-    quick.loops.lane_quick = spy  # type: ignore[method-assign]
+    quick.loops.lane_burst = spy  # type: ignore[method-assign]
     reqs = {k: inputs(10 + k, n) for k, n in enumerate(lengths)}
     quick_steps = 0
     done = 0

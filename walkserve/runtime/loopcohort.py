@@ -51,13 +51,25 @@ from walkserve.lowering.plan import NodePlan
 from walkserve.runtime.loopjoin import Join
 from walkserve.runtime.workitem import LoopStart
 
-__all__ = ["Cohort", "CohortSpec", "Member", "cohort_spec", "extend", "form", "shrink"]
+__all__ = [
+    "ARG_CARRIED",
+    "ARG_CONST",
+    "ARG_FIXED",
+    "ARG_STEP",
+    "Cohort",
+    "CohortSpec",
+    "Member",
+    "cohort_spec",
+    "extend",
+    "form",
+    "shrink",
+]
 
 # An argument of the component: ("const", value) or ("param", name).
 _Arg = tuple[str, Any]
 # where an argument's value comes from at each step (``CohortSpec.plan``): itself (a constant),
 # the carried values, this step's slices or the invariant values (``Cohort.call``)
-_CONST, _CARRIED, _STEP, _FIXED = 0, 1, 2, 3
+ARG_CONST, ARG_CARRIED, ARG_STEP, ARG_FIXED = 0, 1, 2, 3
 VIEWS = 32  # per-step slices cut at a time (``Cohort.call``)
 
 
@@ -88,12 +100,12 @@ class CohortSpec:
         def where(arg: _Arg) -> tuple[int, Any]:
             kind, v = arg
             if kind == "const":
-                return _CONST, v
+                return ARG_CONST, v
             if v in self.carried_dims:
-                return _CARRIED, v
+                return ARG_CARRIED, v
             if v in self.select:
-                return _STEP, v
-            return _FIXED, v
+                return ARG_STEP, v
+            return ARG_FIXED, v
 
         return (
             tuple(where(a) for a in self.args),
@@ -162,21 +174,27 @@ class Cohort:
 
     def call(self) -> tuple[list[Any], dict[str, Any]]:
         """This step's arguments: every run's rows, concatenated."""
-        i = self.steps  # each kind's values by name (``_CARRIED``, ``_STEP``, ``_FIXED``)
-        views, j = self._views, i - self._views_at
-        if self.slabs and not 0 <= j < len(next(iter(views.values()), ())):
-            select, n = self.spec.select, min(VIEWS, self.length - i)
-            views = self._views = {
-                p: slab.narrow(select[p][0], i, n).unbind(select[p][0])
-                for p, slab in self.slabs.items()
-            }
-            self._views_at, j = i, 0
+        # each kind's values by name (``ARG_CARRIED``, ``ARG_STEP``, ``ARG_FIXED``)
+        views, j = self.views(self.steps) if self.slabs else ({}, 0)
         now = {p: v[j] for p, v in views.items()}
         at: tuple[Mapping[str, Any], ...] = ({}, self.carried, now, self.fixed)
         args, kwargs = self.spec.plan
         return [at[k][v] if k else v for k, v in args], {
             name: at[k][v] if k else v for name, k, v in kwargs
         }
+
+    def views(self, i: int) -> tuple[Mapping[str, Sequence[torch.Tensor]], int]:
+        """The per-step slices' views that hold step ``i`` (each parameter's, cut ``VIEWS`` at
+        a time as the steps reach them), and step ``i``'s index in them."""
+        views, j = self._views, i - self._views_at
+        if not 0 <= j < len(next(iter(views.values()), ())):
+            select, n = self.spec.select, min(VIEWS, self.length - i)
+            views = self._views = {
+                p: slab.narrow(select[p][0], i, n).unbind(select[p][0])
+                for p, slab in self.slabs.items()
+            }
+            self._views_at, j = i, 0
+        return views, j
 
     def advance(self, values: Mapping[str, Any]) -> bool:
         """Commit a step's joint values; False (nothing committed) when a batched value does

@@ -7,13 +7,14 @@ dissolves them; the stepper keeps the runs and the loop semantics."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from walkserve.lowering.plan import NodePlan
+from walkserve.runtime.cohortburst import burst
 from walkserve.runtime.frames import piece_items
 from walkserve.runtime.loopcohort import Cohort, Left, Member, extend, form, shrink
 from walkserve.runtime.looprun import (
@@ -23,7 +24,7 @@ from walkserve.runtime.looprun import (
     LoopStreamedRows,
     SimpleLoop,
 )
-from walkserve.runtime.runner import ItemResult, RunItem
+from walkserve.runtime.runner import ItemResult, LaneStep, RunItem
 
 __all__ = ["Band", "JoinedItem", "SharedSteps"]
 
@@ -78,7 +79,7 @@ class SharedSteps:
     _ids: itertools.count[int]
     _reports: list[LoopReport]
     # the lane's quick commits not settled yet: their cohort, and the first of its steps
-    # (``lane_quick``, ``lane_settle``)
+    # (``lane_burst``, ``lane_settle``)
     _quick: tuple[Band, int] | None
     _quick_sizes: tuple[tuple[str, int, int], ...]  # (value, dim, items) a quick step's piece has
     steps: int
@@ -261,7 +262,7 @@ class SharedSteps:
     # ------------------------------------------------------------------ quick lane commits
 
     def lane_budget(self, band: Band, held: Collection[tuple[int, str]]) -> int:
-        """How many of ``band``'s next steps the engine's lane may commit with ``lane_quick``
+        """How many of ``band``'s next steps the engine's lane may commit with ``lane_burst``
         (0: none): steps whose commits change nothing but the cohort. ``band`` is the lone
         cohort; its last step (which shrinks or dissolves it) is not among them; every channel
         its runs stream is in ``held`` (its items may wait for the lane's end: the step is
@@ -284,7 +285,7 @@ class SharedSteps:
             if allowed is None:
                 continue
             if n is None:  # its items are read off each step's piece: this one's, and each
-                # quick step checks its own has as many (``lane_quick``)
+                # quick step checks its own has as many (``lane_burst``)
                 last, acc = cohort.pieces[ch][-1], band.loop.node.accumulated[ch]
                 if not isinstance(last, torch.Tensor) or acc.mode != "cat":
                     return 0
@@ -298,25 +299,36 @@ class SharedSteps:
         self._quick_sizes = tuple(sizes.values()) if budget > 0 else ()
         return max(budget, 0)
 
-    def lane_quick(self, band: Band, result: ItemResult) -> bool:
-        """Commit ``band``'s step within its ``lane_budget``: the step's values joined into
-        the cohort at once, its reports and counts kept for ``lane_settle``; False, nothing
-        committed, for anything but a good step's values (a failure, a deferral, values not
-        batched as captured): ``lane_step`` commits that one (after ``lane_settle``)."""
-        values = result.values
-        if result.error is not None or result.deferred or values is None:
-            return False
-        for name, dim, n in self._quick_sizes:  # a piece of the size the budget counted
-            piece = values.get(name)
-            if not isinstance(piece, torch.Tensor) or piece.dim() <= dim or piece.shape[dim] != n:
-                return False
-        cohort = band.cohort
-        first = cohort.steps
-        if not cohort.advance(values):
-            return False
-        if self._quick is None:
+    def lane_burst(
+        self, band: Band, step: LaneStep, limit: int, stop: Callable[[], bool]
+    ) -> tuple[int, Any, bool]:
+        """Up to ``limit`` (within ``lane_budget``) steps of ``band`` back to back, each
+        ``step``'s values committed at once into the cohort (``cohortburst.burst``), their
+        reports and counts kept for ``lane_settle``; ``stop()`` is asked after each. How many it
+        committed, the result of a step it did not commit (None if none: anything but a good
+        step's values, such as a failure, a deferral, values not batched as captured or a piece
+        of another size than the budget counted; ``lane_step`` commits that one, after
+        ``lane_settle``), and whether it ended on ``stop()``."""
+        accept = None
+        if self._quick_sizes:
+            sizes = self._quick_sizes
+
+            def accept(values: Mapping[str, Any]) -> bool:  # pieces of the size it counted
+                for name, dim, n in sizes:
+                    piece = values.get(name)
+                    if (
+                        not isinstance(piece, torch.Tensor)
+                        or piece.dim() <= dim
+                        or piece.shape[dim] != n
+                    ):
+                        return False
+                return True
+
+        first = band.cohort.steps
+        made, left, stopped = burst(band.cohort, step, limit, stop, accept)
+        if made and self._quick is None:
             self._quick = (band, first)
-        return True
+        return made, left, stopped
 
     def lane_settle(self) -> int:
         """What ``lane_step`` would have done for each quick commit since the last settle (in

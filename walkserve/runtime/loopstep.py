@@ -95,7 +95,7 @@ class LoopStepper(SharedSteps):
         self.cohort_steps = 0  # runner items of cohorts (one per cohort per step)
         self.joined_steps = 0  # runner items of runs joined call by call
         self.lane_steps = 0  # cohort steps of the engine's fast lane (lane_step)
-        self._quick = None  # the lane's quick commits not settled yet (``lane_quick``)
+        self._quick = None  # the lane's quick commits not settled yet (``lane_burst``)
         self._quick_sizes = ()
 
     def start(self, item: WorkItem) -> None:

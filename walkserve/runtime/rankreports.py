@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from walkserve.runtime.runner import ItemResult, RunItem, Runnable
+from walkserve.runtime.runner import ItemResult, LaneStep, RunItem, Runnable
 
 __all__ = [
     "Lane",
@@ -81,17 +81,20 @@ Report = RegionStreamed | RegionOutput | RegionDone | RegionFailed | RegionConsu
 
 @dataclass(frozen=True)
 class Lane:
-    """The engine's fast lane (``RankScheduler.lane``): one cohort's steps back to back, each
-    ``commit(result)`` of the runner's result for ``item`` with arguments ``call()``; a commit
-    that returns False ends the lane (call ``schedule``). What has to be reported is reported as
-    ``update`` reports it, by ``end()`` at the latest: the engine calls it whenever it leaves
-    the lane (before ``fail_step`` too), and before anything else of the scheduler's."""
+    """The engine's fast lane (``RankScheduler.lane``): one cohort's steps back to back.
+    ``steps(run, stop)`` steps it with the runner's lane step ``run`` (``NodeRunner.lane``, for
+    ``item``): those steps whose commits change nothing but the cohort in one loop, asking
+    ``stop()`` after each (None: it said to stop), then one more, whose result it returns for
+    ``commit(result)``; a commit that returns False ends the lane (call ``schedule``). What has
+    to be reported is reported as ``update`` reports it, by ``end()`` at the latest: the engine
+    calls it whenever it leaves the lane (before ``fail_step`` too), and before anything else
+    of the scheduler's."""
 
     walk: str
     node: str
-    item: RunItem  # its ops, outputs and the runs it joins; no call (each step's is call())
-    call: Callable[[], tuple[list[Any], dict[str, Any]]]
-    commit: Callable[[ItemResult], bool]
+    item: RunItem  # its ops, outputs and the runs it joins; no call (each step makes its own)
+    steps: Callable[[LaneStep, Callable[[], bool]], Any]
+    commit: Callable[[Any], bool]  # a step's values (a dict) or the runner's ``ItemResult``
     end: Callable[[], None] = lambda: None
 
     def step(self) -> Step:

@@ -29,7 +29,7 @@ discarded iteration is counted in ``stats().wasted_steps``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -56,7 +56,7 @@ from walkserve.runtime.rankreports import (
     Step,
 )
 from walkserve.runtime.regionwalk import RegionWalks, region_walk_name
-from walkserve.runtime.runner import ItemResult, Runnable
+from walkserve.runtime.runner import ItemResult, LaneStep, Runnable
 from walkserve.runtime.stepvalues import StepValues
 
 __all__ = ["RankScheduler"]
@@ -269,11 +269,23 @@ class RankScheduler:
         seen: dict[int, tuple[Any, bool]] = {}  # ``urgent``'s answers per layout, this lane
         budget = 0  # steps the next commits may make quickly (``LoopStepper.lane_budget``)
 
-        def commit(result: ItemResult) -> bool:
+        def steps(run: LaneStep, stop: Callable[[], bool]) -> Any:
+            # the steps within the budget at once: nothing but the cohort changes, the rank
+            # stays settled; then one that ``commit`` commits in full
             nonlocal budget
-            if budget > 0 and loops.lane_quick(band, result):
-                budget -= 1  # nothing but the cohort changed: the rank is settled still
-                return True
+            if budget > 0:
+                made, left, stopped = loops.lane_burst(band, run, budget, stop)
+                budget -= made
+                if left is not None:
+                    return left
+                if stopped:
+                    return None
+            return run(*band.cohort.call())
+
+        def commit(result: Any) -> bool:
+            nonlocal budget
+            if type(result) is dict:
+                result = ItemResult(item.id, result)
             end()
             sizes[n] = sizes.get(n, 0) + 1
             since = loops.waiting_reports()
@@ -297,7 +309,7 @@ class RankScheduler:
             if quick:
                 sizes[n] = sizes.get(n, 0) + quick
 
-        return Lane(band.loop.walk, band.loop.body[0].name, item, band.cohort.call, commit, end)
+        return Lane(band.loop.walk, band.loop.body[0].name, item, steps, commit, end)
 
     def _count_batch(self, step: Step) -> None:
         """Record the size of a step that ran: its requests (a loop stepper's joined item holds

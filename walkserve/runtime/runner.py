@@ -37,7 +37,7 @@ from walkserve.lowering.batched import DEFER, BatchedComponent, BatchStats
 from walkserve.lowering.callables import build_callables
 from walkserve.lowering.plan import ExecutablePlan, NodePlan
 
-__all__ = ["ItemResult", "NodeRunner", "RunItem", "Runnable"]
+__all__ = ["ItemResult", "LaneStep", "NodeRunner", "RunItem", "Runnable"]
 
 
 class Runnable(Protocol):
@@ -53,6 +53,13 @@ class Runnable(Protocol):
     def env(self) -> Mapping[str, Any]: ...
     @property
     def outputs(self) -> tuple[str, ...]: ...
+
+
+# a fast lane's step (``NodeRunner.lane``): ``step(args, kwargs)`` runs the lane's item with
+# those arguments and gives its values (a dict), or the ``ItemResult`` that says otherwise (a
+# failure, a deferral). It keeps neither the list nor the dict it is given, which its caller
+# may reuse for the next step (``cohortburst``).
+LaneStep = Callable[[list[Any], dict[str, Any]], Any]
 
 
 @dataclass(frozen=True)
@@ -197,14 +204,13 @@ class NodeRunner:
         return [results[it.id] for it in items]
 
     @contextlib.contextmanager
-    def lane(
-        self, walk: str, node: str, item: RunItem
-    ) -> Iterator[Callable[[tuple[list[Any], dict[str, Any]]], ItemResult]]:
-        """The fast lane's runner (``RankScheduler.lane``): ``step(call)`` runs the joined
-        ``item`` (its ops, outputs and count) with arguments ``call``, as ``run`` runs a joined
-        item (same result, same failure rule), without ``run``'s checks per step; a block of
-        steps under one ``torch.no_grad``. Raises ``KeyError`` for a node this runner does not
-        run, and ``ValueError`` for an item that is not a joined call of its component."""
+    def lane(self, walk: str, node: str, item: RunItem) -> Iterator[LaneStep]:
+        """The fast lane's runner (``RankScheduler.lane``): the ``LaneStep`` that runs the
+        joined ``item`` (its ops, outputs and count) with each step's arguments, as ``run``
+        runs a joined item (same values, same failure rule), without ``run``'s checks per step;
+        a block of steps under one ``torch.no_grad``. Raises ``KeyError`` for a node this runner
+        does not run, and ``ValueError`` for an item that is not a joined call of its
+        component."""
         entry = self._nodes.get((walk, node))
         if entry is None:
             where = "this runner" if self.rank is None else f"rank {self.rank}"
@@ -218,9 +224,7 @@ class NodeRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _lane_step(
-        self, entry: _Node, item: RunItem
-    ) -> Callable[[tuple[list[Any], dict[str, Any]]], ItemResult]:
+    def _lane_step(self, entry: _Node, item: RunItem) -> LaneStep:
         """``_joined`` of ``item`` with each step's arguments, for the fast lane: where the
         item's other ops are reads of the component's output (a tuple taken apart) and it
         makes nothing else, the checks and lookups ``_joined`` and ``_finish`` make per call
@@ -230,34 +234,40 @@ class NodeRunner:
         op = entry.ops[entry.plan.ops[0]]
         comp = op.name
         names = item.outputs or item.ops
+
+        def general(args: list[Any], kwargs: dict[str, Any]) -> Any:
+            r = joined(entry, item, (list(args), dict(kwargs)))
+            good = r.error is None and not r.deferred and r.each is None and r.values is not None
+            return r.values if good else r
+
         if entry.call is None or item.ops[:1] != (comp,) or not set(names) <= set(item.ops):
-            return lambda call: joined(entry, item, call)
+            return general
         reads: list[tuple[str, Callable[[Mapping[str, Any]], Any]]] = []
         for name in item.ops[1:]:
             read = entry.items.get(name)
             if read is None:  # glue the interpreter runs
-                return lambda call: joined(entry, item, call)
+                return general
             reads.append((name, read))
         call_joined, count, item_id, finish = entry.call.joined, item.joined, item.id, self._finish
         fn = entry.call.direct()  # where ``joined`` adds nothing: called as it is
         whole = not reads and tuple(names) == (comp,)  # its output, as it is
 
-        def step(call: tuple[list[Any], dict[str, Any]]) -> ItemResult:
+        def step(args: list[Any], kwargs: dict[str, Any]) -> Any:
             try:
-                out = fn(*call[0], **call[1]) if fn is not None else call_joined(call, count)
+                out = fn(*args, **kwargs) if fn is not None else call_joined((args, kwargs), count)
             except Exception as e:
                 return ItemResult(item_id, error=_joined_error(op, count, e))
             if out is DEFER or isinstance(out, _Failure):
                 return finish(entry, item, {comp: out})
             if whole:
-                return ItemResult(item_id, {comp: out})
+                return {comp: out}
             env = {comp: out}
             try:
                 for name, read in reads:
                     env[name] = read(env)
             except Exception:
                 return finish(entry, item, {comp: out})  # the interpreter says why
-            return ItemResult(item_id, {name: env[name] for name in names})
+            return {name: env[name] for name in names}
 
         return step
 
