@@ -18,9 +18,9 @@ would refuse, or that ``accept`` refuses, or whose ``step`` says something other
 failure, a deferral) is handed back uncommitted as ``left``, for the lane's full commit.
 
 Measured (alternated with the lane before, a 2000-step rollout served on one rank, the paired
-per-step difference to eager): 13-14 us -> 8 us a step; with the engine asking for commands
-at most every ``LANE_POLL_S`` between steps, 2.4-8 us (the VM's noise is of that size). In one
-process (``EngineLoop`` with no sockets), 10.5 -> 4.6 us a step.
+per-step difference to eager): 13-14 us -> 8 us a step, 4.9-10.8 against 23-24 us (a slower
+hour of the VM) with the rank link's ``doorbell`` read between steps instead of a poll of its
+socket. In one process (``EngineLoop`` with no sockets), 10.5 -> 4.6 us a step.
 """
 
 from __future__ import annotations

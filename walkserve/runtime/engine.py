@@ -19,8 +19,9 @@ command waits, its steps are made by ``scheduler.lane()`` instead of a whole ``s
 pass per iteration); any command ends the lane until ``schedule()`` has seen it. A client's
 stream items that its steps make do not end it: the loop takes them as reports as it steps
 (``scheduler.reporting()``), and they leave coalesced as below. Steps whose commits change
-nothing but the cohort are made in one loop over local values (``cohortburst``), whether a
-command waits asked at most every ``LANE_POLL_S`` between them.
+nothing but the cohort are made in one loop over local values (``cohortburst``); whether a
+command waits is asked between any two, of a rank link's doorbell (``doorbell``), not its
+socket.
 
 It blocks for commands only when the last step ran nothing, so region runs advance back to back
 with no process crossing per iteration: a decode loop of 96 tokens is 96 steps here, one
@@ -79,11 +80,6 @@ from walkserve.runtime.transport import ObjectStore, Token, Transport, shm_handl
 log = logging.getLogger("walkserve.engine")
 
 TINY = 256  # bytes: a tensor this small (a token, a stop flag) always travels with its report
-# between two fast-lane steps, whether a command waits is asked at most this often: its poll of
-# the command socket (a system call) cost a 30-step rollout's lane ~3-5 us a step on the 2-core
-# VM asked at every step (~90 us), ~1 us at most every 200 us; a command then waits up to this
-# and a step more before the lane ends for it
-LANE_POLL_S = 200e-6
 
 __all__ = ["EngineLoop"]
 
@@ -299,19 +295,12 @@ class EngineLoop:
         steps, commit, end = lane.steps, lane.commit, lane.end
         reporting, reports = self.scheduler.reporting, self.scheduler.reports
 
-        poll_at = time.perf_counter() + LANE_POLL_S  # the inbox was just read
-
         def stop() -> bool:  # asked between the lane's steps
-            nonlocal poll_at
             if self._unsent and self._due():
                 self._flush()
-            now = time.perf_counter()
-            if now < poll_at:
-                return False
-            poll_at = now + LANE_POLL_S
             if not commands.empty() or stopping.is_set():
                 return True
-            return inbox is not None and inbox.waiting()
+            return inbox is not None and inbox.waiting()  # a rank link's: its doorbell
 
         with self.runner.lane(lane.walk, lane.node, lane.item) as run:
             try:

@@ -31,6 +31,7 @@ from typing import Any
 
 import zmq
 
+from walkserve.runtime.doorbell import Doorbell, bell_path
 from walkserve.runtime.poolbatches import NodeBatches
 from walkserve.runtime.poolstate import GONE, RankState
 from walkserve.runtime.ranklink import Link, LinkClosed, LinkFull, LinkListener
@@ -138,6 +139,11 @@ class PoolLinks(NodeBatches):
                 log.warning("a rank link from pid %d, which is no rank of this pool", pid)
                 link.close()
                 continue
+            # its doorbell before anything is written to it (the rank watches it once it has
+            # read a message: ``LinkCommands``); without one, the rank polls the socket
+            with contextlib.suppress(OSError):
+                directory = os.path.dirname(self._listener.path)
+                link.ring(Doorbell.create(bell_path(directory, state.rank, state.generation)))
             with self._send_lock:
                 old, state.link = state.link, link
             if old is not None:

@@ -13,6 +13,9 @@ two such ranks, a consumer's pulls of the values another holds: ``peers``)::
     link.send_all(data, timeout_s)            # block until it is out (a worker's reports)
     for data in link.recv(): ...              # every whole message readable now
     link.fileno(), link.waiting(), link.closed
+    link.ring(bell); link.watch(bell)         # a doorbell (``doorbell``): the conductor rings
+                                              # it after each write, the rank's ``waiting()``
+                                              # reads it instead of polling the socket
 
 Why: a ZeroMQ message passes each side's ZeroMQ I/O thread, and on a small host each of them
 wakes from sleep: a region start and its exit cost two such crossings more than a plain
@@ -38,6 +41,8 @@ import socket
 import struct
 import threading
 import time
+
+from walkserve.runtime.doorbell import Doorbell
 
 __all__ = ["Link", "LinkClosed", "LinkFull", "LinkListener", "available"]
 
@@ -89,6 +94,10 @@ class Link:
         self._poll = select.poll()  # ``waiting``: readable now?
         self._poll.register(self._fd, select.POLLIN)
         self.closed = False
+        # the conductor's side: rung after each write (``ring``); the rank's: what ``waiting``
+        # reads instead of a poll once the rank found it (``watch``). See ``doorbell``.
+        self._bell: Doorbell | None = None
+        self._watched: Doorbell | None = None
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = 10.0) -> Link:
@@ -103,6 +112,17 @@ class Link:
 
     def fileno(self) -> int:
         return self._fd
+
+    def ring(self, bell: Doorbell | None) -> None:
+        """Ring ``bell`` after each write from now on (the conductor's side)."""
+        with self._lock:
+            self._bell = bell
+
+    def watch(self, bell: Doorbell) -> None:
+        """Ask ``bell`` whether bytes came (``waiting()``) instead of polling the socket: its
+        other side rings it after each write (the rank's side). Until the next ``recv``, it
+        says that bytes came if it was ever rung: what came before it was watched is read."""
+        self._watched = bell
 
     # ------------------------------------------------------------------ sending
 
@@ -134,6 +154,8 @@ class Link:
                 sent = 0
             except OSError as e:
                 self._broken(e)
+            if sent and self._bell is not None:
+                self._bell.ring()
             if sent == size:
                 return True
             if sent < len(head):
@@ -157,6 +179,8 @@ class Link:
                     return False
                 except OSError as e:
                     self._broken(e)
+                if sent and self._bell is not None:
+                    self._bell.ring()
                 self._unsent -= sent
                 while sent and out:
                     first = out[0]
@@ -197,7 +221,9 @@ class Link:
     def waiting(self, timeout_ms: int = 0) -> bool:
         """Whether bytes wait to be read, after waiting up to ``timeout_ms`` for some (0:
         cheap, one poll of the fd); some may be the start of a message only, which ``recv``
-        keeps for the next read."""
+        keeps for the next read. Where a doorbell is watched, ``waiting()`` reads it."""
+        if not timeout_ms and self._watched is not None:
+            return self._watched.rung()
         return bool(self._poll.poll(timeout_ms))
 
     def recv(self) -> list[bytes | bytearray]:
@@ -205,6 +231,8 @@ class Link:
         ``closed`` when the other side closed it (what came before is returned first)."""
         out: list[bytes | bytearray] = []
         sock = self._sock
+        if self._watched is not None:
+            self._watched.seen()  # before reading: a write it misses has rung since
         while not self.closed:
             body = self._body
             if body is not None:  # a large message: straight into its own buffer
@@ -270,6 +298,9 @@ class Link:
         self.closed = True
         with contextlib.suppress(OSError):
             self._sock.close()
+        for bell in (self._bell, self._watched):
+            if bell is not None:
+                bell.close()
 
 
 class LinkListener:

@@ -237,10 +237,12 @@ class Worker(WorkerInbox, WorkerBuild):
         from walkserve.runtime.workerinbox import LinkCommands, ZmqCommands
 
         if self.config.link:
+            from walkserve.runtime.doorbell import bell_path
             from walkserve.runtime.ranklink import Link
 
             self._link = Link.connect(self.config.link)
-            return LinkCommands(self._link)
+            bell = bell_path(os.path.dirname(self.config.link), self.rank, self.config.generation)
+            return LinkCommands(self._link, bell)
         rx = ctx.socket(zmq.DEALER)  # commands; the engine thread's alone once it runs
         rx.setsockopt(zmq.LINGER, 0)
         rx.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.config.generation))

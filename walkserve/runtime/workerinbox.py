@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+from walkserve.runtime.doorbell import Doorbell
 from walkserve.runtime.wakepipe import WakePipe
 
 if TYPE_CHECKING:
@@ -377,12 +378,24 @@ class ZmqCommands:
 
 
 class LinkCommands:
-    """A rank link (``runtime.ranklink``) as ``Commands``."""
+    """A rank link (``runtime.ranklink``) as ``Commands``. ``bell``: the path of the doorbell
+    the conductor rings after each write to it (``doorbell``), watched once a message came
+    (the conductor makes it before it writes anything): ``waiting()`` then reads it instead of
+    polling the socket."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, bell: str | None = None) -> None:
         self.link = link
         self.target = link.fileno()
         self._held: list[bytes | bytearray] = []  # read with one ``recv`` wanted, not yet taken
+        self._bell = bell  # its path, until it is watched (or found missing)
+
+    def _read(self) -> list[bytes | bytearray]:
+        got = self.link.recv()
+        if got and self._bell is not None:
+            bell, self._bell = Doorbell.open(self._bell), None
+            if bell is not None:
+                self.link.watch(bell)
+        return got
 
     @property
     def closed(self) -> bool:
@@ -393,12 +406,12 @@ class LinkCommands:
 
     def recv(self) -> bytes | bytearray | None:
         if not self._held:
-            self._held = self.link.recv()
+            self._held = self._read()
         return self._held.pop(0) if self._held else None
 
     def messages(self) -> list[bytes | bytearray]:
         held, self._held = self._held, []
-        return held + self.link.recv() if held else self.link.recv()
+        return held + self._read() if held else self._read()
 
     def waiting(self) -> bool:
         return bool(self._held) or self.link.waiting()
