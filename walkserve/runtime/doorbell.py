@@ -89,10 +89,10 @@ class Doorbell:
         self._seen = self._count[0]
 
     def close(self) -> None:
-        """Unmap it; the ringer also removes the file."""
-        with contextlib.suppress(BufferError, ValueError):
-            self._count.release()
-            self._mapped.close()
+        """The ringer removes the file. The page stays mapped until the doorbell is dropped, so
+        that a ring or a look racing the close of its link reads and writes a page still
+        there (and nothing then looks at it)."""
         if self._owner:
+            self._owner = False
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
