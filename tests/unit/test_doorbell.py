@@ -37,7 +37,15 @@ def test_a_doorbell_says_what_rang_since_it_was_last_seen(tmp_path: Path) -> Non
     ringer.ring()
     assert watcher.rung()
     watcher.close()
+    again = Doorbell.create(path, replace=True)  # a second link of the same rank's process
     ringer.close()
+    assert os.path.exists(path)  # the later ringer's file stays with it
+    fresh = Doorbell.open(path)
+    assert fresh is not None and not fresh.rung()
+    watcher.seen()
+    again.ring()
+    assert fresh.rung() and not watcher.rung()  # a page of its own
+    again.close()
     assert not os.path.exists(path)  # the ringer's file goes with it
     (tmp_path / "other").write_bytes(b"not a bell")
     assert Doorbell.open(str(tmp_path / "other")) is None

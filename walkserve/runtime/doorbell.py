@@ -18,7 +18,8 @@ its bytes are in the socket, and the rank marks the count ``seen`` before it rea
 write it did not read has rung since; a ring whose bytes it read anyway (read before the count
 moved) only makes it look once more and find nothing. A blocking wait polls the socket itself.
 The file lives in the conductor's private (0700) directory, named by the rank and its
-generation (a restarted rank gets a new one), created with ``O_EXCL``, removed with the link.
+generation (a restarted rank gets a new one), created with ``O_EXCL`` (a second link of the
+same process replaces it), removed with the link.
 """
 
 from __future__ import annotations
@@ -41,24 +42,30 @@ def bell_path(directory: str, rank: int, generation: int) -> str:
 class Doorbell:
     """See the module docstring."""
 
-    def __init__(self, mapped: mmap.mmap, path: str, owner: bool) -> None:
+    def __init__(self, mapped: mmap.mmap, path: str, owner: int | None) -> None:
         self._mapped = mapped
         self._count = memoryview(mapped).cast("Q")
         self._seen = 0
         self._rings = 0  # the ringer's own count: it alone writes the page
         self.path = path
-        self._owner = owner  # removes the file when closed
+        self._owner = owner  # the ringer's: its file's inode, removed when closed
 
     @classmethod
-    def create(cls, path: str) -> Doorbell:
-        """A new doorbell at ``path`` (which must not exist), rung by this process."""
+    def create(cls, path: str, replace: bool = False) -> Doorbell:
+        """A new doorbell at ``path``, rung by this process; ``replace``: in place of one
+        there (another link's of the same rank, which then no longer removes it), else
+        ``FileExistsError``."""
+        if replace:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, _SIZE)
             mapped = mmap.mmap(fd, _SIZE)
+            inode = os.fstat(fd).st_ino
         finally:
             os.close(fd)
-        return cls(mapped, path, owner=True)
+        return cls(mapped, path, owner=inode)
 
     @classmethod
     def open(cls, path: str) -> Doorbell | None:
@@ -73,7 +80,7 @@ class Doorbell:
             mapped = mmap.mmap(fd, _SIZE)
         finally:
             os.close(fd)
-        return cls(mapped, path, owner=False)  # nothing seen yet: the next ``rung`` reads
+        return cls(mapped, path, owner=None)  # nothing seen yet: the next ``rung`` reads
 
     def ring(self) -> None:
         """Say that bytes were written (after writing them)."""
@@ -92,7 +99,8 @@ class Doorbell:
         """The ringer removes the file. The page stays mapped until the doorbell is dropped, so
         that a ring or a look racing the close of its link reads and writes a page still
         there (and nothing then looks at it)."""
-        if self._owner:
-            self._owner = False
+        owner, self._owner = self._owner, None
+        if owner is not None:
             with contextlib.suppress(OSError):
-                os.unlink(self.path)
+                if os.stat(self.path).st_ino == owner:  # not a later ringer's
+                    os.unlink(self.path)

@@ -143,7 +143,8 @@ class PoolLinks(NodeBatches):
             # read a message: ``LinkCommands``); without one, the rank polls the socket
             with contextlib.suppress(OSError):
                 directory = os.path.dirname(self._listener.path)
-                link.ring(Doorbell.create(bell_path(directory, state.rank, state.generation)))
+                bell = bell_path(directory, state.rank, state.generation)
+                link.ring(Doorbell.create(bell, replace=True))
             with self._send_lock:
                 old, state.link = state.link, link
             if old is not None:
