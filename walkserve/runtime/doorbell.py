@@ -63,6 +63,10 @@ class Doorbell:
             os.ftruncate(fd, _SIZE)
             mapped = mmap.mmap(fd, _SIZE)
             inode = os.fstat(fd).st_ino
+        except OSError:  # no doorbell: none left behind for the rank to find
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
         return cls(mapped, path, owner=inode)
@@ -78,6 +82,8 @@ class Doorbell:
             if os.fstat(fd).st_size != _SIZE:
                 return None
             mapped = mmap.mmap(fd, _SIZE)
+        except OSError:
+            return None
         finally:
             os.close(fd)
         return cls(mapped, path, owner=None)  # nothing seen yet: the next ``rung`` reads
