@@ -253,9 +253,11 @@ class RankScheduler:
         if not step.loops or len(step.items) != 1 or not self._settled or self._external:
             return None
         band = self.loops.lane_of(step.items[0].id)
-        return None if band is None else self._lane(band)
+        return None if band is None else self._lane(band, step.items[0].call)
 
-    def _lane(self, band: Band) -> Lane:
+    def _lane(self, band: Band, first: Any = None) -> Lane:
+        """``band``'s lane; ``first``: its first step's call, made by ``schedule`` (the cohort
+        has not changed since), else made when the lane takes it."""
         item = self.loops.lane_item(band)
         sizes, n, loops = self.batch_sizes, item.joined, self.loops
         # streamed items that may wait until the lane ends (``RegionItems.deferrable``): given
@@ -272,7 +274,10 @@ class RankScheduler:
         def steps(run: LaneStep, stop: Callable[[], bool]) -> Any:
             # the steps within the budget at once: nothing but the cohort changes, the rank
             # stays settled; then one that ``commit`` commits in full
-            nonlocal budget
+            nonlocal budget, first
+            if first is not None:
+                call, first = first, None
+                return run(*call)
             if budget > 0:
                 made, left, stopped = loops.lane_burst(band, run, budget, stop)
                 budget -= made
