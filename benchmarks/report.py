@@ -36,7 +36,8 @@ Row = tuple[str, str, str]  # benchmark, machine, result
 def machine(data: dict[str, Any]) -> str:
     """'2 CPUs, torch 2.13.0+cpu, @abc1234' (or the GPU's name when there is one)."""
     torch = data.get("torch") or data.get("torch_version") or "?"
-    where = data.get("device") or f"{data.get('cpu_count', '?')} CPUs"
+    device = data.get("device")  # a GPU's name; "cpu" where a script names the CPU as its device
+    where = device if device and device != "cpu" else f"{data.get('cpu_count', '?')} CPUs"
     commit = str(data.get("git_commit") or "")[:7]
     return f"{where}, torch {torch}" + (f", @{commit}" if commit else "")
 

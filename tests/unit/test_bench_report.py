@@ -284,6 +284,16 @@ def test_speech_orpheus_row() -> None:
     assert _row(data, "speech_orpheus") == _generic_row(data, "speech_orpheus")
 
 
+def test_the_machine_is_the_gpu_named_or_the_cpu_count() -> None:
+    """A script that names its device "cpu" (``bench_speech``) ran on the CPUs it counts; a
+    GPU's name stands for itself."""
+    base = {"cpu_count": 2, "torch": "2.13.0+cpu", "git_commit": "0123456789ab"}
+    assert report.machine(base) == "2 CPUs, torch 2.13.0+cpu, @0123456"
+    assert report.machine(base | {"device": "cpu"}) == "2 CPUs, torch 2.13.0+cpu, @0123456"
+    h200 = base | {"device": "NVIDIA H200", "torch": "2.11.0"}
+    assert report.machine(h200) == "NVIDIA H200, torch 2.11.0, @0123456"
+
+
 def test_speech_omni_row() -> None:
     data = {
         "benchmark": "speech_omni",
