@@ -28,9 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-
-from walkserve.runtime.loopcohort import ARG_CARRIED, ARG_CONST, ARG_FIXED, ARG_STEP, Cohort
+from walkserve.runtime.loopcohort import ARG_CARRIED, ARG_STEP, Cohort
 from walkserve.runtime.runner import LaneStep
 
 __all__ = ["burst"]
@@ -51,22 +49,14 @@ def burst(
         return 0, None, False
     spec = cohort.spec
     args_plan, kw_plan = spec.plan
-    # constants as they are, carried and invariant values by name; per-step slices: each step's
-    where = {ARG_CONST: None, ARG_CARRIED: cohort.carried, ARG_STEP: None, ARG_FIXED: cohort.fixed}
-
-    def first(kind: int, v: Any) -> Any:
-        source = where[kind]
-        return v if source is None else source[v]
-
-    args: list[Any] = [first(k, v) for k, v in args_plan]
-    kwargs: dict[str, Any] = {name: first(k, v) for name, k, v in kw_plan}
+    args, kwargs = cohort.call()  # the first step's; then each step's slices, carried values
     out_of = dict(spec.carried)  # a carried parameter's loop output
     carry = [(i, out_of[v]) for i, (k, v) in enumerate(args_plan) if k == ARG_CARRIED]
     carry_kw = [(name, out_of[v]) for name, k, v in kw_plan if k == ARG_CARRIED]
     sliced = [(i, v) for i, (k, v) in enumerate(args_plan) if k == ARG_STEP]
     sliced_kw = [(name, v) for name, k, v in kw_plan if k == ARG_STEP]
     per_step = bool(sliced or sliced_kw)
-    batched, total, outputs = spec.batched, cohort.total, spec.outputs
+    outputs = cohort.outputs
     acc = list(spec.accumulated.items())  # (channel, loop output)
     made: list[list[Any]] = [[] for _ in acc]  # this burst's pieces, by channel
     i, n, left, stopped = cohort.steps, 0, None, False
@@ -87,20 +77,11 @@ def burst(
             if type(values) is not dict or (accept is not None and not accept(values)):
                 left = values
                 break
-            for name, dim in batched:  # ``Cohort.advance``'s rule: every run's rows
-                v = values.get(name)
-                if v is not None and (
-                    not isinstance(v, torch.Tensor) or v.dim() <= dim or v.shape[dim] != total
-                ):
-                    left = values
-                    break
-            if left is not None:
-                break
-            try:
-                outs = [values[o] for o in outputs]
-            except KeyError:
+            now = outputs(values)  # ``Cohort.advance``'s rule
+            if now is None:
                 left = values
                 break
+            outs = now
             for pieces, (_, k) in zip(made, acc):
                 pieces.append(outs[k])
             for at, k in carry:

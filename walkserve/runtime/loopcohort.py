@@ -196,19 +196,26 @@ class Cohort:
             self._views_at, j = i, 0
         return views, j
 
-    def advance(self, values: Mapping[str, Any]) -> bool:
-        """Commit a step's joint values; False (nothing committed) when a batched value does
-        not hold every run's rows, as ``Join.split`` refuses it."""
-        total, spec = self.total, self.spec
-        for name, dim in spec.batched:
+    def outputs(self, values: Mapping[str, Any]) -> list[Any] | None:
+        """A step's joint values as the loop's outputs, in order; None where a batched value
+        does not hold every run's rows (as ``Join.split`` refuses it) or an output is missing."""
+        total = self.total
+        for name, dim in self.spec.batched:
             v = values.get(name)
             if v is None:
                 continue
             if not isinstance(v, torch.Tensor) or v.dim() <= dim or v.shape[dim] != total:
-                return False
+                return None
         try:
-            outs = [values[o] for o in spec.outputs]
+            return [values[o] for o in self.spec.outputs]
         except KeyError:
+            return None
+
+    def advance(self, values: Mapping[str, Any]) -> bool:
+        """Commit a step's joint values; False (nothing committed) where ``outputs`` refuses
+        them."""
+        spec, outs = self.spec, self.outputs(values)
+        if outs is None:
             return False
         for ch, k in spec.accumulated.items():
             self.pieces.setdefault(ch, []).append(outs[k])
