@@ -308,3 +308,42 @@ def test_declaration_values_are_checked() -> None:
     with pytest.raises(TypeError, match=r"must be a capture\.Input"):
         walk(inputs={"x": (1, 2)})  # type: ignore[dict-item]
     assert Input(vocab=lambda m: m.n).resolve(type("M", (), {"n": 7})()).vocab == 7
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool]),
+    values=st.lists(
+        st.one_of(
+            st.floats(allow_nan=True, allow_infinity=True, width=16),
+            st.sampled_from([float("nan"), float("inf"), -float("inf"), 0.5]),
+            st.integers(-1000, 1000),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    large=st.booleans(),
+    shape=st.sampled_from([(-1,), (1, -1), (-1, 1), (1, -1, 1), ()]),
+)
+def test_extremes_read_small_tensors_as_a_reduction_would(
+    dtype: torch.dtype, values: list[Any], large: bool, shape: tuple[int, ...]
+) -> None:
+    """A small tensor's smallest and largest values, read as Python numbers, are what the
+    reduction gives (both NaN where one is NaN): the finite and range rules see the same."""
+    import math
+
+    from walkserve.capture import inputs
+
+    if not dtype.is_floating_point:
+        values = [int(v) if math.isfinite(v) else 0 for v in values]
+    t = torch.tensor(values).to(dtype)
+    if large:  # past the small tensors' size: the reduction itself
+        t = t.repeat(inputs.SMALL_TENSOR // len(values) + 1)
+    t = t[0] if shape == () else t.reshape(shape)  # (): a 0-dim tensor, its first value
+    low, high = inputs._extremes(t)
+    smallest, largest = torch.aminmax(t)
+    want = (smallest.item(), largest.item())
+    if any(isinstance(w, float) and math.isnan(w) for w in want):
+        assert math.isnan(low) and math.isnan(high)
+    else:
+        assert (low, high) == want

@@ -22,6 +22,7 @@ rule; trip counts that are expressions (``range(points - 1)``) are evaluated and
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -303,15 +304,36 @@ def _check_tensor(t: torch.Tensor, spec: ir.InputSpec, fail: Any) -> None:
         if spec.finite and not bool(torch.isfinite(t).all()):
             fail("finite", "must hold finite numbers only (no NaN or infinity)")
         return
-    # one reduction for both rules (every request's admission pays it): a NaN propagates into
-    # the smallest and largest values, and an infinity is one of them
-    smallest, largest = torch.aminmax(t)
-    low, high = smallest.item(), largest.item()
+    low, high = _extremes(t)
     if spec.finite and not (math.isfinite(low) and math.isfinite(high)):
         fail("finite", "must hold finite numbers only (no NaN or infinity)")
     if ranged:
         _check_range(low, spec, fail, "its smallest value ")
         _check_range(high, spec, fail, "its largest value ")
+
+
+# integer tensors of at most this many elements (token ids, actions) are read as Python
+# numbers, one call, instead of reduced, a reduction and two reads: at admission, its code
+# cold, each torch call costs ~10-30 us on the 2-core VM. Floating tensors are reduced: a NaN
+# among Python numbers takes a scan of its own
+SMALL_TENSOR = 256
+
+
+def _extremes(t: torch.Tensor) -> tuple[Any, Any]:
+    """The smallest and largest values of ``t`` (not empty, not complex); both NaN when it
+    holds a NaN, as the reduction gives them (an infinity is one of them)."""
+    if t.numel() <= SMALL_TENSOR and not t.is_floating_point():
+        rows = t.tolist()
+        if t.dim() == 0:
+            return rows, rows
+        if t.dim() == 2:
+            rows = list(itertools.chain.from_iterable(rows))
+        elif t.dim() > 2:
+            rows = t.reshape(-1).tolist()
+        return min(rows), max(rows)
+    # one reduction for both rules: a NaN propagates into the smallest and largest values
+    smallest, largest = torch.aminmax(t)
+    return smallest.item(), largest.item()
 
 
 def _check_range(value: Any, spec: ir.InputSpec, fail: Any, what: str = "") -> None:
@@ -329,15 +351,11 @@ def _check_trips(walk: ir.Walk, inputs: Mapping[str, Any]) -> None:
         for i in walk.inputs
         if i.spec is not None and i.spec.bounds == "declared"
     }
-    for node in dataflow.iter_nodes(walk.body):
-        if not isinstance(node, ir.LoopNode) or not isinstance(node.trips, ir.ExprTrips):
-            continue
-        reads = dataflow.expr_inputs(node.trips.expr)
+    for node, expr, reads in _expr_loops(walk):
         if not reads or not all(n in given for n in reads):
             continue
-        text = format_int(node.trips.expr)
         try:
-            count = eval_int(node.trips.expr, given)
+            count = eval_int(expr, given)
         except LoopError as e:
             raise InputError(walk.name, reads[0], "trip-count", str(e)) from None
         least = int(needs_iteration(node))
@@ -345,6 +363,7 @@ def _check_trips(walk: ir.Walk, inputs: Mapping[str, Any]) -> None:
             [DEFAULT_MAX_ITERATIONS, *(m for n in reads if isinstance(m := limits.get(n), int))]
         )
         if not least <= count <= most:
+            text = format_int(expr)
             values = ", ".join(
                 f"{n} = {_scalar(given[n])!r}" for n in reads if not _is_tensor(given[n])
             )
@@ -355,6 +374,26 @@ def _check_trips(walk: ir.Walk, inputs: Mapping[str, Any]) -> None:
                 f"loop {node.name} runs {text} times, which is {count} for {values or 'these sizes'}; "
                 f"it must be in {_fmt_range(least, most)}",
             )
+
+
+# a walk's loops whose trip count is an expression, with the inputs it reads, found once per
+# walk (every admission asks): id -> (the walk, its loops)
+_EXPR_LOOPS: dict[int, tuple[ir.Walk, list[tuple[ir.LoopNode, ir.IntExpr, list[str]]]]] = {}
+
+
+def _expr_loops(walk: ir.Walk) -> list[tuple[ir.LoopNode, ir.IntExpr, list[str]]]:
+    cached = _EXPR_LOOPS.get(id(walk))
+    if cached is not None and cached[0] is walk:
+        return cached[1]
+    loops = [
+        (node, node.trips.expr, dataflow.expr_inputs(node.trips.expr))
+        for node in dataflow.iter_nodes(walk.body)
+        if isinstance(node, ir.LoopNode) and isinstance(node.trips, ir.ExprTrips)
+    ]
+    if len(_EXPR_LOOPS) >= 1024:  # walks of models captured and dropped: start again
+        _EXPR_LOOPS.clear()
+    _EXPR_LOOPS[id(walk)] = (walk, loops)
+    return loops
 
 
 def _is_tensor(value: Any) -> bool:

@@ -190,7 +190,7 @@ class Cohort:
         if not 0 <= j < len(next(iter(views.values()), ())):
             select, n = self.spec.select, min(VIEWS, self.length - i)
             views = self._views = {
-                p: slab.narrow(select[p][0], i, n).unbind(select[p][0])
+                p: _narrow(slab, select[p][0], i, n).unbind(select[p][0])
                 for p, slab in self.slabs.items()
             }
             self._views_at, j = i, 0
@@ -234,7 +234,7 @@ class Cohort:
         dim = self.spec.out_dims[out]
         if dim is None or len(self.rows) == 1:  # one run holds every row
             return pieces[-1]
-        return pieces[-1].narrow(dim, self.offsets[k], self.rows[k])
+        return _narrow(pieces[-1], dim, self.offsets[k], self.rows[k])
 
     def done(self) -> bool:
         return self.steps >= self.length
@@ -455,7 +455,7 @@ def _slabs(
     for p, (sdim, first, step) in spec.select.items():
         dim = spec.param_dims[p]
         at = dim if dim is None or dim < sdim else dim + 1  # in the source's dims
-        parts = [] if before is None else [before.slabs[p].narrow(sdim, before.steps, length)]
+        parts = [] if before is None else [_narrow(before.slabs[p], sdim, before.steps, length)]
         parts += [
             _slab(m.start.sources[p], sdim, first + m.i * step, step, length) for m in members
         ]
@@ -493,7 +493,7 @@ def _cut(value: Any, dim: int | None, spans: list[tuple[int, int]]) -> Any:
     """The rows of ``spans`` of a joint value (batched along ``dim``), in order."""
     if dim is None:
         return value
-    return _cat([value.narrow(dim, at, n) for at, n in spans], dim)
+    return _cat([_narrow(value, dim, at, n) for at, n in spans], dim)
 
 
 def _stacked(pieces: list[Any], dim: int | None) -> torch.Tensor | None:
@@ -526,9 +526,18 @@ def _left(spec: CohortSpec, m: Member) -> int:
 
 def _slab(src: torch.Tensor, dim: int, start: int, step: int, length: int) -> torch.Tensor:
     if step == 1:
-        return src.narrow(dim, start, length)
+        return _narrow(src, dim, start, length)
     index = torch.arange(start, start + step * length, step, device=src.device)
     return src.index_select(dim, index)
+
+
+def _narrow(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """``t.narrow(dim, start, length)``, or ``t`` itself where that is all of it: a view
+    costs a dispatch of its own (~15-35 us where a cohort is formed, its code cold after the
+    model's steps), which a lone run's per-step input, taken whole, need not pay."""
+    if start == 0 and length == t.shape[dim]:
+        return t
+    return t.narrow(dim, start, length)
 
 
 def _cat(values: list[Any], dim: int | None) -> Any:

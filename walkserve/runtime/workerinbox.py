@@ -138,10 +138,11 @@ class WorkerInbox:
 
         if not wait:
             self._busy_at = time.perf_counter()
-        elif self._wait(within_s):
+        elif ready := self._wait(within_s):
             self._busy_at = time.perf_counter()
-            if self._wakes is not None:
-                self._wakes.clear()  # a wake, or a message: either way the wait is over
+            wakes = self._wakes
+            if wakes is not None and any(fd == wakes.fd for fd, _ in ready):
+                wakes.clear()  # a wake came: taken (a read of the pipe for it alone)
         handlers = self._handlers
         for data in self._rx.messages():
             try:
@@ -157,10 +158,11 @@ class WorkerInbox:
         if self._rx.closed:  # the conductor closed its end: it is gone
             self._conductor_closed()
 
-    def _wait(self, within_s: float | None = None) -> bool:
+    def _wait(self, within_s: float | None = None) -> list[tuple[Any, int]]:
         """Wait for a command or a wake: polled without sleeping until ``idle_spin_s`` after
         the last work (yielding the core to any other thread that wants it), then asleep for
-        at most ``WAIT_MS`` (``within_s`` in all, when given). Whether one came."""
+        at most ``WAIT_MS`` (``within_s`` in all, when given). What came: the poll's ready
+        (socket or fd, event) pairs, empty if nothing."""
         poll = self._poller.poll
         now = time.perf_counter()
         end = now + within_s if within_s is not None else None
@@ -168,13 +170,13 @@ class WorkerInbox:
         if end is not None:
             until = min(until, end)
         while now < until:
-            if poll(0):
-                return True
+            if ready := poll(0):
+                return ready
             os.sched_yield()
             now = time.perf_counter()
         if end is None:
-            return bool(poll(WAIT_MS))
-        return bool(poll(max(0, math.ceil((end - now) * 1e3))))
+            return poll(WAIT_MS)
+        return poll(max(0, math.ceil((end - now) * 1e3)))
 
     def waiting(self) -> bool:
         """Whether a command waits (cheap: asked between fast-lane steps)."""
