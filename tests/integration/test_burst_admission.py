@@ -76,3 +76,37 @@ def test_a_burst_is_admitted_in_one_pass_by_its_callers_wait(
         for f in futures:
             f.result(timeout=120).result(timeout=120)
         assert wait_for(lambda: settled(server)), server.stats()
+
+
+def test_a_pass_sends_the_ranks_releases_before_it_wakes_the_callers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The releases of the requests a pass ended leave before any of their callers is woken: a
+    caller woken first would take the GIL at the send's syscall and hold up the rest of the
+    pass (``ConductorPass._route``). Outputs are still the interpreter's."""
+    from walkserve.runtime.handle import RequestHandle
+
+    captured = capture_model("rank_local_models:long")
+    reqs = [{"h": torch.randn(1, 8), "steps": 4, "fail_at": -1} for _ in range(4)]
+    with serve(captured) as server:
+        server.run(reqs[0], "spin", timeout=120)  # warm
+        order: list[tuple[str, str]] = []  # ("release" | "wake", request), as they happen
+        release, finish = server.pool.release_requests, RequestHandle._finish
+
+        def released(request_ids: list[str]) -> None:
+            order.extend(("release", r) for r in request_ids)
+            release(request_ids)
+
+        def finished(handle: RequestHandle, error: str | None) -> None:
+            order.append(("wake", handle.request_id))
+            finish(handle, error)
+
+        monkeypatch.setattr(server.pool, "release_requests", released)
+        monkeypatch.setattr(RequestHandle, "_finish", finished)
+        futures = [server.submit_future(r, "spin", stream=False) for r in reqs]
+        handles = [f.result(timeout=120) for f in futures]
+        for r, h in zip(reqs, handles):
+            assert_outputs_match(h.result(timeout=120), captured.run(r, "spin"))
+        assert wait_for(lambda: len(order) == 2 * len(reqs)), order
+        for h in handles:
+            assert order.index(("release", h.request_id)) < order.index(("wake", h.request_id))

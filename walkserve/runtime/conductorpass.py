@@ -294,19 +294,27 @@ class ConductorPass:
     def _route(self, events: list[Event]) -> None:
         ended: list[str] = []
         streamed: dict[str, RequestHandle] = {}  # handles given stream items: woken once
+        over: list[tuple[RequestHandle, Event]] = []  # the ends, given once the rest is done
         for event in events:
-            over = isinstance(event, (Finished, Failed))
+            end = isinstance(event, (Finished, Failed))
             handle = self._handles.get(event.request)
-            if handle is not None:  # the caller first: the ranks' cleanup is not its wait
+            if handle is not None:
                 if isinstance(event, StreamItem):
                     handle._event(event, notify=False)
                     streamed[event.request] = handle
-                else:
-                    handle._event(event)
-                if over:
+                elif end:
+                    over.append((handle, event))
                     del self._handles[event.request]
-            if over:
+                else:
+                    handle._event(event)  # an output: kept, no one woken
+            if end:
                 ended.append(event.request)
+        # one message per rank for what ended in this pass, sent before any caller wakes: a
+        # caller woken first takes the GIL while the send's syscall leaves it, and the rest
+        # of this pass (the other callers' ends among it) waits for that caller to let go
+        # (16 concurrent rollouts: ~1.2 ms a round in this send, ~20 us alone)
+        self.pool.release_requests(ended)
         for handle in streamed.values():
             handle._notify()
-        self.pool.release_requests(ended)  # one message per rank for what ended in this pass
+        for handle, event in over:
+            handle._event(event)
