@@ -97,9 +97,9 @@ def test_a_pass_sends_the_ranks_releases_before_it_wakes_the_callers(
             order.extend(("release", r) for r in request_ids)
             release(request_ids)
 
-        def finished(handle: RequestHandle, error: str | None) -> None:
+        def finished(handle: RequestHandle, *args: Any) -> None:
             order.append(("wake", handle.request_id))
-            finish(handle, error)
+            finish(handle, *args)
 
         monkeypatch.setattr(server.pool, "release_requests", released)
         monkeypatch.setattr(RequestHandle, "_finish", finished)

@@ -66,3 +66,33 @@ def test_items_put_from_another_thread_come_out_in_order_in_batches(
         assert got == sent
     else:
         assert all(got) and [item for batch in got for item in batch] == sent
+
+
+def test_a_pass_wakes_the_waiters_of_many_handles_with_one_call_per_event_loop() -> None:
+    """``wake_waiters``: the asyncio waiters of several handles, on two event loops, are woken
+    by one ``call_soon_threadsafe`` per loop (each a write to its pipe), which sets them all."""
+    from walkserve.runtime.handle import wake_waiters
+
+    class Loop:  # records what a pass asks of it
+        def __init__(self) -> None:
+            self.calls: list[tuple[Any, ...]] = []
+
+        def call_soon_threadsafe(self, fn: Any, *args: Any) -> None:
+            self.calls.append((fn, *args))
+
+    loops = [Loop(), Loop()]
+    handles = [RequestHandle(f"r{k}", None) for k in range(5)]  # type: ignore[arg-type]
+    events: list[tuple[Loop, asyncio.Event]] = []
+    for k, handle in enumerate(handles):
+        for loop in loops[: 1 + k % 2]:  # every handle on loop 0, the odd ones on loop 1 too
+            event = asyncio.Event()
+            handle._waiters.append((loop, event))  # type: ignore[arg-type]
+            events.append((loop, event))
+    wake_waiters(handles)
+    assert [len(loop.calls) for loop in loops] == [1, 1]
+    for loop in loops:
+        fn, *args = loop.calls[0]
+        fn(*args)
+    assert all(event.is_set() for _, event in events)
+    wake_waiters([])  # nothing to wake: no call
+    assert [len(loop.calls) for loop in loops] == [1, 1]

@@ -40,7 +40,7 @@ from walkserve.lowering.plan import ExecutablePlan
 from walkserve.runtime.batcher import Batch, Batcher
 from walkserve.runtime.burst import ADMIT_CHUNK
 from walkserve.runtime.conductor import Conductor, Event, Failed, Finished, StreamItem, WorkItem
-from walkserve.runtime.handle import RequestHandle
+from walkserve.runtime.handle import RequestHandle, wake_waiters
 from walkserve.runtime.messages import (
     RegionConsumed,
     RegionDone,
@@ -293,7 +293,7 @@ class ConductorPass:
 
     def _route(self, events: list[Event]) -> None:
         ended: list[str] = []
-        streamed: dict[str, RequestHandle] = {}  # handles given stream items: woken once
+        streamed: dict[str, RequestHandle] = {}  # handles given items or ends: woken once
         over: list[tuple[RequestHandle, Event]] = []  # the ends, given once the rest is done
         for event in events:
             end = isinstance(event, (Finished, Failed))
@@ -314,7 +314,8 @@ class ConductorPass:
         # of this pass (the other callers' ends among it) waits for that caller to let go
         # (16 concurrent rollouts: ~1.2 ms a round in this send, ~20 us alone)
         self.pool.release_requests(ended)
-        for handle in streamed.values():
-            handle._notify()
         for handle, event in over:
-            handle._event(event)
+            handle._event(event, notify=False)
+        for handle, _ in over:
+            streamed[handle.request_id] = handle
+        wake_waiters(streamed.values())  # one call into each event loop for all of them

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -121,16 +121,12 @@ class RequestHandle:
                 self._waiters.remove(waiter)
 
     def _notify(self) -> None:
-        with self._waiters_lock:
-            waiters = list(self._waiters)
-        for loop, wake in waiters:
-            with contextlib.suppress(RuntimeError):  # that event loop is closed
-                loop.call_soon_threadsafe(wake.set)
+        wake_waiters([self])
 
     def _event(self, event: Event, notify: bool = True) -> None:
-        """Take ``event``; ``notify=False``: a stream item whose waiters the caller wakes
-        itself (``_notify``), once for all the items of a pass, not once per item (each wake
-        of an asyncio waiter is a write to its event loop's pipe)."""
+        """Take ``event``; ``notify=False``: a stream item or an end whose asyncio waiters
+        the caller wakes itself (``wake_waiters``), once for all the handles and items of a
+        pass, not once per item (each wake is a write to its event loop's pipe)."""
         if isinstance(event, Output):
             self._outputs[event.name] = event.value
         elif isinstance(event, StreamItem):
@@ -138,14 +134,35 @@ class RequestHandle:
             if notify:
                 self._notify()
         elif isinstance(event, Finished):
-            self._finish(None)
+            self._finish(None, notify)
         elif isinstance(event, Failed):
-            self._finish(event.error)
+            self._finish(event.error, notify)
 
-    def _finish(self, error: str | None) -> None:
+    def _finish(self, error: str | None, notify: bool = True) -> None:
         if self._done.is_set():
             return
         self._error = error
         self._done.set()
         self._items.put(_END)
-        self._notify()
+        if notify:
+            self._notify()
+
+
+def wake_waiters(handles: Iterable[RequestHandle]) -> None:
+    """Wake the asyncio waiters of ``handles``: one call into each event loop among them,
+    which sets all its waiters' events. A call is a write to that loop's pipe, a syscall that
+    leaves the GIL: one per handle gave the loop's thread the GIL again and again in the
+    middle of the pass that woke them (16 streams: 16 writes a pass)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for handle in handles:
+        with handle._waiters_lock:
+            for loop, event in handle._waiters:
+                by_loop.setdefault(loop, []).append(event)
+    for loop, events in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # that event loop is closed
+            loop.call_soon_threadsafe(_set_all, events)
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
