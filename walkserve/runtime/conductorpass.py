@@ -107,8 +107,10 @@ class ConductorPass:
         503, ``walkserve serve`` exits)."""
         try:
             self._admit()
-            self._wake_admitted()
+            # the ends and their releases first: a caller woken (admitted) would take the GIL
+            # at the releases' send (``_route``)
             self._route(self.conductor.events())
+            self._wake_admitted()
         except Exception as e:
             log.exception("a conductor pass failed; failing the requests it held")
             now = time.monotonic()
