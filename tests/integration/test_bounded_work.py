@@ -30,9 +30,9 @@ def test_limits_refuse_and_a_long_prompt_does_not_starve_short_requests(
     finished: list[str] = []  # request ids in the order the conductor thread ends them
     end = RequestHandle._finish
 
-    def record(self: RequestHandle, error: str | None) -> None:
+    def record(self: RequestHandle, *args: Any) -> None:
         finished.append(self.request_id)
-        end(self, error)
+        end(self, *args)
 
     monkeypatch.setattr(RequestHandle, "_finish", record)
     captured = capture_model("tiny-llama")
