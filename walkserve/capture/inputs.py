@@ -323,13 +323,12 @@ def _extremes(t: torch.Tensor) -> tuple[Any, Any]:
     """The smallest and largest values of ``t`` (not empty, not complex); both NaN when it
     holds a NaN, as the reduction gives them (an infinity is one of them)."""
     if t.numel() <= SMALL_TENSOR and not t.is_floating_point():
-        rows = t.tolist()
         if t.dim() == 0:
-            return rows, rows
+            value = t.item()
+            return value, value
+        rows = t.tolist() if t.dim() <= 2 else t.reshape(-1).tolist()  # one call either way
         if t.dim() == 2:
             rows = list(itertools.chain.from_iterable(rows))
-        elif t.dim() > 2:
-            rows = t.reshape(-1).tolist()
         return min(rows), max(rows)
     # one reduction for both rules: a NaN propagates into the smallest and largest values
     smallest, largest = torch.aminmax(t)

@@ -234,7 +234,7 @@ class Cohort:
         dim = self.spec.out_dims[out]
         if dim is None or len(self.rows) == 1:  # one run holds every row
             return pieces[-1]
-        return _narrow(pieces[-1], dim, self.offsets[k], self.rows[k])
+        return pieces[-1].narrow(dim, self.offsets[k], self.rows[k])  # a part: never whole
 
     def done(self) -> bool:
         return self.steps >= self.length
